@@ -1,0 +1,1 @@
+"""Kernel groups, devices and the KernelCache: everything between the model code and the NPU."""

@@ -1,0 +1,99 @@
+"""The contract between the MLIR builders and the hand-written C++ kernels.
+
+Every external kernel a builder calls is described here once: its symbol, the C++ source it
+comes from, the object file named in `link_with`, the `-D` defines that specialise the source
+into that symbol, and the MLIR types of its arguments. The builders emit their
+`func.func private` declarations from these entries and `external_kernels.py` compiles the
+objects from them, so the two cannot drift apart (a test also parses the `.cc` signatures).
+
+Memref types carry static tile shapes, so one source is compiled into several symbols (for
+example the GEMV once per (rows, K) pair: the down projection's K=ffn variant is its own
+symbol, which is what lets both variants live in one stitched module). All buffers live in
+L1 (memory space 2). Scalars are i32. Arithmetic is bf16 in, f32 accumulate, bf16 out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+L1 = 2
+
+
+def memref(shape: tuple[int, ...], dtype: str = "bf16", space: int = L1) -> str:
+    return f"memref<{'x'.join(str(d) for d in shape)}x{dtype}, {space} : i32>"
+
+
+@dataclass(frozen=True)
+class ExternKernel:
+    symbol: str
+    source: str                                # file under kernel_builder/kernels/
+    arg_types: tuple[str, ...]                 # MLIR argument types, in call order
+    defines: tuple[tuple[str, int | str], ...]
+
+    @property
+    def obj(self) -> str:
+        """The object file named by `link_with`; one per symbol (each is its own specialisation)."""
+        return f"{self.symbol}.o"
+
+    def declaration(self) -> str:
+        """The `func.func private` line a builder emits for this kernel."""
+        args = ", ".join(self.arg_types)
+        return (f'func.func private @{self.symbol}({args}) '
+                f'attributes {{link_with = "{self.obj}", llvm.emit_c_interface}}')
+
+
+def gemv(tile_m: int, k: int) -> ExternKernel:
+    """y[tile_m] = W[tile_m, k] · x[k]: one L1 tile of output rows, full K, f32 accumulation."""
+    return ExternKernel(
+        f"gemv_bf16_m{tile_m}_k{k}", "gemv_bf16.cc",
+        (memref((tile_m, k)), memref((k,)), memref((tile_m,))),
+        (("GEMV_TILE_M", tile_m), ("GEMV_K", k), ("GEMV_SYMBOL", f"gemv_bf16_m{tile_m}_k{k}")),
+    )
+
+
+def rope(head_dim: int) -> ExternKernel:
+    """One head-row of one position, half-split: y[i] = x[i]c - x[i+h]s, y[i+h] = x[i+h]c + x[i]s.
+
+    `lut` is that position's table row: cos in [0, h), sin in [h, 2h), h = head_dim / 2.
+    """
+    return ExternKernel(
+        f"rope_halfsplit_bf16_d{head_dim}", "rope_halfsplit.cc",
+        (memref((head_dim,)), memref((head_dim,)), memref((head_dim,))),
+        (("ROPE_HEAD_DIM", head_dim), ("ROPE_SYMBOL", f"rope_halfsplit_bf16_d{head_dim}")),
+    )
+
+
+def silu_and_mul(tile: int) -> ExternKernel:
+    """out = SiLU(gate) * up over one tile, SiLU evaluated in f32."""
+    return ExternKernel(
+        f"silu_and_mul_bf16_n{tile}", "silu_and_mul.cc",
+        (memref((tile,)), memref((tile,)), memref((tile,))),
+        (("SWIGLU_TILE", tile), ("SWIGLU_SYMBOL", f"silu_and_mul_bf16_n{tile}")),
+    )
+
+
+def attention(head_dim: int, tile: int) -> list[ExternKernel]:
+    """The flash-attention tile primitives for one (head_dim, tile) shape, in call order.
+
+    For a query tile of one head (rows `tile`): init running max/sum/accumulator; then for each
+    key/value tile: scores = q·kᵀ/√d (`qk`), causal mask by absolute positions (`mask`, skipped
+    for tiles wholly in the past), online-softmax update producing bf16 probabilities and the
+    rescale factor of the old accumulator (`softmax`), acc = acc·corr + p·v (`pv`); finally
+    o = acc / sum (`finalize`).
+    """
+    d, t = head_dim, tile
+    tag = f"d{d}_t{t}"
+
+    def k(name: str, args: tuple[str, ...]) -> ExternKernel:
+        sym = f"attn_{name}_{tag}"
+        return ExternKernel(sym, "attention.cc", args,
+                            (("ATTN_HEAD_DIM", d), ("ATTN_TILE", t), ("ATTN_ONLY", name), ("ATTN_SYMBOL", sym)))
+
+    f32 = lambda *s: memref(s, "f32")  # noqa: E731
+    return [
+        k("init", (f32(t), f32(t), f32(t, d))),                                    # m, l, acc
+        k("qk", (memref((t, d)), memref((t, d)), f32(t, t))),                     # q, k -> s
+        k("mask", (f32(t, t), "i32", "i32")),                                      # s, q_pos0, k_pos0
+        k("softmax", (f32(t, t), f32(t), f32(t), memref((t, t)), f32(t))),        # s, m, l -> p, corr
+        k("pv", (memref((t, t)), memref((t, d)), f32(t), f32(t, d))),             # p, v, corr, acc
+        k("finalize", (f32(t, d), f32(t), memref((t, d)))),                        # acc, l -> o
+    ]

@@ -1,0 +1,329 @@
+"""The kernel-group declarations: the single source of truth for what the device runs.
+
+A `KernelGroup` lists its argument slots (name, shape, dtype, role) and its launches (op,
+parameters, slots read and written). The MLIR builders and the stitcher take their argument
+maps from it, the KernelCache takes its write / skip / read sets from it, preload takes the
+static tensors from it and the simulated device executes it. Shapes come only from the
+`LlamaConfig` and the compiled sequence length.
+
+Layout conventions (shared by every consumer):
+- activations are row-major [rows, features]; decode activations are vectors [features];
+- linear weights keep the checkpoint layout [out_features, in_features], for GEMM and GEMV
+  alike, so one uploaded weight buffer serves the prefill and the decode groups of a layer;
+- RoPE tables are cos | sin halves per position (see `generate_rope_lut`), one row per token.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+from kernel_builder import backend_presets as presets
+from llama32_1b_weights import LAYER_TENSORS, LlamaConfig
+
+
+class Role(str, Enum):
+    INPUT = "input"                # written by the host before every call
+    STATIC = "static"              # weights / tables: written once per BO set
+    INTERMEDIATE = "intermediate"  # written and read by launches only
+    OUTPUT = "output"              # read back by the host after every call
+
+
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32}
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    role: Role
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One `air.launch`: an op applied to slots. Its kernel arguments are `reads + writes`, in order."""
+
+    name: str
+    op: str
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+    params: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        return self.reads + self.writes
+
+    def p(self, key: str) -> Any:
+        for k, v in self.params:
+            if k == key:
+                return v
+        raise KeyError(f"launch {self.name!r} has no parameter {key!r}")
+
+    @property
+    def param_dict(self) -> dict[str, Any]:
+        return dict(self.params)
+
+
+@dataclass(frozen=True)
+class KernelGroup:
+    kind: str                  # rms_gemms_rope, flash_attn, o_ffn, rms_gemv_rope, o_gemv_ffn, lm_head_gemv
+    seq_len: int               # rows per call (1 for decode groups)
+    slots: tuple[Slot, ...]
+    launches: tuple[Launch, ...]
+    options: tuple[tuple[str, Any], ...] = field(default=())
+
+    @property
+    def name(self) -> str:
+        """Unique per compiled shape: prefill groups exist once per sequence bucket."""
+        return f"{self.kind}_s{self.seq_len}" if self.kind in PREFILL_KINDS else self.kind
+
+    def slot(self, name: str) -> Slot:
+        for s in self.slots:
+            if s.name == name:
+                return s
+        raise KeyError(f"group {self.name!r} has no slot {name!r}")
+
+    def index(self, name: str) -> int:
+        for i, s in enumerate(self.slots):
+            if s.name == name:
+                return i
+        raise KeyError(f"group {self.name!r} has no slot {name!r}")
+
+    def with_role(self, role: Role) -> tuple[Slot, ...]:
+        return tuple(s for s in self.slots if s.role is role)
+
+    def to_json(self) -> dict:
+        return {
+            "kind": self.kind,
+            "seq_len": self.seq_len,
+            "slots": [[s.name, list(s.shape), s.dtype, s.role.value] for s in self.slots],
+            "launches": [
+                {"name": l.name, "op": l.op, "reads": list(l.reads), "writes": list(l.writes),
+                 "params": {k: v for k, v in l.params}}
+                for l in self.launches
+            ],
+            "options": {k: v for k, v in self.options},
+        }
+
+    def fingerprint(self) -> str:
+        blob = json.dumps(self.to_json(), sort_keys=True, default=list).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    def validate(self) -> None:
+        """Dataflow rules every consumer relies on; raises ValueError naming the broken rule."""
+        names = [s.name for s in self.slots]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{self.name}: duplicate slot names")
+        written: set[str] = set()
+        for l in self.launches:
+            for r in l.reads:
+                s = self.slot(r)
+                if s.role in (Role.INTERMEDIATE, Role.OUTPUT) and r not in written:
+                    raise ValueError(f"{self.name}: launch {l.name} reads {r} before any launch writes it")
+            for w in l.writes:
+                if self.slot(w).role in (Role.INPUT, Role.STATIC):
+                    raise ValueError(f"{self.name}: launch {l.name} writes {self.slot(w).role.value} slot {w}")
+                written.add(w)
+        used = {a for l in self.launches for a in l.args}
+        for s in self.slots:
+            if s.name not in used:
+                raise ValueError(f"{self.name}: slot {s.name} is used by no launch")
+            if s.role in (Role.INTERMEDIATE, Role.OUTPUT) and s.name not in written:
+                raise ValueError(f"{self.name}: {s.role.value} slot {s.name} is never written")
+
+
+PREFILL_KINDS = ("rms_gemms_rope", "flash_attn", "o_ffn")
+DECODE_KINDS = ("rms_gemv_rope", "o_gemv_ffn")
+ALL_KINDS = PREFILL_KINDS + DECODE_KINDS + ("lm_head_gemv",)
+LM_HEAD_PARTITIONS = 8
+
+
+def _launch(name: str, op: str, reads, writes, **params) -> Launch:
+    return Launch(name, op, tuple(reads), tuple(writes), tuple(sorted(params.items())))
+
+
+def _slot(name: str, shape, role: Role, dtype: str = "bf16") -> Slot:
+    return Slot(name, tuple(int(d) for d in shape), dtype, role)
+
+
+def _group(kind: str, seq: int, slots, launches) -> KernelGroup:
+    g = KernelGroup(kind, seq, tuple(slots), tuple(launches), tuple(sorted(presets.group_options(kind).items())))
+    g.validate()
+    return g
+
+
+def rms_gemms_rope(cfg: LlamaConfig, seq: int) -> KernelGroup:
+    h, q, kv, d = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.head_dim
+    I, S, M, O = Role.INPUT, Role.STATIC, Role.INTERMEDIATE, Role.OUTPUT
+    slots = [
+        _slot("x", (seq, h), I), _slot("rope_lut", (seq, d), I),
+        _slot("attn_norm", (h,), S), _slot("wq", (q, h), S), _slot("wk", (kv, h), S), _slot("wv", (kv, h), S),
+        _slot("normed", (seq, h), M), _slot("q_raw", (seq, q), M), _slot("k_raw", (seq, kv), M),
+        _slot("q", (seq, q), O), _slot("k", (seq, kv), O), _slot("v", (seq, kv), O),
+    ]
+    launches = [
+        _launch("rmsnorm", "rmsnorm", ["x", "attn_norm"], ["normed"], rows=seq, dim=h, eps=cfg.rms_norm_eps,
+                **presets.elementwise_tiling(seq, h)),
+        _launch("q_gemm", "gemm", ["normed", "wq"], ["q_raw"], **presets.gemm_tiling(seq, q, h)),
+        _launch("k_gemm", "gemm", ["normed", "wk"], ["k_raw"], **presets.gemm_tiling(seq, kv, h)),
+        _launch("v_gemm", "gemm", ["normed", "wv"], ["v"], **presets.gemm_tiling(seq, kv, h)),
+        _launch("rope_q", "rope", ["q_raw", "rope_lut"], ["q"], rows=seq, heads=cfg.num_attention_heads,
+                head_dim=d, herd=presets.ROPE_HERD_PREFILL),
+        _launch("rope_k", "rope", ["k_raw", "rope_lut"], ["k"], rows=seq, heads=cfg.num_key_value_heads,
+                head_dim=d, herd=presets.ROPE_HERD_PREFILL),
+    ]
+    return _group("rms_gemms_rope", seq, slots, launches)
+
+
+def flash_attn(cfg: LlamaConfig, seq: int) -> KernelGroup:
+    I, O = Role.INPUT, Role.OUTPUT
+    slots = [
+        _slot("q", (seq, cfg.q_dim), I), _slot("k", (seq, cfg.kv_dim), I), _slot("v", (seq, cfg.kv_dim), I),
+        _slot("attn", (seq, cfg.q_dim), O),
+    ]
+    launches = [
+        _launch("flash_attn", "flash_attn", ["q", "k", "v"], ["attn"], seq=seq, q_heads=cfg.num_attention_heads,
+                kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, causal=True,
+                **presets.attention_tiling(seq, cfg.head_dim)),
+    ]
+    return _group("flash_attn", seq, slots, launches)
+
+
+def _ffn_tail(cfg: LlamaConfig, rows: int, op: str, tiling) -> tuple[list[Slot], list[Launch]]:
+    """O projection, residual, RMSNorm, SwiGLU MLP, residual: shared by o_ffn and o_gemv_ffn."""
+    h, q, f = cfg.hidden_size, cfg.q_dim, cfg.intermediate_size
+    I, S, M, O = Role.INPUT, Role.STATIC, Role.INTERMEDIATE, Role.OUTPUT
+    shp = (lambda n: (rows, n)) if op == "gemm" else (lambda n: (n,))
+    slots = [
+        _slot("attn", shp(q), I), _slot("x_res", shp(h), I),
+        _slot("wo", (h, q), S), _slot("ffn_norm", (h,), S),
+        _slot("w_gate", (f, h), S), _slot("w_up", (f, h), S), _slot("w_down", (h, f), S),
+        _slot("o", shp(h), M), _slot("h1", shp(h), M), _slot("normed", shp(h), M),
+        _slot("gate", shp(f), M), _slot("up", shp(f), M), _slot("act", shp(f), M), _slot("down", shp(h), M),
+        _slot("out", shp(h), O),
+    ]
+    launches = [
+        _launch("o_proj", op, ["attn", "wo"], ["o"], **tiling(h, q)),
+        _launch("add_attn", "add", ["x_res", "o"], ["h1"], n=rows * h, **presets.elementwise_tiling(rows, h)),
+        _launch("rmsnorm", "rmsnorm", ["h1", "ffn_norm"], ["normed"], rows=rows, dim=h, eps=cfg.rms_norm_eps,
+                **presets.elementwise_tiling(rows, h)),
+        _launch("gate_proj", op, ["normed", "w_gate"], ["gate"], **tiling(f, h)),
+        _launch("up_proj", op, ["normed", "w_up"], ["up"], **tiling(f, h)),
+        _launch("swiglu", "swiglu", ["gate", "up"], ["act"], n=rows * f, **presets.elementwise_tiling(rows, f)),
+        _launch("down_proj", op, ["act", "w_down"], ["down"], **tiling(h, f)),
+        _launch("add_ffn", "add", ["h1", "down"], ["out"], n=rows * h, **presets.elementwise_tiling(rows, h)),
+    ]
+    return slots, launches
+
+
+def o_ffn(cfg: LlamaConfig, seq: int) -> KernelGroup:
+    slots, launches = _ffn_tail(cfg, seq, "gemm", lambda n, k: presets.gemm_tiling(seq, n, k))
+    return _group("o_ffn", seq, slots, launches)
+
+
+def rms_gemv_rope(cfg: LlamaConfig) -> KernelGroup:
+    h, q, kv, d = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.head_dim
+    I, S, M, O = Role.INPUT, Role.STATIC, Role.INTERMEDIATE, Role.OUTPUT
+    slots = [
+        _slot("x", (h,), I), _slot("rope_lut", (d,), I),
+        _slot("attn_norm", (h,), S), _slot("wq", (q, h), S), _slot("wk", (kv, h), S), _slot("wv", (kv, h), S),
+        _slot("normed", (h,), M), _slot("q_raw", (q,), M), _slot("k_raw", (kv,), M),
+        _slot("q", (q,), O), _slot("k", (kv,), O), _slot("v", (kv,), O),
+    ]
+    launches = [
+        _launch("rmsnorm", "rmsnorm", ["x", "attn_norm"], ["normed"], rows=1, dim=h, eps=cfg.rms_norm_eps,
+                **presets.elementwise_tiling(1, h)),
+        _launch("q_gemv", "gemv", ["normed", "wq"], ["q_raw"], **presets.gemv_tiling(q, h)),
+        _launch("k_gemv", "gemv", ["normed", "wk"], ["k_raw"], **presets.gemv_tiling(kv, h)),
+        _launch("v_gemv", "gemv", ["normed", "wv"], ["v"], **presets.gemv_tiling(kv, h)),
+        _launch("rope_q", "rope", ["q_raw", "rope_lut"], ["q"], rows=1, heads=cfg.num_attention_heads,
+                head_dim=d, herd=presets.ROPE_HERD_DECODE),
+        _launch("rope_k", "rope", ["k_raw", "rope_lut"], ["k"], rows=1, heads=cfg.num_key_value_heads,
+                head_dim=d, herd=presets.ROPE_HERD_DECODE),
+    ]
+    return _group("rms_gemv_rope", 1, slots, launches)
+
+
+def o_gemv_ffn(cfg: LlamaConfig) -> KernelGroup:
+    slots, launches = _ffn_tail(cfg, 1, "gemv", presets.gemv_tiling)
+    return _group("o_gemv_ffn", 1, slots, launches)
+
+
+def lm_head_rows(cfg: LlamaConfig) -> int:
+    """Rows per vocab partition; the last partition is zero-padded when the vocab does not divide."""
+    return -(-cfg.vocab_size // LM_HEAD_PARTITIONS)
+
+
+def lm_head_gemv(cfg: LlamaConfig) -> KernelGroup:
+    h, p = cfg.hidden_size, lm_head_rows(cfg)
+    slots = [_slot("x", (h,), Role.INPUT)]
+    slots += [_slot(f"w_p{i}", (p, h), Role.STATIC) for i in range(LM_HEAD_PARTITIONS)]
+    slots += [_slot(f"logits_p{i}", (p,), Role.OUTPUT) for i in range(LM_HEAD_PARTITIONS)]
+    launches = [
+        _launch(f"gemv_p{i}", "gemv", ["x", f"w_p{i}"], [f"logits_p{i}"], **presets.gemv_tiling(p, h))
+        for i in range(LM_HEAD_PARTITIONS)
+    ]
+    return _group("lm_head_gemv", 1, slots, launches)
+
+
+def build_group(kind: str, cfg: LlamaConfig, seq_len: int = 1) -> KernelGroup:
+    builders = {"rms_gemms_rope": rms_gemms_rope, "flash_attn": flash_attn, "o_ffn": o_ffn}
+    if kind in builders:
+        return builders[kind](cfg, seq_len)
+    return {"rms_gemv_rope": rms_gemv_rope, "o_gemv_ffn": o_gemv_ffn, "lm_head_gemv": lm_head_gemv}[kind](cfg)
+
+
+def all_groups(cfg: LlamaConfig, buckets: tuple[int, ...]) -> list[KernelGroup]:
+    """Every group a session can call: the prefill kinds once per bucket, decode and LM head once."""
+    out = [build_group(k, cfg, s) for s in buckets for k in PREFILL_KINDS]
+    return out + [build_group(k, cfg) for k in DECODE_KINDS + ("lm_head_gemv",)]
+
+
+def prefill_buckets(cfg: LlamaConfig, max_seq: int | None = None) -> tuple[int, ...]:
+    """Compiled prefill lengths: powers of two from the smallest preset up to the context limit."""
+    limit = min(max_seq or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    b = tuple(s for s in presets.PREFILL_BUCKETS if s <= limit)
+    return b or (presets.PREFILL_BUCKETS[0],)
+
+
+def static_tensors(group: KernelGroup, weights, layer: int | None) -> dict[str, torch.Tensor]:
+    """The tensor behind every static slot of `group`, for one layer (or the LM head).
+
+    Names are the contract: layer slots are named after `LAYER_TENSORS`, LM-head slots are row
+    partitions of the (possibly tied) LM head, zero-padded to the declared shape.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for s in group.with_role(Role.STATIC):
+        if s.name in LAYER_TENSORS:
+            t = getattr(weights.layers[layer], s.name)
+        elif s.name.startswith("w_p"):
+            i, rows = int(s.name[3:]), s.shape[0]
+            t = weights.lm_head[i * rows:(i + 1) * rows]
+            if t.shape[0] < rows:
+                t = torch.cat([t, t.new_zeros(rows - t.shape[0], t.shape[1])])
+        else:
+            raise KeyError(f"no weight source for static slot {s.name!r} of {group.name}")
+        if tuple(t.shape) != s.shape:
+            raise ValueError(f"{group.name}.{s.name}: weight shape {tuple(t.shape)} != declared {s.shape}")
+        out[s.name] = t
+    return out

