@@ -1,0 +1,295 @@
+"""KernelCache: compile each group once, persist it, load it once per process, run it on BO sets.
+
+Disk: one folder per group entry, `<group name>-<key>`, where the key hashes the group's
+declaration, the builder sources and the device's toolchain stamp. The folder holds the
+device's artifact files and a `manifest.json` (written last) with each file's SHA-256. An
+entry is used only if its manifest matches the key and every file matches its hash; anything
+else (a truncated ELF, an edited program, a manifest from another toolchain) is rebuilt. A
+build happens in a temporary folder under a file lock and is renamed into place, so a killed
+compile never leaves a half-written entry that a later run would trust.
+
+BOs: a *BO set* (`bo_key`, per layer: f"{group}_L{layer}") holds a group's static slots.
+Statics are written once by `preload`; with a `share_key` (the layer) the prefill and decode
+groups of a layer use one BO per weight, so weights are resident once. Input, intermediate
+and output slots are activations: one BO per (group, slot), shared by every layer's set,
+because calls are sequential. On every call the host writes only `input` slots and reads back
+only `output` slots; it never touches `static` slots after preload or `intermediate` ones.
+All of those sets come from the group declaration.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from filelock import FileLock, Timeout
+
+from kernel_builder.device import Sync
+from kernel_builder.groups import KernelGroup, Role
+from kernel_builder.profiler import NULL_PROFILER, Profiler
+from llama_runtime.errors import KernelCacheError
+from llama_runtime.paths import kernels_dir
+
+FORMAT_VERSION = 1
+_PKG = Path(__file__).resolve().parent
+# Files whose change changes what a compiled artifact contains (or, for the simulated
+# device, what its program computes). Runtime-only modules are left out on purpose.
+_BUILDER_EXCLUDE = {"cache.py", "profiler.py", "xrt_device.py", "__init__.py"}
+
+
+def builder_sources_hash() -> str:
+    h = hashlib.sha256()
+    roots = [_PKG, _PKG.parent / "multi_launch_builder"]
+    for root in roots:
+        for p in sorted(root.rglob("*")):
+            if p.suffix not in (".py", ".cc", ".h") or p.name in _BUILDER_EXCLUDE or "__pycache__" in p.parts:
+                continue
+            h.update(str(p.relative_to(root)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def _sha(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class CacheStats:
+    compiled: int = 0           # entries built in this process
+    loaded_from_disk: int = 0   # entries found valid on disk
+    rebuilt: int = 0            # entries that existed but were damaged or stale
+
+
+@dataclass
+class BOSet:
+    group: KernelGroup
+    bos: list
+    statics_ready: bool = False
+    calls: int = 0
+
+
+@dataclass
+class _Entry:
+    group: KernelGroup
+    path: Path
+    views: dict = field(default_factory=dict)
+
+
+class KernelCache:
+    def __init__(self, device, cache_dir: Path | None = None, profiler: Profiler | None = None,
+                 max_loaded: int | None = None, lock_timeout: float = 600.0):
+        self.device = device
+        self.dir = Path(cache_dir) if cache_dir is not None else kernels_dir()
+        self.profiler = profiler or NULL_PROFILER
+        self.max_loaded = max_loaded
+        self.lock_timeout = lock_timeout
+        self.stats = CacheStats()
+        self._entries: dict[str, _Entry] = {}
+        self._loaded: OrderedDict[str, object] = OrderedDict()
+        self._sets: dict[str, BOSet] = {}
+        self._statics: dict[tuple[str, str], object] = {}
+        self._acts: dict[tuple[str, str], object] = {}
+        self._builder_hash = builder_sources_hash()
+
+    # ---- disk ---------------------------------------------------------------------------
+    def entry_key(self, group: KernelGroup) -> str:
+        blob = json.dumps([FORMAT_VERSION, group.fingerprint(), self._builder_hash,
+                           self.device.toolchain_stamp()]).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    def _valid(self, path: Path, key: str) -> bool:
+        try:
+            m = json.loads((path / "manifest.json").read_text())
+            if m.get("key") != key or m.get("format") != FORMAT_VERSION:
+                return False
+            return all(_sha(path / f) == digest for f, digest in m["files"].items())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return False
+
+    def compile_and_cache(self, group: KernelGroup) -> Path:
+        """The entry folder for `group`, building it unless a valid one is on disk."""
+        if group.name in self._entries:
+            return self._entries[group.name].path
+        key = self.entry_key(group)
+        path = self.dir / f"{group.name}-{key[:16]}"
+        if self._valid(path, key):
+            self.stats.loaded_from_disk += 1
+        else:
+            self._build_locked(group, key, path)
+        self._entries[group.name] = _Entry(group, path)
+        return path
+
+    def _build_locked(self, group: KernelGroup, key: str, path: Path) -> None:
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            lock = FileLock(str(self.dir / f".{group.name}.lock"), timeout=self.lock_timeout)
+            with lock:
+                if self._valid(path, key):       # another process built it while we waited
+                    self.stats.loaded_from_disk += 1
+                    return
+                self._build(group, key, path)
+        except PermissionError as e:
+            raise KernelCacheError(f"kernel cache folder {self.dir} is not writable ({e.strerror}); "
+                                   "set LLAMA_NPU_CACHE to a writable folder") from None
+        except Timeout:
+            raise KernelCacheError(f"timed out waiting for another compile of {group.name} "
+                                   f"(lock {self.dir}/.{group.name}.lock)") from None
+
+    def _build(self, group: KernelGroup, key: str, path: Path) -> None:
+        existed = path.exists()
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{group.name}-", dir=self.dir))
+        try:
+            files = self.device.compile(group, tmp, self._mlir(group))
+            manifest = {"format": FORMAT_VERSION, "key": key, "group": group.name,
+                        "toolchain": self.device.toolchain_stamp(), "created": time.time(),
+                        "files": {f: _sha(tmp / f) for f in files}}
+            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+            if existed:
+                shutil.rmtree(path)
+            os.rename(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        for stale in self.dir.glob(f"{group.name}-*"):     # older keys of this group
+            if stale != path and stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+        self.stats.compiled += 1
+        self.stats.rebuilt += int(existed)
+
+    @staticmethod
+    def _mlir(group: KernelGroup) -> str | None:
+        """The stitched, validated MLIR-AIR module: generated for every device, compiled only on the NPU."""
+        try:
+            from kernel_builder.compile import compile_group_mlir
+        except ImportError:
+            return None
+        return compile_group_mlir(group)
+
+    # ---- loading ------------------------------------------------------------------------
+    def group(self, name: str) -> KernelGroup:
+        try:
+            return self._entries[name].group
+        except KeyError:
+            raise KeyError(f"{name} was not compiled in this KernelCache (call compile_and_cache first)") from None
+
+    def _kernel(self, name: str):
+        if name in self._loaded:
+            self._loaded.move_to_end(name)
+            return self._loaded[name]
+        entry = self._entries[name]
+        try:
+            kernel = self.device.load(entry.path, entry.group)
+        except Exception:
+            # The entry was valid when checked; if loading still fails, rebuild once.
+            shutil.rmtree(entry.path, ignore_errors=True)
+            self._build_locked(entry.group, self.entry_key(entry.group), entry.path)
+            kernel = self.device.load(entry.path, entry.group)
+        self._loaded[name] = kernel
+        if self.max_loaded is not None and len(self._loaded) > self.max_loaded:
+            self._loaded.popitem(last=False)      # BOs belong to the device and survive this
+        return kernel
+
+    def _bo_set(self, name: str, bo_key: str) -> BOSet:
+        s = self._sets.get(bo_key)
+        if s is not None:
+            if s.group.name != name:
+                raise KeyError(f"bo_key {bo_key!r} belongs to {s.group.name}, not {name}")
+            return s
+        group = self.group(name)
+        bos = []
+        for slot in group.slots:
+            if slot.role is Role.STATIC:
+                bos.append(None)                  # filled by preload
+            else:
+                key = (name, slot.name)
+                if key not in self._acts:
+                    self._acts[key] = self.device.bo(slot.nbytes)
+                bos.append(self._acts[key])
+        s = self._sets[bo_key] = BOSet(group, bos)
+        return s
+
+    def preload(self, name: str, bo_key: str, statics: dict[str, torch.Tensor], share_key: str | None = None) -> None:
+        """Upload a BO set's static slots once. With `share_key`, reuse another group's identical weight BO."""
+        s = self._bo_set(name, bo_key)
+        for i, slot in enumerate(s.group.slots):
+            if slot.role is not Role.STATIC or s.bos[i] is not None:
+                continue
+            pool_key = (share_key, slot.name) if share_key is not None else (bo_key, slot.name)
+            bo = self._statics.get(pool_key)
+            if bo is None or bo.size != slot.nbytes:
+                t = statics[slot.name]
+                if tuple(t.shape) != slot.shape or t.dtype != slot.torch_dtype:
+                    raise ValueError(f"{name}.{slot.name}: got {tuple(t.shape)} {t.dtype}, "
+                                     f"declared {slot.shape} {slot.dtype}")
+                bo = self.device.bo(slot.nbytes)
+                bo.write(t)
+                bo.sync(Sync.TO_DEVICE)
+                self._statics[pool_key] = bo
+            s.bos[i] = bo
+        s.statics_ready = True
+
+    # ---- running ------------------------------------------------------------------------
+    def load_and_run(self, name: str, inputs: dict[str, torch.Tensor], bo_key: str,
+                     rows: int | None = None) -> dict[str, torch.Tensor]:
+        """Write the inputs, run, read back the outputs (views valid until the group's next call).
+
+        `rows` limits the host's writes and reads to the first rows of row-major activations
+        (a prompt shorter than its bucket): rows past it are padding that, by causality,
+        never influences the real ones.
+        """
+        kernel = self._kernel(name)
+        s = self._bo_set(name, bo_key)
+        if not s.statics_ready:
+            raise KernelCacheError(f"{bo_key}: static slots not uploaded; call preload() before the first run")
+        prof = self.profiler.enabled
+        t0 = time.perf_counter() if prof else 0.0
+        group = s.group
+        for i, slot in enumerate(group.slots):
+            if slot.role is not Role.INPUT:
+                continue
+            t = inputs[slot.name]
+            nbytes = self._span(group, slot, rows)
+            view = s.bos[i].map()[:nbytes].view(slot.torch_dtype)
+            if t.numel() != view.numel():
+                raise ValueError(f"{name}.{slot.name}: {t.numel()} elements for a {nbytes}-byte span of {slot.shape}")
+            view.copy_(t.reshape(-1))
+            s.bos[i].sync(Sync.TO_DEVICE, nbytes)
+        t1 = time.perf_counter() if prof else 0.0
+        kernel.run(s.bos)
+        t2 = time.perf_counter() if prof else 0.0
+        out = {}
+        for i, slot in enumerate(group.slots):
+            if slot.role is not Role.OUTPUT:
+                continue
+            nbytes = self._span(group, slot, rows)
+            s.bos[i].sync(Sync.FROM_DEVICE, nbytes)
+            shape = (nbytes // (slot.nbytes // slot.shape[0]),) + slot.shape[1:] if rows else slot.shape
+            out[slot.name] = s.bos[i].map()[:nbytes].view(slot.torch_dtype).view(shape)
+        s.calls += 1
+        if prof:
+            self.profiler.record_call(group.kind, t1 - t0, t2 - t1, time.perf_counter() - t2)
+        return out
+
+    @staticmethod
+    def _span(group: KernelGroup, slot, rows: int | None) -> int:
+        if rows is None or len(slot.shape) < 2 or slot.shape[0] != group.seq_len:
+            return slot.nbytes
+        if not 0 < rows <= group.seq_len:
+            raise ValueError(f"{group.name}: rows={rows} outside 1..{group.seq_len}")
+        return slot.nbytes // slot.shape[0] * rows
+
+    # ---- accounting ---------------------------------------------------------------------
+    def resident_bytes(self) -> dict[str, int]:
+        return {"static": sum(b.size for b in self._statics.values()),
+                "activations": sum(b.size for b in self._acts.values())}

@@ -1,0 +1,212 @@
+"""The device API the runtime is written against, and the simulated NPU that implements it.
+
+The API is the subset of pyxrt the runtime uses: allocate a buffer object (BO), map it, sync
+it to / from the device, load a compiled artifact and run its kernel on a list of BOs. The
+real NPU (`xrt_device.XrtDevice`) and the simulated one implement it, so the KernelCache,
+preload and the prefill / decode loops are one code path for both.
+
+The simulated device keeps a BO's host and device copies apart, exactly as a missing cache
+flush would on hardware: a host write is invisible to a kernel until `sync(TO_DEVICE)` and a
+kernel's result is invisible to the host until `sync(FROM_DEVICE)`. To keep large weights
+resident once, a BO that was written through `write()` (never mapped) shares one storage
+between its host and device sides after a full sync until either side is written again
+(copy-on-write); the visible semantics are unchanged.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kernel_builder.groups import KernelGroup
+
+
+class Sync(enum.Enum):
+    TO_DEVICE = "to_device"
+    FROM_DEVICE = "from_device"
+
+
+@dataclass
+class Counters:
+    """Bytes moved by syncs and kernel runs: what tests assert the BO contract with."""
+
+    bytes_to_device: int = 0
+    bytes_from_device: int = 0
+    runs: int = 0
+    bos_allocated: int = 0
+    bytes_allocated: int = 0
+
+    def snapshot(self) -> "Counters":
+        return Counters(**self.__dict__)
+
+    def since(self, before: "Counters") -> "Counters":
+        return Counters(**{k: getattr(self, k) - getattr(before, k) for k in self.__dict__})
+
+
+class DeviceError(RuntimeError):
+    """A device-level failure (load, run) described in one line."""
+
+
+class SimBO:
+    """A simulated buffer object: host and device byte arrays, moved only by `sync`."""
+
+    def __init__(self, device: "SimDevice", nbytes: int):
+        self.size = nbytes
+        self._dev_counters = device.counters
+        self._host: torch.Tensor | None = torch.zeros(nbytes, dtype=torch.uint8)
+        self._dev = torch.zeros(nbytes, dtype=torch.uint8)
+        self._mapped = False
+
+    def _own_host(self) -> torch.Tensor:
+        if self._host is None:          # shared with the device side: split before writing
+            self._host = self._dev.clone()
+        return self._host
+
+    def map(self) -> torch.Tensor:
+        """The host memory as a writable uint8 tensor (like pyxrt's `bo.map()`)."""
+        self._mapped = True
+        return self._own_host()
+
+    def write(self, data: torch.Tensor, offset: int = 0) -> None:
+        raw = data.contiguous().view(torch.uint8).reshape(-1)
+        self._own_host()[offset:offset + raw.numel()].copy_(raw)
+
+    def read(self, nbytes: int | None = None, offset: int = 0) -> torch.Tensor:
+        host = self._dev if self._host is None else self._host
+        end = self.size if nbytes is None else offset + nbytes
+        return host[offset:end].clone()
+
+    def sync(self, direction: Sync, nbytes: int | None = None, offset: int = 0) -> None:
+        n = self.size - offset if nbytes is None else nbytes
+        if direction is Sync.TO_DEVICE:
+            self._dev_counters.bytes_to_device += n
+            if self._host is None:
+                return
+            if not self._mapped and offset == 0 and n == self.size:
+                self._dev, self._host = self._host, None   # share until either side writes
+            else:
+                self._dev[offset:offset + n].copy_(self._host[offset:offset + n])
+        else:
+            self._dev_counters.bytes_from_device += n
+            if self._host is not None:
+                self._host[offset:offset + n].copy_(self._dev[offset:offset + n])
+
+    def device_view(self, for_write: bool) -> torch.Tensor:
+        """What a simulated kernel sees; a write first detaches a shared host side."""
+        if for_write and self._host is None:
+            self._host = self._dev.clone()
+        return self._dev
+
+
+@dataclass
+class SimProgram:
+    """A loaded launch program: the group's launches with typed views of the BO list."""
+
+    group: KernelGroup
+    views: dict = field(default_factory=dict)
+
+
+class SimKernel:
+    """Runs a group's launches in order on the device side of its BOs with reference kernels."""
+
+    def __init__(self, device: "SimDevice", group: KernelGroup):
+        from kernel_builder import sim_ops
+
+        self.device = device
+        self.group = group
+        self._ops = [(l, sim_ops.OPS[l.op]) for l in group.launches]
+        self._written = {w for l in group.launches for w in l.writes}
+        self._cache_key: tuple | None = None
+        self._views: dict[str, torch.Tensor] = {}
+
+    def _bind(self, bos: list[SimBO]) -> dict[str, torch.Tensor]:
+        # Keyed on storage addresses: the cached views keep their storages alive, so an
+        # address cannot be reused by a different buffer while the cache refers to it.
+        key = tuple(b._dev.data_ptr() for b in bos)
+        if key != self._cache_key:
+            views = {}
+            for slot, bo in zip(self.group.slots, bos):
+                raw = bo.device_view(for_write=slot.name in self._written)
+                views[slot.name] = raw[: slot.nbytes].view(slot.torch_dtype).view(slot.shape)
+            self._views = views
+            self._cache_key = tuple(b._dev.data_ptr() for b in bos)
+        return self._views
+
+    def run(self, bos: list[SimBO]) -> None:
+        if len(bos) != len(self.group.slots):
+            raise DeviceError(f"{self.group.name}: {len(bos)} buffers for {len(self.group.slots)} arguments")
+        for slot, bo in zip(self.group.slots, bos):
+            if bo.size < slot.nbytes:
+                raise DeviceError(f"{self.group.name}: buffer for {slot.name} has {bo.size} bytes, needs {slot.nbytes}")
+        views = self._bind(bos)
+        for launch, fn in self._ops:
+            fn(launch, *(views[a] for a in launch.args))
+        self.device.counters.runs += 1
+
+
+class SimDevice:
+    """The simulated NPU2: CPU reference kernels, bf16 storage, f32 accumulation."""
+
+    kind = "sim"
+    name = "simulated NPU2 (CPU reference kernels)"
+
+    def __init__(self):
+        self.counters = Counters()
+
+    def toolchain_stamp(self) -> str:
+        return f"sim-ops-v1/torch-{torch.__version__}"
+
+    def bo(self, nbytes: int) -> SimBO:
+        self.counters.bos_allocated += 1
+        self.counters.bytes_allocated += nbytes
+        return SimBO(self, nbytes)
+
+    def compile(self, group: KernelGroup, out_dir: Path, mlir_text: str | None) -> list[str]:
+        """The simulated artifact is the launch program itself (plus the stitched MLIR, for study)."""
+        (out_dir / "program.json").write_text(json.dumps(group.to_json(), sort_keys=True))
+        files = ["program.json"]
+        if mlir_text is not None:
+            (out_dir / "group.mlir").write_text(mlir_text)
+            files.append("group.mlir")
+        return files
+
+    def load(self, artifact_dir: Path, group: KernelGroup) -> SimKernel:
+        """Execute what the artifact says, not what the caller hopes: the program must equal the group."""
+        try:
+            program = json.loads((artifact_dir / "program.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise DeviceError(f"{artifact_dir}: unreadable launch program ({e})") from None
+        if program != json.loads(json.dumps(group.to_json(), sort_keys=True)):
+            raise DeviceError(f"{artifact_dir}: launch program does not match the declaration of {group.name}")
+        return SimKernel(self, group)
+
+    @staticmethod
+    def remove_artifact(path: Path) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def open_device(kind: str = "auto", verbose: bool = True):
+    """`auto` picks the NPU when pyxrt and an NPU2 are present, else the simulated device, and says which."""
+    from kernel_builder import xrt_device
+
+    if kind not in ("auto", "npu", "sim"):
+        raise ValueError(f"DEVICE must be auto, npu or sim (got {kind!r})")
+    if kind == "sim":
+        dev = SimDevice()
+        reason = "requested"
+    else:
+        found, reason = xrt_device.probe()
+        if found:
+            dev = xrt_device.XrtDevice()
+        elif kind == "npu":
+            raise DeviceError(f"DEVICE=npu but no usable NPU2: {reason}")
+        else:
+            dev = SimDevice()
+    if verbose:
+        why = "" if dev.kind == "npu" or kind == "sim" else f" ({reason})"
+        print(f"[device] {dev.name}{why}", flush=True)
+    return dev

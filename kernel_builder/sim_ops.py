@@ -1,0 +1,75 @@
+"""Reference kernels of the simulated NPU: one function per launch op.
+
+Each computes what the NPU kernel computes — bf16 operands, f32 accumulation and f32
+elementwise math — and rounds once to bf16 when it stores its result, which is where the NPU
+rounds too (at every launch boundary). They write into the output view in place, so a run
+allocates only small f32 temporaries, and they use torch's bf16 GEMM/GEMV paths (AMX and
+AVX512-BF16 on the CPUs this is developed on), which accumulate in f32.
+
+Signature: `op(launch, *views)` with views in `launch.args` order (reads, then writes).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernel_builder.groups import Launch
+
+
+def rmsnorm(l: Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    xf = x.float()
+    out.copy_(F.rms_norm(xf, (xf.shape[-1],), w.float(), l.p("eps")))
+
+
+def gemm(l: Launch, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """C[M,N] = A[M,K] · W[N,K]ᵀ (weights in checkpoint layout)."""
+    torch.mm(a, w.t(), out=out)
+
+
+def gemv(l: Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """y[M] = W[M,K] · x[K]; torch.mv streams the weight faster than F.linear at M=1."""
+    torch.mv(w, x, out=out)
+
+
+def rope(l: Launch, x: torch.Tensor, lut: torch.Tensor, out: torch.Tensor) -> None:
+    """Half-split rotation of every head by its position's angles (LUT row = cos | sin)."""
+    rows, heads, d = l.p("rows"), l.p("heads"), l.p("head_dim")
+    h = d // 2
+    xf = x.view(rows, heads, d).float()
+    lf = lut.view(rows, 1, d).float()
+    cos, sin = lf[..., :h], lf[..., h:]
+    x1, x2 = xf[..., :h], xf[..., h:]
+    o = out.view(rows, heads, d)
+    o[..., :h].copy_(x1 * cos - x2 * sin)
+    o[..., h:].copy_(x2 * cos + x1 * sin)
+
+
+def swiglu(l: Launch, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
+    g = gate.float()
+    out.copy_(F.silu(g).mul_(up.float()))
+
+
+def add(l: Launch, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    # bf16 + bf16 is computed exactly in f32 and rounded once, as the NPU's vector add does.
+    torch.add(a, b, out=out)
+
+
+def flash_attn(l: Launch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    """Causal GQA attention over the chunk; f32 softmax inside torch's fused CPU kernel."""
+    s, hq, hk, d = l.p("seq"), l.p("q_heads"), l.p("kv_heads"), l.p("head_dim")
+    qh = q.view(s, hq, d).transpose(0, 1).unsqueeze(0)
+    kh = k.view(s, hk, d).transpose(0, 1).unsqueeze(0)
+    vh = v.view(s, hk, d).transpose(0, 1).unsqueeze(0)
+    o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=l.p("causal"), enable_gqa=hq != hk)
+    out.view(s, hq, d).copy_(o.squeeze(0).transpose(0, 1))
+
+
+OPS = {
+    "rmsnorm": rmsnorm,
+    "gemm": gemm,
+    "gemv": gemv,
+    "rope": rope,
+    "swiglu": swiglu,
+    "add": add,
+    "flash_attn": flash_attn,
+}

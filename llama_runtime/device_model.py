@@ -1,0 +1,92 @@
+"""A model resident on a device: compiled groups, per-layer BO sets, host tables and the KV cache.
+
+This is the state the prefill and decode step functions share. Building it compiles (or
+loads from the kernel cache) every group, uploads every layer's weights once, and keeps on
+the host only what host ops need: the embedding table (read row by row) and the final norm.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernel_builder.cache import KernelCache
+from kernel_builder.groups import (DECODE_KINDS, PREFILL_KINDS, KernelGroup, build_group, lm_head_gemv,
+                                   prefill_buckets, static_tensors)
+from kernel_builder.profiler import NULL_PROFILER, Profiler
+from llama32_1b_weights import LlamaConfig, LlamaWeights, generate_rope_lut
+from llama_runtime.errors import PromptError
+from llama_runtime.host_ops import KVCache
+
+
+def bo_key(group: KernelGroup, layer: int | None) -> str:
+    return group.name if layer is None else f"{group.name}_L{layer}"
+
+
+@dataclass
+class PrefillGroups:
+    rms_gemms_rope: KernelGroup
+    flash_attn: KernelGroup
+    o_ffn: KernelGroup
+
+
+class DeviceModel:
+    def __init__(self, kc: KernelCache, weights: LlamaWeights, max_context: int,
+                 buckets: tuple[int, ...] | None = None, profiler: Profiler | None = None):
+        cfg = weights.config
+        if max_context > cfg.max_position_embeddings:
+            raise PromptError(f"max context {max_context} exceeds the model's {cfg.max_position_embeddings} positions")
+        self.config: LlamaConfig = cfg
+        self.kc = kc
+        self.profiler = profiler or NULL_PROFILER
+        self.max_context = max_context
+        self.buckets = tuple(buckets) if buckets else prefill_buckets(cfg, max_context)
+        self.prefill_groups = {
+            s: PrefillGroups(*(build_group(k, cfg, s) for k in PREFILL_KINDS)) for s in self.buckets
+        }
+        self.decode_groups = {k: build_group(k, cfg) for k in DECODE_KINDS}
+        self.lm_head = lm_head_gemv(cfg)
+        for g in self.all_groups():
+            kc.compile_and_cache(g)
+        self._preload(weights)
+        self.embed = weights.embed
+        self.final_norm = weights.final_norm
+        self.kv = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, max_context, cfg.head_dim)
+        self.rope_lut = generate_rope_lut(cfg, max_context)
+
+    def all_groups(self) -> list[KernelGroup]:
+        out = [g for pg in self.prefill_groups.values() for g in (pg.rms_gemms_rope, pg.flash_attn, pg.o_ffn)]
+        return out + list(self.decode_groups.values()) + [self.lm_head]
+
+    def _preload(self, weights: LlamaWeights) -> None:
+        """Every layer's weights into its own BO sets, once; the phases share each weight's BO."""
+        layer_groups = [g for g in self.all_groups() if g is not self.lm_head]
+        for layer in range(self.config.num_hidden_layers):
+            for g in layer_groups:
+                self.kc.preload(g.name, bo_key(g, layer), static_tensors(g, weights, layer), share_key=f"L{layer}")
+        self.kc.preload(self.lm_head.name, bo_key(self.lm_head, None), static_tensors(self.lm_head, weights, None))
+
+    def bucket_for(self, n: int) -> int:
+        for s in self.buckets:
+            if n <= s:
+                return s
+        raise PromptError(f"{n} tokens exceed the largest prefill bucket ({self.buckets[-1]})")
+
+    # ---- host ops -------------------------------------------------------------------------
+    def embed_tokens(self, ids: list[int]) -> torch.Tensor:
+        with self.profiler.host_op("embedding"):
+            v = self.config.vocab_size
+            bad = [i for i in ids if not 0 <= i < v]
+            if bad:
+                raise PromptError(f"token id {bad[0]} is outside the model's vocabulary of {v}")
+            return self.embed[torch.tensor(ids, dtype=torch.long)]
+
+    def logits(self, hidden_row: torch.Tensor) -> torch.Tensor:
+        """Final RMSNorm on one row (host), then the LM head as one 8-partition GEMV call."""
+        from llama_runtime.host_ops import rms_norm
+
+        with self.profiler.host_op("final_norm"):
+            h = rms_norm(hidden_row, self.final_norm, self.config.rms_norm_eps)
+        out = self.kc.load_and_run(self.lm_head.name, {"x": h}, bo_key(self.lm_head, None))
+        parts = [out[f"logits_p{i}"] for i in range(len(out))]
+        return torch.cat(parts)[: self.config.vocab_size].float()

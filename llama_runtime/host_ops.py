@@ -1,0 +1,84 @@
+"""Host-side math shared by the runtime and the tests.
+
+The runtime runs a few small ops on the host (the final RMSNorm on one row, decode
+attention over the KV cache, sampling); the tests use the same functions as references, so
+"host" and "reference" cannot disagree about a convention such as where bf16 rounding
+happens.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """f32 math, one rounding to bf16 at the end (as the device RMSNorm launch does)."""
+    xf = x.float()
+    return F.rms_norm(xf, (xf.shape[-1],), weight.float(), eps).to(torch.bfloat16)
+
+
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return torch.softmax(x.float(), dim=dim)
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_heads: int, n_kv_heads: int,
+                        q_start: int = 0) -> torch.Tensor:
+    """Causal GQA attention written out in f32: q [n, Hq·d] at positions q_start.., k/v [T, Hkv·d].
+
+    Query row i (absolute position q_start + i) sees keys 0..q_start + i. Slow and plain on
+    purpose: it is what the fused kernels are checked against.
+    """
+    n, t = q.shape[0], k.shape[0]
+    d = q.shape[1] // n_heads
+    qh = q.float().view(n, n_heads, d).transpose(0, 1)
+    kh = k.float().view(t, n_kv_heads, d).transpose(0, 1).repeat_interleave(n_heads // n_kv_heads, 0)
+    vh = v.float().view(t, n_kv_heads, d).transpose(0, 1).repeat_interleave(n_heads // n_kv_heads, 0)
+    scores = qh @ kh.transpose(1, 2) / math.sqrt(d)
+    qpos = torch.arange(q_start, q_start + n)[:, None]
+    kpos = torch.arange(t)[None, :]
+    scores = scores.masked_fill(kpos > qpos, float("-inf"))
+    out = softmax(scores) @ vh
+    return out.transpose(0, 1).reshape(n, n_heads * d).to(torch.bfloat16)
+
+
+class KVCache:
+    """Head-major K/V for every layer: [layers, kv_heads, max_seq, head_dim], bf16.
+
+    Head-major keeps each head's keys contiguous over positions, so single-query decode
+    attention reads positions 0..pos of a head as one strided block.
+    """
+
+    def __init__(self, layers: int, kv_heads: int, max_seq: int, head_dim: int):
+        shape = (layers, kv_heads, max_seq, head_dim)
+        self.k = torch.zeros(shape, dtype=torch.bfloat16)
+        self.v = torch.zeros(shape, dtype=torch.bfloat16)
+        self.max_seq = max_seq
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def write(self, layer: int, start: int, k_rows: torch.Tensor, v_rows: torch.Tensor) -> None:
+        """Store token-major rows [n, kv_heads·d] at positions start..start+n."""
+        n = k_rows.shape[0]
+        if start + n > self.max_seq:
+            raise IndexError(f"KV cache holds {self.max_seq} positions; writing {start}..{start + n}")
+        kvh, d = self.k.shape[1], self.k.shape[3]
+        self.k[layer, :, start:start + n].copy_(k_rows.view(n, kvh, d).transpose(0, 1))
+        self.v[layer, :, start:start + n].copy_(v_rows.view(n, kvh, d).transpose(0, 1))
+
+
+def decode_attention_cpu(q: torch.Tensor, cache: KVCache, layer: int, pos: int, n_heads: int) -> torch.Tensor:
+    """Single-query GQA attention of the token at `pos` over cached positions 0..pos (inclusive).
+
+    Reads exactly those positions (never the rest of the cache). torch's fused CPU attention
+    keeps softmax in f32 and handles the GQA head grouping without copying K/V.
+    """
+    kvh, d = cache.k.shape[1], cache.k.shape[3]
+    k = cache.k[layer, :, : pos + 1].unsqueeze(0)
+    v = cache.v[layer, :, : pos + 1].unsqueeze(0)
+    qh = q.view(1, n_heads, 1, d)
+    o = F.scaled_dot_product_attention(qh, k, v, enable_gqa=n_heads != kvh)
+    return o.reshape(n_heads * d)
