@@ -88,8 +88,9 @@ class _Entry:
 
 class KernelCache:
     def __init__(self, device, cache_dir: Path | None = None, profiler: Profiler | None = None,
-                 max_loaded: int | None = None, lock_timeout: float = 600.0):
+                 max_loaded: int | None = None, lock_timeout: float = 600.0, allow_compile: bool = True):
         self.device = device
+        self.allow_compile = allow_compile
         self.dir = Path(cache_dir) if cache_dir is not None else kernels_dir()
         self.profiler = profiler or NULL_PROFILER
         self.max_loaded = max_loaded
@@ -125,6 +126,9 @@ class KernelCache:
         path = self.dir / f"{group.name}-{key[:16]}"
         if self._valid(path, key):
             self.stats.loaded_from_disk += 1
+        elif not self.allow_compile:
+            raise KernelCacheError(f"{group.name} is not in the kernel cache {self.dir} (or is stale); "
+                                   "run `make compile` first")
         else:
             self._build_locked(group, key, path)
         self._entries[group.name] = _Entry(group, path)

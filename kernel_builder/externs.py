@@ -14,6 +14,10 @@ L1 (memory space 2). Scalars are i32. Arithmetic is bf16 in, f32 accumulate, bf1
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kernel_builder.groups import Launch
 
 L1 = 2
 
@@ -97,3 +101,22 @@ def attention(head_dim: int, tile: int) -> list[ExternKernel]:
         k("pv", (memref((t, t)), memref((t, d)), f32(t), f32(t, d))),             # p, v, corr, acc
         k("finalize", (f32(t, d), f32(t), memref((t, d)))),                        # acc, l -> o
     ]
+
+
+def externs_for_launch(launch: Launch) -> list[ExternKernel]:
+    """The external kernels one group launch calls, from its op and parameters.
+
+    Ops lowered by the compiler (rmsnorm, gemm, add) call none. The MLIR builders declare
+    these and the object build compiles them, both through this one mapping.
+    """
+    if launch.op == "gemv":
+        return [gemv(launch.p("tile_m"), launch.p("K"))]
+    if launch.op == "rope":
+        return [rope(launch.p("head_dim"))]
+    if launch.op == "swiglu":
+        return [silu_and_mul(launch.p("tile"))]
+    if launch.op == "flash_attn":
+        if launch.p("tile_q") != launch.p("tile_kv"):
+            raise ValueError(f"launch {launch.name!r}: the attention primitives need tile_q == tile_kv")
+        return attention(launch.p("head_dim"), launch.p("tile_q"))
+    return []

@@ -93,7 +93,7 @@ def _fields(reader) -> dict:
 
 def _f32_decimal(x: float) -> float:
     """GGUF stores floats as f32; the shortest decimal that round-trips recovers what was written (1e-05)."""
-    return float(repr(np.float32(x)))
+    return float(str(np.float32(x)))
 
 
 def gguf_config(reader) -> LlamaConfig:
@@ -143,7 +143,7 @@ def gguf_tensors(reader, cfg: LlamaConfig):
             short = ""
         else:
             raise CheckpointError(f"GGUF tensor {t.name!r} has no HF Llama counterpart")
-        w = torch.from_numpy(np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32))
+        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # owned, writable copy
         if tuple(w.shape) != shape:
             raise CheckpointError(f"GGUF tensor {t.name!r} has shape {list(w.shape)}, expected {list(shape)}")
         if short == "wq":
@@ -179,5 +179,6 @@ def import_gguf(gguf_path: Path, out_dir: Path) -> LlamaConfig:
     # transformers rebuilds a fast tokenizer (vocab, merges, pre-tokenizer, chat template) from the
     # GGUF metadata; saving it gives a folder any tokenizer loader reads without the GGUF.
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
+    tok.model_max_length = cfg.max_position_embeddings  # the GGUF path leaves it unbounded
     tok.save_pretrained(str(out_dir))
     return cfg

@@ -40,9 +40,11 @@ static inline bf16 f32_to_bf16(float f) {
 
 // 1/sqrt(n) at compile time: the AIE runtime has no libm to call, and the attention scale
 // is a constant of the compiled head size anyway.
+// Heron's iteration converges from any positive start; 64 steps are far more than any head
+// size needs to reach the double nearest sqrt(n).
 constexpr float inv_sqrt(int n) {
-  double x = 1.0;
+  double s = n;
   for (int i = 0; i < 64; ++i)
-    x = x * (1.5 - 0.5 * n * x * x);
-  return float(x);
+    s = 0.5 * (s + n / s);
+  return float(1.0 / s);
 }

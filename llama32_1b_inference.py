@@ -1,0 +1,156 @@
+"""The runtime users drive: a `Session` (model on a device + tokenizer) and `generate()`.
+
+`build_session` resolves the checkpoint (falling back to the embedded model when Llama
+weights are absent), opens the device (NPU through pyxrt, else the simulated NPU), compiles
+or loads every kernel group through the KernelCache, uploads each layer's weights once, and
+builds the RoPE table and KV cache. `generate` prefills the prompt, then decodes token by
+token, streaming BPE-safe text as it is produced and stopping at an end token, at the token
+budget or at the context limit, and says which.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from kernel_builder.cache import KernelCache
+from kernel_builder.device import open_device
+from kernel_builder.profiler import NULL_PROFILER, Profiler
+from llama32_1b_decode import decode_step
+from llama32_1b_prefill import prefill
+from llama32_1b_weights import load_weights
+from llama_runtime.device_model import DeviceModel
+from llama_runtime.errors import PromptError
+from llama_runtime.models import ResolvedModel, resolve_model
+from llama_runtime.sampling import Sampler, SamplingParams
+from llama_runtime.tokenizer import StreamDecoder, Tokenizer, load_tokenizer
+
+DEFAULT_MAX_CONTEXT = 4096
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    stop_reason: str            # end_token | n_tokens | context_limit | interrupted
+    ttft_s: float = 0.0         # prompt in → first token chosen
+    decode_s: float = 0.0
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        steps = max(len(self.tokens) - 1, 0)
+        return steps / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@dataclass
+class Session:
+    resolved: ResolvedModel
+    model: DeviceModel
+    tokenizer: Tokenizer
+    device: object
+    kc: KernelCache
+    profiler: Profiler
+    chat: bool
+    build_s: float = 0.0
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def encode(self, prompt: str, chat: bool | None = None, system: str | None = None) -> list[int]:
+        if not prompt or not prompt.strip():
+            raise PromptError("the prompt is empty")
+        use_chat = self.chat if chat is None else chat
+        return self.tokenizer.encode_prompt(prompt, chat=use_chat, system=system)
+
+    def generate(self, prompt: str | list[int], n_tokens: int = 32, on_text: Callable[[str], None] | None = None,
+                 sampling: SamplingParams = SamplingParams(), chat: bool | None = None) -> GenerationResult:
+        """Prefill `prompt` (text, or token ids used as given) and decode up to `n_tokens` tokens."""
+        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 1:
+            raise PromptError(f"the number of tokens to generate must be a positive integer (got {n_tokens!r})")
+        ids = list(prompt) if isinstance(prompt, (list, tuple)) else self.encode(prompt, chat)
+        if not ids:
+            raise PromptError("the prompt is empty")
+        limit = self.model.max_context
+        if len(ids) >= limit:
+            raise PromptError(f"the prompt has {len(ids)} tokens; the context limit is {limit} "
+                              "(raise it with --max-context)")
+        sampler = Sampler(sampling)
+        decoder = StreamDecoder(self.tokenizer)
+        ends = set(self.tokenizer.end_token_ids)
+        out: list[int] = []
+        t0 = time.perf_counter()
+        logits = prefill(self.model, ids)
+        pos, reason, ttft, t_first = len(ids), "n_tokens", 0.0, t0
+        try:
+            while True:
+                with self.profiler.host_op("sampling"):
+                    tok = sampler(logits, ids + out)
+                if not out:
+                    t_first = time.perf_counter()
+                    ttft = t_first - t0
+                if tok in ends:
+                    reason = "end_token"
+                    break
+                out.append(tok)
+                piece = decoder.push(tok)
+                if piece and on_text:
+                    on_text(piece)
+                if len(out) >= n_tokens:
+                    break
+                if pos >= limit:
+                    reason = "context_limit"
+                    break
+                logits = decode_step(self.model, tok, pos)
+                pos += 1
+        except KeyboardInterrupt:
+            reason = "interrupted"
+        tail = decoder.flush()
+        if tail and on_text:
+            on_text(tail)
+        decode_s = time.perf_counter() - t_first
+        return GenerationResult(self.tokenizer.decode(out), out, len(ids), reason, ttft, decode_s)
+
+
+def is_chat_model(config, tokenizer: Tokenizer) -> bool:
+    """Instruct models end their turns with an end-of-turn token; base models only end the text."""
+    return any(tokenizer.is_end_of_turn(e) for e in config.eos_token_ids)
+
+
+def build_session(model: str | None = None, device: str = "auto", max_context: int | None = None,
+                  profile: bool = False, cache_dir: Path | None = None, allow_compile: bool = True,
+                  buckets: tuple[int, ...] | None = None, chat: bool | None = None,
+                  log: Callable[[str], None] = print) -> Session:
+    t0 = time.perf_counter()
+    resolved = resolve_model(model)
+    if resolved.fallback_note:
+        log(f"[model] {resolved.fallback_note} Get Llama: accept the licence of meta-llama/Llama-3.2-1B-Instruct "
+            "on huggingface.co and set HF_TOKEN, or pass MODEL=/path/to/folder.")
+    weights = load_weights(resolved.folder)
+    cfg = weights.config
+    log(f"[model] {resolved.name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+        f"{weights.nbytes() / 1e9:.2f} GB bf16 ({resolved.folder})")
+    tokenizer = load_tokenizer(resolved.folder)
+    dev = open_device(device, verbose=True)
+    prof = Profiler() if profile else NULL_PROFILER
+    kc = KernelCache(dev, cache_dir, profiler=prof, allow_compile=allow_compile)
+    ctx = min(max_context or DEFAULT_MAX_CONTEXT, cfg.max_position_embeddings)
+    dm = DeviceModel(kc, weights, ctx, buckets=buckets, profiler=prof)
+    del weights
+    use_chat = is_chat_model(cfg, tokenizer) if chat is None else chat
+    s = Session(resolved, dm, tokenizer, dev, kc, prof, use_chat)
+    s.build_s = time.perf_counter() - t0
+    return s
+
+
+def main(argv: list[str] | None = None) -> int:
+    from llama_runtime.cli import run_cli
+
+    return run_cli(argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

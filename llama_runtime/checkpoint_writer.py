@@ -1,0 +1,50 @@
+"""Writing HF-style checkpoint folders (config, generation config, sharded safetensors).
+
+Only the fixture builders write checkpoints; keeping the layout rules here means the embedded
+import and the 1B-shape model produce folders that differ only in content, and that both look
+like what `from_pretrained` and the runtime's own `Checkpoint` reader expect.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from llama32_1b_weights import LlamaConfig
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def write_configs(folder: Path, cfg: LlamaConfig, pad_token_id: int | None = None) -> None:
+    """config.json plus a generation_config.json, so HF reference runs stop on the same end tokens."""
+    config = cfg.to_dict()
+    gen: dict = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
+    if pad_token_id is not None:
+        config["pad_token_id"] = gen["pad_token_id"] = pad_token_id
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def write_sharded(folder: Path, tensors: Mapping[str, torch.Tensor], shards: Sequence[Sequence[str]]) -> list[Path]:
+    """Write `tensors` split as `shards` (lists of names) with a weight-map index.
+
+    Each shard is written straight from the given tensors (safetensors serialises from their
+    memory, no staging copy), so peak memory stays at the weights themselves.
+    """
+    from safetensors.torch import save_file
+
+    names = [n for shard in shards for n in shard]
+    if sorted(names) != sorted(tensors):
+        raise ValueError("shards must list every tensor exactly once")
+    paths, weight_map = [], {}
+    for i, shard in enumerate(shards, start=1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: tensors[n] for n in shard}, str(folder / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in shard})
+        paths.append(folder / fname)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return paths

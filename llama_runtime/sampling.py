@@ -1,0 +1,64 @@
+"""Next-token choice: greedy by default; temperature, top-k, top-p and repetition penalty on request.
+
+Sampling uses its own `torch.Generator`, so a seed reproduces a run exactly and nothing else
+in the process (or another session) shifts its random stream.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llama_runtime.errors import PromptError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0        # 0 means greedy
+    top_k: int = 0                  # 0 disables
+    top_p: float = 1.0              # 1 disables
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise PromptError(f"temperature must be >= 0 (got {self.temperature})")
+        if self.top_k < 0:
+            raise PromptError(f"top-k must be >= 0 (got {self.top_k})")
+        if not 0 < self.top_p <= 1:
+            raise PromptError(f"top-p must be in (0, 1] (got {self.top_p})")
+        if self.repetition_penalty <= 0:
+            raise PromptError(f"repetition penalty must be > 0 (got {self.repetition_penalty})")
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams = SamplingParams()):
+        self.params = params
+        self.generator = torch.Generator()
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        else:
+            self.generator.seed()
+
+    def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
+        p = self.params
+        logits = logits.float()
+        if p.repetition_penalty != 1.0 and history:
+            # The CTRL rule: shrink positive logits, grow negative ones, of tokens already seen.
+            idx = torch.tensor(sorted(set(history)), dtype=torch.long)
+            seen = logits[idx]
+            logits = logits.clone()
+            logits[idx] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+        if p.temperature == 0:
+            return int(torch.argmax(logits))
+        logits = logits / p.temperature
+        if p.top_k:
+            kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, descending=True)
+            cum = torch.softmax(sorted_logits, -1).cumsum(-1)
+            drop = cum - torch.softmax(sorted_logits, -1) >= p.top_p   # keep the token that crosses p
+            logits = logits.index_fill(0, order[drop], float("-inf"))
+        probs = torch.softmax(logits, -1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))

@@ -1,0 +1,25 @@
+"""Shared fixtures: a tiny Llama config for fast device/cache tests, and isolated cache roots."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from llama32_1b_weights import LlamaConfig, synthetic_weights
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+TINY = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, intermediate_size=128, vocab_size=250, max_position_embeddings=1024,
+                   bos_token_id=1, eos_token_ids=(2,))
+
+
+@pytest.fixture(scope="session")
+def tiny_config() -> LlamaConfig:
+    return TINY
+
+
+@pytest.fixture(scope="session")
+def tiny_weights():
+    return synthetic_weights(TINY, seed=3)

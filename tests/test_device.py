@@ -1,0 +1,122 @@
+"""The device contract: host and device copies are apart until synced, on the simulated NPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_builder.device import SimDevice, Sync, open_device
+from kernel_builder.groups import build_group
+from kernel_builder import xrt_device
+
+
+def _program(tiny_config, tmp_path):
+    dev = SimDevice()
+    g = build_group("o_gemv_ffn", tiny_config)
+    dev.compile(g, tmp_path, None)
+    return dev, g, dev.load(tmp_path, g)
+
+
+def _bos(dev, g, weights):
+    bos = [dev.bo(s.nbytes) for s in g.slots]
+    for i, s in enumerate(g.slots):
+        if s.role.value == "static":
+            bos[i].write(getattr(weights.layers[0], s.name))
+            bos[i].sync(Sync.TO_DEVICE)
+    return bos
+
+
+def test_host_write_without_sync_is_invisible_to_the_kernel(tiny_config, tiny_weights, tmp_path):
+    dev, g, kernel = _program(tiny_config, tmp_path)
+    bos = _bos(dev, g, tiny_weights)
+    out = bos[g.index("out")]
+    kernel.run(bos)                                  # all activations zero on the device
+    out.sync(Sync.FROM_DEVICE)
+    baseline = out.map().clone()
+    x = bos[g.index("x_res")]
+    x.map().view(torch.bfloat16).fill_(1.0)          # host write, no sync
+    kernel.run(bos)
+    out.sync(Sync.FROM_DEVICE)
+    assert torch.equal(out.map(), baseline)
+    x.sync(Sync.TO_DEVICE)
+    kernel.run(bos)
+    out.sync(Sync.FROM_DEVICE)
+    assert not torch.equal(out.map(), baseline)
+
+
+def test_kernel_write_without_sync_is_invisible_to_the_host(tiny_config, tiny_weights, tmp_path):
+    dev, g, kernel = _program(tiny_config, tmp_path)
+    bos = _bos(dev, g, tiny_weights)
+    x = bos[g.index("x_res")]
+    x.map().view(torch.bfloat16).fill_(0.5)
+    x.sync(Sync.TO_DEVICE)
+    kernel.run(bos)
+    out = bos[g.index("out")]
+    assert int(out.map().count_nonzero()) == 0       # device result not synced back yet
+    out.sync(Sync.FROM_DEVICE)
+    assert int(out.map().count_nonzero()) > 0
+
+
+def test_shared_storage_splits_on_host_write():
+    """A written-then-synced BO shares storage with the device; a later host write must not leak."""
+    dev = SimDevice()
+    bo = dev.bo(8)
+    bo.write(torch.arange(8, dtype=torch.uint8))
+    bo.sync(Sync.TO_DEVICE)
+    bo.write(torch.full((8,), 9, dtype=torch.uint8))
+    assert torch.equal(bo.device_view(False), torch.arange(8, dtype=torch.uint8))
+    bo.sync(Sync.TO_DEVICE)
+    assert torch.equal(bo.device_view(False), torch.full((8,), 9, dtype=torch.uint8))
+
+
+def test_partial_sync_moves_only_that_range():
+    dev = SimDevice()
+    bo = dev.bo(8)
+    bo.map().fill_(7)
+    bo.sync(Sync.TO_DEVICE, 4)
+    assert bo.device_view(False).tolist() == [7] * 4 + [0] * 4
+    assert dev.counters.bytes_to_device == 4
+
+
+def test_loading_a_program_that_disagrees_with_the_declaration_fails(tiny_config, tmp_path):
+    from kernel_builder.device import DeviceError
+
+    dev = SimDevice()
+    g = build_group("o_gemv_ffn", tiny_config)
+    dev.compile(g, tmp_path, None)
+    other = build_group("rms_gemv_rope", tiny_config)
+    with pytest.raises(DeviceError, match="does not match"):
+        dev.load(tmp_path, other)
+
+
+def test_auto_device_falls_back_to_the_simulator_and_says_so(capsys):
+    found, reason = xrt_device.probe()
+    dev = open_device("auto")
+    line = capsys.readouterr().out
+    if found:
+        assert dev.kind == "npu"
+    else:
+        assert dev.kind == "sim" and reason in line
+
+
+def test_npu_request_without_npu_is_a_clear_error():
+    found, _ = xrt_device.probe()
+    if found:
+        pytest.skip("an NPU2 is present")
+    from kernel_builder.device import DeviceError
+
+    with pytest.raises(DeviceError, match="DEVICE=npu"):
+        open_device("npu", verbose=False)
+
+
+@pytest.mark.npu
+def test_xrt_device_round_trip():
+    found, reason = xrt_device.probe()
+    if not found:
+        pytest.skip(f"XRT path not runnable here: {reason}")
+    dev = xrt_device.XrtDevice()
+    bo = dev.bo(64)
+    bo.write(torch.arange(64, dtype=torch.uint8))
+    bo.sync(Sync.TO_DEVICE)
+    bo.map().zero_()
+    bo.sync(Sync.FROM_DEVICE)
+    assert bo.map().tolist() == list(range(64))

@@ -1,0 +1,191 @@
+"""KernelCache: compile once, persist, rebuild what is damaged, and honour the BO contract."""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+from pathlib import Path
+
+import pytest
+import torch
+
+import group_reference as ref
+from kernel_builder.cache import KernelCache
+from kernel_builder.device import SimDevice
+from kernel_builder.groups import Role, build_group, lm_head_gemv, static_tensors
+from kernel_builder.profiler import Profiler
+from llama32_1b_weights import generate_rope_lut
+from llama_runtime.errors import KernelCacheError
+
+SEQ = 128
+
+
+def _cache(path, **kw):
+    return KernelCache(SimDevice(), path, **kw)
+
+
+def _ready(kc, g, weights, layers=(0,)):
+    kc.compile_and_cache(g)
+    for layer in layers:
+        kc.preload(g.name, f"{g.name}_L{layer}", static_tensors(g, weights, layer), share_key=f"L{layer}")
+
+
+def _close(a, b):
+    # Same math in a different order of f32 summation: equal up to a couple of bf16 ulps.
+    assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2), (a.float() - b.float()).abs().max()
+
+
+def test_timed_call_writes_only_the_input_bytes(tiny_config, tiny_weights, tmp_path):
+    kc = _cache(tmp_path)
+    g = build_group("rms_gemms_rope", tiny_config, SEQ)
+    _ready(kc, g, tiny_weights)
+    x = torch.randn(SEQ, tiny_config.hidden_size).to(torch.bfloat16)
+    lut = generate_rope_lut(tiny_config, SEQ)
+    kc.load_and_run(g.name, {"x": x, "rope_lut": lut}, f"{g.name}_L0")      # first call
+    before = kc.device.counters.snapshot()
+    kc.load_and_run(g.name, {"x": x, "rope_lut": lut}, f"{g.name}_L0")
+    moved = kc.device.counters.since(before)
+    inputs = sum(s.nbytes for s in g.with_role(Role.INPUT))
+    outputs = sum(s.nbytes for s in g.with_role(Role.OUTPUT))
+    assert moved.bytes_to_device == inputs == x.numel() * 2 + lut.numel() * 2
+    assert moved.bytes_from_device == outputs
+    assert moved.bos_allocated == 0
+    # a 10-token prompt in the same bucket moves only its rows
+    before = kc.device.counters.snapshot()
+    kc.load_and_run(g.name, {"x": x[:10], "rope_lut": lut[:10]}, f"{g.name}_L0", rows=10)
+    assert kc.device.counters.since(before).bytes_to_device == inputs * 10 // SEQ
+
+
+def test_each_group_matches_plain_torch(tiny_config, tiny_weights, tmp_path):
+    cfg, lw = tiny_config, tiny_weights.layers[1]
+    kc = _cache(tmp_path)
+    x = (torch.randn(SEQ, cfg.hidden_size)).to(torch.bfloat16)
+    lut = generate_rope_lut(cfg, SEQ)
+    g1 = build_group("rms_gemms_rope", cfg, SEQ)
+    _ready(kc, g1, tiny_weights, layers=(1,))
+    out1 = kc.load_and_run(g1.name, {"x": x, "rope_lut": lut}, f"{g1.name}_L1")
+    want1 = ref.rms_gemms_rope(cfg, lw, x, lut)
+    for k in ("q", "k", "v"):
+        _close(out1[k], want1[k])
+    g2 = build_group("flash_attn", cfg, SEQ)
+    _ready(kc, g2, tiny_weights, layers=(1,))
+    q, k, v = want1["q"], want1["k"], want1["v"]
+    attn = kc.load_and_run(g2.name, {"q": q, "k": k, "v": v}, f"{g2.name}_L1")["attn"]
+    _close(attn, ref.attention(q, k, v, cfg.num_attention_heads, cfg.num_key_value_heads))
+    g3 = build_group("o_ffn", cfg, SEQ)
+    _ready(kc, g3, tiny_weights, layers=(1,))
+    out3 = kc.load_and_run(g3.name, {"attn": attn, "x_res": x}, f"{g3.name}_L1")["out"]
+    _close(out3, ref.o_ffn(cfg, lw, attn, x)["out"])
+    # decode groups on one row, the LM head over all partitions
+    g4, g5, g6 = build_group("rms_gemv_rope", cfg), build_group("o_gemv_ffn", cfg), lm_head_gemv(cfg)
+    for g in (g4, g5):
+        _ready(kc, g, tiny_weights, layers=(1,))
+    kc.compile_and_cache(g6)
+    kc.preload(g6.name, g6.name, static_tensors(g6, tiny_weights, None))
+    o4 = kc.load_and_run(g4.name, {"x": x[7], "rope_lut": lut[7]}, f"{g4.name}_L1")
+    want4 = ref.rms_gemms_rope(cfg, lw, x[7:8], lut[7:8])
+    for k in ("q", "k", "v"):
+        _close(o4[k], want4[k][0])
+    o5 = kc.load_and_run(g5.name, {"attn": attn[7], "x_res": x[7]}, f"{g5.name}_L1")["out"]
+    _close(o5, ref.o_ffn(cfg, lw, attn[7:8], x[7:8])["out"][0])
+    o6 = kc.load_and_run(g6.name, {"x": x[3]}, g6.name)
+    logits = torch.cat([o6[f"logits_p{i}"] for i in range(8)])
+    assert logits.shape[0] >= cfg.vocab_size
+    _close(logits[: cfg.vocab_size], ref.lin(x[3:4], tiny_weights.lm_head)[0])
+    assert not logits[cfg.vocab_size:].any()     # zero-padded rows of the last partition
+
+
+def test_per_layer_sets_keep_weights_distinct_and_phases_share_them(tiny_config, tiny_weights, tmp_path):
+    kc = _cache(tmp_path)
+    cfg = tiny_config
+    g = build_group("rms_gemv_rope", cfg)
+    _ready(kc, g, tiny_weights, layers=(0, 1))
+    x, lut = torch.randn(cfg.hidden_size).to(torch.bfloat16), generate_rope_lut(cfg, 1)[0]
+    q0 = kc.load_and_run(g.name, {"x": x, "rope_lut": lut}, f"{g.name}_L0")["q"].clone()
+    q1 = kc.load_and_run(g.name, {"x": x, "rope_lut": lut}, f"{g.name}_L1")["q"].clone()
+    assert not torch.equal(q0, q1)
+    _close(q1, ref.rms_gemms_rope(cfg, tiny_weights.layers[1], x[None], lut[None])["q"][0])
+    static_before = kc.resident_bytes()["static"]
+    gp = build_group("rms_gemms_rope", cfg, SEQ)
+    _ready(kc, gp, tiny_weights, layers=(0, 1))          # prefill reuses the decode weight BOs
+    assert kc.resident_bytes()["static"] == static_before
+
+
+def test_second_cache_loads_from_disk_without_compiling(tiny_config, tmp_path):
+    groups = [build_group("o_ffn", tiny_config, SEQ), build_group("rms_gemv_rope", tiny_config)]
+    first = _cache(tmp_path)
+    for g in groups:
+        first.compile_and_cache(g)
+    assert first.stats.compiled == 2
+    second = _cache(tmp_path)
+    for g in groups:
+        second.compile_and_cache(g)
+    assert second.stats.compiled == 0 and second.stats.loaded_from_disk == 2
+
+
+def test_damaged_or_stale_entries_are_rebuilt(tiny_config, tmp_path):
+    g = build_group("o_gemv_ffn", tiny_config)
+    path = _cache(tmp_path).compile_and_cache(g)
+    program = path / "program.json"
+    program.write_text(program.read_text()[:-20])          # truncated artifact
+    kc = _cache(tmp_path)
+    assert kc.compile_and_cache(g) == path
+    assert kc.stats.rebuilt == 1 and json.loads(program.read_text())["kind"] == "o_gemv_ffn"
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["toolchain"] = "other"
+    manifest["key"] = "0" * 64                              # a manifest from another toolchain
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    kc = _cache(tmp_path)
+    kc.compile_and_cache(g)
+    assert kc.stats.rebuilt == 1
+    changed = build_group("o_gemv_ffn", type(tiny_config)(**{**tiny_config.__dict__, "rms_norm_eps": 1e-6}))
+    kc = _cache(tmp_path)
+    new_path = kc.compile_and_cache(changed)                # changed declaration: new entry
+    assert new_path != path and kc.stats.compiled == 1 and not path.exists()
+
+
+def test_run_only_cache_refuses_to_compile(tiny_config, tmp_path):
+    kc = _cache(tmp_path, allow_compile=False)
+    with pytest.raises(KernelCacheError, match="make compile"):
+        kc.compile_and_cache(build_group("o_gemv_ffn", tiny_config))
+
+
+def test_run_before_preload_is_refused(tiny_config, tmp_path):
+    kc = _cache(tmp_path)
+    g = build_group("o_gemv_ffn", tiny_config)
+    kc.compile_and_cache(g)
+    with pytest.raises(KernelCacheError, match="preload"):
+        kc.load_and_run(g.name, {}, "x")
+
+
+def _compile_in_process(args):
+    path, cfg_dict = args
+    from llama32_1b_weights import LlamaConfig
+
+    kc = KernelCache(SimDevice(), Path(path))
+    entry = kc.compile_and_cache(build_group("o_ffn", LlamaConfig(**cfg_dict), SEQ))
+    return str(entry), kc.stats.compiled
+
+
+def test_concurrent_compiles_do_not_corrupt_the_cache(tiny_config, tmp_path):
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(2) as pool:
+        results = pool.map(_compile_in_process, [(str(tmp_path), tiny_config.__dict__)] * 2)
+    entries = {r[0] for r in results}
+    assert len(entries) == 1 and sum(r[1] for r in results) == 1   # one built, the other waited and reused
+    assert not list(tmp_path.glob(".tmp-*"))
+    kc = _cache(tmp_path)
+    kc.compile_and_cache(build_group("o_ffn", tiny_config, SEQ))
+    assert kc.stats.loaded_from_disk == 1
+
+
+def test_profiler_records_write_run_read(tiny_config, tiny_weights, tmp_path):
+    prof = Profiler()
+    kc = _cache(tmp_path, profiler=prof)
+    g = build_group("o_gemv_ffn", tiny_config)
+    _ready(kc, g, tiny_weights)
+    for _ in range(3):
+        kc.load_and_run(g.name, {"attn": torch.zeros(tiny_config.q_dim, dtype=torch.bfloat16),
+                                 "x_res": torch.ones(tiny_config.hidden_size, dtype=torch.bfloat16)}, f"{g.name}_L0")
+    s = prof.groups["o_gemv_ffn"]
+    assert s.calls == 3 and s.run_s > 0 and s.write_s > 0 and s.read_s > 0
+    assert "o_gemv_ffn" in prof.table()
