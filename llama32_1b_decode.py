@@ -39,4 +39,4 @@ def decode_step(model: DeviceModel, token: int, pos: int, capture: Capture | Non
     x = model.embed_tokens([token])[0]
     for layer in range(model.config.num_hidden_layers):
         x = decode_layer(model, layer, x, pos, capture)
-    return model.logits(x)
+    return model.logits(x, capture)

@@ -287,7 +287,7 @@ class KernelCache:
 
     @staticmethod
     def _span(group: KernelGroup, slot, rows: int | None) -> int:
-        if rows is None or len(slot.shape) < 2 or slot.shape[0] != group.seq_len:
+        if rows is None or not slot.token_major:
             return slot.nbytes
         if not 0 < rows <= group.seq_len:
             raise ValueError(f"{group.name}: rows={rows} outside 1..{group.seq_len}")

@@ -42,6 +42,7 @@ class Slot:
     shape: tuple[int, ...]
     dtype: str
     role: Role
+    token_major: bool = False   # [seq, features] activation: rows past a prompt's length are padding
 
     @property
     def numel(self) -> int:
@@ -91,11 +92,15 @@ class KernelGroup:
     slots: tuple[Slot, ...]
     launches: tuple[Launch, ...]
     options: tuple[tuple[str, Any], ...] = field(default=())
+    ctx_len: int = 0           # attention only: positions of K/V it reads (>= seq_len)
 
     @property
     def name(self) -> str:
-        """Unique per compiled shape: prefill groups exist once per sequence bucket."""
-        return f"{self.kind}_s{self.seq_len}" if self.kind in PREFILL_KINDS else self.kind
+        """Unique per compiled shape: prefill groups exist once per sequence bucket (and context)."""
+        if self.kind not in PREFILL_KINDS:
+            return self.kind
+        ctx = f"_c{self.ctx_len}" if self.ctx_len and self.ctx_len != self.seq_len else ""
+        return f"{self.kind}_s{self.seq_len}{ctx}"
 
     def slot(self, name: str) -> Slot:
         for s in self.slots:
@@ -116,7 +121,8 @@ class KernelGroup:
         return {
             "kind": self.kind,
             "seq_len": self.seq_len,
-            "slots": [[s.name, list(s.shape), s.dtype, s.role.value] for s in self.slots],
+            "ctx_len": self.ctx_len,
+            "slots": [[s.name, list(s.shape), s.dtype, s.role.value, s.token_major] for s in self.slots],
             "launches": [
                 {"name": l.name, "op": l.op, "reads": list(l.reads), "writes": list(l.writes),
                  "params": {k: v for k, v in l.params}}
@@ -166,8 +172,11 @@ def _slot(name: str, shape, role: Role, dtype: str = "bf16") -> Slot:
     return Slot(name, tuple(int(d) for d in shape), dtype, role)
 
 
-def _group(kind: str, seq: int, slots, launches) -> KernelGroup:
-    g = KernelGroup(kind, seq, tuple(slots), tuple(launches), tuple(sorted(presets.group_options(kind).items())))
+def _group(kind: str, seq: int, slots, launches, ctx: int = 0) -> KernelGroup:
+    if kind in PREFILL_KINDS:
+        slots = [Slot(s.name, s.shape, s.dtype, s.role,
+                      s.role is not Role.STATIC and len(s.shape) == 2 and s.shape[0] == seq) for s in slots]
+    g = KernelGroup(kind, seq, tuple(slots), tuple(launches), tuple(sorted(presets.group_options(kind).items())), ctx)
     g.validate()
     return g
 
@@ -195,18 +204,29 @@ def rms_gemms_rope(cfg: LlamaConfig, seq: int) -> KernelGroup:
     return _group("rms_gemms_rope", seq, slots, launches)
 
 
-def flash_attn(cfg: LlamaConfig, seq: int) -> KernelGroup:
+def flash_attn(cfg: LlamaConfig, seq: int, ctx: int | None = None) -> KernelGroup:
+    """Causal GQA attention of a chunk of `seq` queries over `ctx` cached positions.
+
+    K/V come from the head-major KV cache ([kv_heads, ctx, head_dim]), and `q_start` is the
+    chunk's first absolute position: query i sees keys 0..q_start+i. A fresh prompt is
+    q_start = 0 with ctx = seq; a later chunk or chat turn reads the earlier positions too.
+    """
+    ctx = ctx or seq
+    if ctx < seq:
+        raise ValueError(f"attention context {ctx} is shorter than its chunk {seq}")
     I, O = Role.INPUT, Role.OUTPUT
+    kvh, d = cfg.num_key_value_heads, cfg.head_dim
     slots = [
-        _slot("q", (seq, cfg.q_dim), I), _slot("k", (seq, cfg.kv_dim), I), _slot("v", (seq, cfg.kv_dim), I),
+        _slot("q", (seq, cfg.q_dim), I), _slot("k_cache", (kvh, ctx, d), I), _slot("v_cache", (kvh, ctx, d), I),
+        _slot("q_start", (1,), I, "i32"),
         _slot("attn", (seq, cfg.q_dim), O),
     ]
     launches = [
-        _launch("flash_attn", "flash_attn", ["q", "k", "v"], ["attn"], seq=seq, q_heads=cfg.num_attention_heads,
-                kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, causal=True,
-                **presets.attention_tiling(seq, cfg.head_dim)),
+        _launch("flash_attn", "flash_attn", ["q", "k_cache", "v_cache", "q_start"], ["attn"], seq=seq, ctx=ctx,
+                q_heads=cfg.num_attention_heads, kv_heads=kvh, head_dim=d, causal=True,
+                **presets.attention_tiling(seq, d)),
     ]
-    return _group("flash_attn", seq, slots, launches)
+    return _group("flash_attn", seq, slots, launches, ctx)
 
 
 def _ffn_tail(cfg: LlamaConfig, rows: int, op: str, tiling) -> tuple[list[Slot], list[Launch]]:
@@ -286,8 +306,10 @@ def lm_head_gemv(cfg: LlamaConfig) -> KernelGroup:
     return _group("lm_head_gemv", 1, slots, launches)
 
 
-def build_group(kind: str, cfg: LlamaConfig, seq_len: int = 1) -> KernelGroup:
-    builders = {"rms_gemms_rope": rms_gemms_rope, "flash_attn": flash_attn, "o_ffn": o_ffn}
+def build_group(kind: str, cfg: LlamaConfig, seq_len: int = 1, ctx_len: int | None = None) -> KernelGroup:
+    if kind == "flash_attn":
+        return flash_attn(cfg, seq_len, ctx_len)
+    builders = {"rms_gemms_rope": rms_gemms_rope, "o_ffn": o_ffn}
     if kind in builders:
         return builders[kind](cfg, seq_len)
     return {"rms_gemv_rope": rms_gemv_rope, "o_gemv_ffn": o_gemv_ffn, "lm_head_gemv": lm_head_gemv}[kind](cfg)
@@ -300,10 +322,18 @@ def all_groups(cfg: LlamaConfig, buckets: tuple[int, ...]) -> list[KernelGroup]:
 
 
 def prefill_buckets(cfg: LlamaConfig, max_seq: int | None = None) -> tuple[int, ...]:
-    """Compiled prefill lengths: powers of two from the smallest preset up to the context limit."""
+    """Compiled prefill lengths: the presets up to the context limit."""
     limit = min(max_seq or cfg.max_position_embeddings, cfg.max_position_embeddings)
     b = tuple(s for s in presets.PREFILL_BUCKETS if s <= limit)
     return b or (presets.PREFILL_BUCKETS[0],)
+
+
+def context_bucket(positions: int, smallest: int, max_context: int) -> int:
+    """Attention context compiled for a chunk ending at `positions`: doubling from `smallest`, capped."""
+    c = smallest
+    while c < positions:
+        c *= 2
+    return min(c, max_context) if positions <= max_context else c
 
 
 def static_tensors(group: KernelGroup, weights, layer: int | None) -> dict[str, torch.Tensor]:

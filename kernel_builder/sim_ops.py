@@ -54,13 +54,21 @@ def add(l: Launch, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     torch.add(a, b, out=out)
 
 
-def flash_attn(l: Launch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
-    """Causal GQA attention over the chunk; f32 softmax inside torch's fused CPU kernel."""
-    s, hq, hk, d = l.p("seq"), l.p("q_heads"), l.p("kv_heads"), l.p("head_dim")
+def flash_attn(l: Launch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: torch.Tensor,
+               out: torch.Tensor) -> None:
+    """Causal GQA attention of the chunk over the cached context; f32 softmax in torch's fused kernel.
+
+    Query i (absolute position q_start + i) sees keys 0..q_start + i of the [kv_heads, ctx, d] cache.
+    """
+    s, c, hq, hk, d = l.p("seq"), l.p("ctx"), l.p("q_heads"), l.p("kv_heads"), l.p("head_dim")
+    start = int(q_start[0])
     qh = q.view(s, hq, d).transpose(0, 1).unsqueeze(0)
-    kh = k.view(s, hk, d).transpose(0, 1).unsqueeze(0)
-    vh = v.view(s, hk, d).transpose(0, 1).unsqueeze(0)
-    o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=l.p("causal"), enable_gqa=hq != hk)
+    kh, vh = k.unsqueeze(0), v.unsqueeze(0)
+    if start == 0 and c == s:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=hq != hk)
+    else:
+        visible = torch.arange(c)[None, :] <= (start + torch.arange(s))[:, None]
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible, enable_gqa=hq != hk)
     out.view(s, hq, d).copy_(o.squeeze(0).transpose(0, 1))
 
 

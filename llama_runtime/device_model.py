@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import torch
 
 from kernel_builder.cache import KernelCache
-from kernel_builder.groups import (DECODE_KINDS, PREFILL_KINDS, KernelGroup, build_group, lm_head_gemv,
-                                   prefill_buckets, static_tensors)
+from kernel_builder.groups import (DECODE_KINDS, PREFILL_KINDS, KernelGroup, build_group, context_bucket,
+                                   lm_head_gemv, prefill_buckets, static_tensors)
 from kernel_builder.profiler import NULL_PROFILER, Profiler
 from llama32_1b_weights import LlamaConfig, LlamaWeights, generate_rope_lut
 from llama_runtime.errors import PromptError
-from llama_runtime.host_ops import KVCache
+from llama_runtime.host_ops import KVCache, rms_norm
 
 
 def bo_key(group: KernelGroup, layer: int | None) -> str:
@@ -46,6 +46,7 @@ class DeviceModel:
         }
         self.decode_groups = {k: build_group(k, cfg) for k in DECODE_KINDS}
         self.lm_head = lm_head_gemv(cfg)
+        self._extra: dict[str, KernelGroup] = {}
         for g in self.all_groups():
             kc.compile_and_cache(g)
         self._preload(weights)
@@ -72,6 +73,23 @@ class DeviceModel:
                 return s
         raise PromptError(f"{n} tokens exceed the largest prefill bucket ({self.buckets[-1]})")
 
+    def attention_group(self, seq: int, start: int, n: int) -> KernelGroup:
+        """The attention group for a chunk of `n` real rows (bucket `seq`) starting at `start`.
+
+        A fresh prompt uses the bucket's own group; a chunk after cached positions needs a
+        longer context, compiled on first use (once per power-of-two context length).
+        """
+        if start == 0:
+            return self.prefill_groups[seq].flash_attn
+        ctx = max(seq, context_bucket(start + n, self.buckets[0], self.max_context))
+        g = build_group("flash_attn", self.config, seq, ctx)
+        if g.name not in self._extra:
+            self.kc.compile_and_cache(g)
+            for layer in range(self.config.num_hidden_layers):
+                self.kc.preload(g.name, bo_key(g, layer), {})
+            self._extra[g.name] = g
+        return self._extra[g.name]
+
     # ---- host ops -------------------------------------------------------------------------
     def embed_tokens(self, ids: list[int]) -> torch.Tensor:
         with self.profiler.host_op("embedding"):
@@ -81,12 +99,12 @@ class DeviceModel:
                 raise PromptError(f"token id {bad[0]} is outside the model's vocabulary of {v}")
             return self.embed[torch.tensor(ids, dtype=torch.long)]
 
-    def logits(self, hidden_row: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden_row: torch.Tensor, capture=None) -> torch.Tensor:
         """Final RMSNorm on one row (host), then the LM head as one 8-partition GEMV call."""
-        from llama_runtime.host_ops import rms_norm
-
         with self.profiler.host_op("final_norm"):
             h = rms_norm(hidden_row, self.final_norm, self.config.rms_norm_eps)
+        if capture:
+            capture(-1, "final_normed", h)
         out = self.kc.load_and_run(self.lm_head.name, {"x": h}, bo_key(self.lm_head, None))
         parts = [out[f"logits_p{i}"] for i in range(len(out))]
         return torch.cat(parts)[: self.config.vocab_size].float()

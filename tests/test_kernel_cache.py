@@ -69,7 +69,9 @@ def test_each_group_matches_plain_torch(tiny_config, tiny_weights, tmp_path):
     g2 = build_group("flash_attn", cfg, SEQ)
     _ready(kc, g2, tiny_weights, layers=(1,))
     q, k, v = want1["q"], want1["k"], want1["v"]
-    attn = kc.load_and_run(g2.name, {"q": q, "k": k, "v": v}, f"{g2.name}_L1")["attn"]
+    head_major = lambda t: t.view(SEQ, cfg.num_key_value_heads, cfg.head_dim).transpose(0, 1)  # noqa: E731
+    attn = kc.load_and_run(g2.name, {"q": q, "k_cache": head_major(k), "v_cache": head_major(v),
+                                     "q_start": torch.tensor([0], dtype=torch.int32)}, f"{g2.name}_L1")["attn"]
     _close(attn, ref.attention(q, k, v, cfg.num_attention_heads, cfg.num_key_value_heads))
     g3 = build_group("o_ffn", cfg, SEQ)
     _ready(kc, g3, tiny_weights, layers=(1,))
