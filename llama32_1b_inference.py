@@ -10,7 +10,7 @@ budget or at the context limit, and says which.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -24,7 +24,7 @@ from llama_runtime.device_model import DeviceModel
 from llama_runtime.errors import PromptError
 from llama_runtime.models import ResolvedModel, resolve_model
 from llama_runtime.sampling import Sampler, SamplingParams
-from llama_runtime.tokenizer import StreamDecoder, Tokenizer, load_tokenizer
+from llama_runtime.tokenizer import StreamDecoder, Tokenizer
 
 DEFAULT_MAX_CONTEXT = 4096
 
@@ -37,7 +37,8 @@ class GenerationResult:
     stop_reason: str            # end_token | n_tokens | context_limit | interrupted
     ttft_s: float = 0.0         # prompt in → first token chosen
     decode_s: float = 0.0
-    timings: dict = field(default_factory=dict)
+    cached: int = 0             # positions now in the KV cache (prompt + every token fed back)
+    prefill_tokens: int = 0     # tokens this call prefilled (only the new ones in a chat turn)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -67,28 +68,37 @@ class Session:
         return self.tokenizer.encode_prompt(prompt, chat=use_chat, system=system)
 
     def generate(self, prompt: str | list[int], n_tokens: int = 32, on_text: Callable[[str], None] | None = None,
-                 sampling: SamplingParams = SamplingParams(), chat: bool | None = None) -> GenerationResult:
-        """Prefill `prompt` (text, or token ids used as given) and decode up to `n_tokens` tokens."""
+                 sampling: SamplingParams = SamplingParams(), chat: bool | None = None,
+                 start: int = 0, history: list[int] | None = None) -> GenerationResult:
+        """Prefill `prompt` (text, or token ids used as given) at position `start`, then decode.
+
+        `start` > 0 continues a conversation whose first `start` positions are already in the
+        KV cache (their tokens in `history`, used by the repetition penalty): only the new
+        tokens are prefilled. Generation stops at an end token, after `n_tokens`, or at the
+        context limit; Ctrl-C stops it too and returns what was produced.
+        """
         if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 1:
             raise PromptError(f"the number of tokens to generate must be a positive integer (got {n_tokens!r})")
         ids = list(prompt) if isinstance(prompt, (list, tuple)) else self.encode(prompt, chat)
         if not ids:
             raise PromptError("the prompt is empty")
         limit = self.model.max_context
-        if len(ids) >= limit:
-            raise PromptError(f"the prompt has {len(ids)} tokens; the context limit is {limit} "
-                              "(raise it with --max-context)")
+        if start + len(ids) >= limit:
+            raise PromptError(f"the prompt needs {start + len(ids)} positions and leaves no room to generate: "
+                              f"the context limit is {limit} (raise it with --max-context)")
+        seen = list(history or []) + ids
         sampler = Sampler(sampling)
         decoder = StreamDecoder(self.tokenizer)
-        ends = set(self.tokenizer.end_token_ids)
+        ends = self.tokenizer.end_token_ids
         out: list[int] = []
         t0 = time.perf_counter()
-        logits = prefill(self.model, ids)
-        pos, reason, ttft, t_first = len(ids), "n_tokens", 0.0, t0
+        pos, reason, ttft, t_first = start, "n_tokens", 0.0, t0
         try:
+            logits = prefill(self.model, ids, start=start)
+            pos = start + len(ids)
             while True:
                 with self.profiler.host_op("sampling"):
-                    tok = sampler(logits, ids + out)
+                    tok = sampler(logits, seen + out)
                 if not out:
                     t_first = time.perf_counter()
                     ttft = t_first - t0
@@ -111,13 +121,20 @@ class Session:
         tail = decoder.flush()
         if tail and on_text:
             on_text(tail)
-        decode_s = time.perf_counter() - t_first
-        return GenerationResult(self.tokenizer.decode(out), out, len(ids), reason, ttft, decode_s)
+        decode_s = time.perf_counter() - t_first if out else 0.0
+        return GenerationResult(self.tokenizer.decode(out), out, len(ids), reason, ttft, decode_s,
+                                cached=pos, prefill_tokens=len(ids))
+
+
+END_OF_TURN = ("<|eot_id|>", "<|im_end|>")
 
 
 def is_chat_model(config, tokenizer: Tokenizer) -> bool:
     """Instruct models end their turns with an end-of-turn token; base models only end the text."""
-    return any(tokenizer.is_end_of_turn(e) for e in config.eos_token_ids)
+    if tokenizer.chat is None:
+        return False
+    turn_ends = {tokenizer.hf.convert_tokens_to_ids(t) for t in END_OF_TURN}
+    return any(e in turn_ends for e in config.eos_token_ids)
 
 
 def build_session(model: str | None = None, device: str = "auto", max_context: int | None = None,
@@ -133,7 +150,7 @@ def build_session(model: str | None = None, device: str = "auto", max_context: i
     cfg = weights.config
     log(f"[model] {resolved.name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
         f"{weights.nbytes() / 1e9:.2f} GB bf16 ({resolved.folder})")
-    tokenizer = load_tokenizer(resolved.folder)
+    tokenizer = Tokenizer(resolved.folder, cfg)
     dev = open_device(device, verbose=True)
     prof = Profiler() if profile else NULL_PROFILER
     kc = KernelCache(dev, cache_dir, profiler=prof, allow_compile=allow_compile)

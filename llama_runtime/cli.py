@@ -1,0 +1,141 @@
+"""Command line of `llama32_1b_inference.py`: one prompt, or an interactive chat.
+
+Errors a user can cause print one line (`error: ...`) and exit 2; `--verbose` adds the
+traceback. Ctrl-C stops the current answer; in chat the conversation stays usable.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+
+from llama_runtime.errors import PromptError, UserError
+from llama_runtime.sampling import SamplingParams
+
+
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {v}")
+    return v
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="llama32_1b_inference.py",
+                                description="Llama-3.2-1B on the AMD NPU2 (or the simulated NPU) through MLIR-AIR.")
+    p.add_argument("--prompt", "-p", help="prompt text; '-' reads it from standard input")
+    p.add_argument("--model", "-m", default="instruct",
+                   help="instruct | base | embedded | llama1b-shape | a local folder | a HF repo id (default: instruct)")
+    p.add_argument("--n-tokens", "-n", type=positive_int, default=32, help="tokens to generate (default 32)")
+    p.add_argument("--device", choices=("auto", "npu", "sim"), default="auto")
+    p.add_argument("--max-context", type=positive_int, help="KV cache length in positions (default 4096)")
+    p.add_argument("--system", help="system prompt for chat models")
+    p.add_argument("--raw", action="store_true", help="no chat template, even for instruct models")
+    p.add_argument("--interactive", "-i", action="store_true", help="chat: /reset, /quit, Ctrl-D to leave")
+    p.add_argument("--profile", action="store_true", help="print a per-call timing breakdown")
+    p.add_argument("--compile-only", action="store_true", help="compile every kernel group into the cache and stop")
+    p.add_argument("--run-only", action="store_true", help="never compile; fail if the kernel cache lacks a group")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--verbose", "-v", action="store_true", help="tracebacks on errors")
+    return p
+
+
+def _read_prompt(args) -> str:
+    if args.prompt == "-":
+        data = sys.stdin.buffer.read()
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise PromptError(f"standard input is not valid UTF-8 (byte {e.start})") from None
+    if args.prompt is None:
+        raise PromptError("no prompt: pass --prompt TEXT (or --interactive)")
+    return args.prompt
+
+
+def _summary(r) -> str:
+    why = {"end_token": "end of answer", "n_tokens": "token budget reached", "context_limit": "context limit reached",
+           "interrupted": "interrupted"}[r.stop_reason]
+    return (f"[stats] prompt {r.prompt_tokens} tokens, TTFT {r.ttft_s:.3f} s, {len(r.tokens)} tokens at "
+            f"{r.decode_tokens_per_s:.2f} tok/s, stopped: {why}")
+
+
+def _chat(session, args, sampling) -> None:
+    from llama_runtime.chat import Conversation
+
+    conv = Conversation(session, system=args.system)
+    print("[chat] /reset starts over, /quit or Ctrl-D leaves, Ctrl-C stops an answer.", flush=True)
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            print()
+            return
+        except KeyboardInterrupt:
+            print()
+            continue
+        cmd = line.strip()
+        if cmd in ("/quit", "/exit"):
+            return
+        if cmd == "/reset":
+            conv.reset()
+            print("[chat] conversation cleared", flush=True)
+            continue
+        if not cmd:
+            continue
+        print("assistant> ", end="", flush=True)
+        try:
+            r = conv.ask(line, args.n_tokens, lambda t: print(t, end="", flush=True), sampling)
+        except KeyboardInterrupt:
+            print("\n[chat] stopped", flush=True)
+            continue
+        except UserError as e:
+            print(f"\nerror: {e}", flush=True)
+            continue
+        for note in conv.notices:
+            print(f"\n[chat] {note}", flush=True)
+        conv.notices.clear()
+        print(f"\n{_summary(r)}", flush=True)
+
+
+def run_cli(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        from llama32_1b_inference import build_session
+
+        sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed)
+        prompt = None if (args.interactive or args.compile_only) else _read_prompt(args)
+        session = build_session(args.model, args.device, args.max_context, profile=args.profile,
+                                allow_compile=not args.run_only, chat=False if args.raw else None)
+        k = session.kc.stats
+        print(f"[kernels] {len(session.model.all_groups())} groups: {k.compiled} compiled, "
+              f"{k.loaded_from_disk} from cache ({session.kc.dir}); ready in {session.build_s:.1f} s", flush=True)
+        if args.compile_only:
+            return 0
+        if args.interactive:
+            _chat(session, args, sampling)
+            return 0
+        session.profiler.reset()
+        ids = session.encode(prompt, system=args.system)
+        r = session.generate(ids, args.n_tokens, lambda t: print(t, end="", flush=True), sampling)
+        print()
+        print(_summary(r), flush=True)
+        if args.profile:
+            from llama_runtime.profile_report import report
+
+            print(report(session, r))
+        return 130 if r.stop_reason == "interrupted" else 0
+    except UserError as e:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130

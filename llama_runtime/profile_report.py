@@ -1,0 +1,21 @@
+"""The `make profile` breakdown: where a generation's time went, per device call and host op."""
+from __future__ import annotations
+
+
+def report(session, result) -> str:
+    prof, dev = session.profiler, session.device
+    dev_calls = sum(s.calls for s in prof.groups.values())
+    dev_s = sum(s.total_s for s in prof.groups.values())
+    host_s = sum(s.run_s for s in prof.host.values())
+    lines = [
+        f"== profile: {session.resolved.name} on {dev.name} ==",
+        prof.table(),
+        f"device calls: {dev_calls} in {dev_s * 1e3:.1f} ms; host ops {host_s * 1e3:.1f} ms",
+        f"prompt {result.prompt_tokens} tokens -> bucket {session.model.bucket_for(min(result.prompt_tokens, session.model.buckets[-1]))}; "
+        f"TTFT {result.ttft_s * 1e3:.1f} ms; decode {len(result.tokens)} tokens, "
+        f"{result.decode_tokens_per_s:.2f} tok/s ({1e3 / result.decode_tokens_per_s if result.decode_tokens_per_s else 0:.1f} ms/token)",
+        f"BO traffic: {dev.counters.bytes_to_device / 1e6:.1f} MB to device, "
+        f"{dev.counters.bytes_from_device / 1e6:.1f} MB from device; resident "
+        + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in session.kc.resident_bytes().items()),
+    ]
+    return "\n".join(lines)
