@@ -1,0 +1,131 @@
+"""Prefill, decode and generation on the embedded model (SmolLM2-135M-Instruct) on the simulated NPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llama32_1b_decode import decode_step
+from llama32_1b_inference import build_session
+from llama32_1b_prefill import prefill
+from llama_runtime.errors import PromptError
+from llama_runtime.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    return build_session("embedded", "sim", max_context=2560, cache_dir=tmp_path_factory.mktemp("kernels"),
+                         buckets=(128, 256, 2048), log=lambda s: None)
+
+
+def _calls(session):
+    return session.device.counters.runs
+
+
+def test_device_calls_per_layer(session):
+    layers = session.config.num_hidden_layers
+    ids = session.encode("Hello there")
+    before = _calls(session)
+    logits = prefill(session.model, ids)
+    assert _calls(session) - before == 3 * layers + 1          # + the LM head
+    before = _calls(session)
+    decode_step(session.model, int(logits.argmax()), len(ids))
+    assert _calls(session) - before == 2 * layers + 1
+
+
+def test_padding_to_the_bucket_never_changes_the_logits(session):
+    m = session.model
+    ids = session.encode("Name three rivers in Europe.")
+    a = prefill(m, ids)                                      # bucket 128
+    m.buckets, saved = (2048,), m.buckets                     # force the largest bucket
+    try:
+        b = prefill(m, ids)
+    finally:
+        m.buckets = saved
+    assert torch.equal(a, b)
+
+
+def test_prompt_containing_eos_is_handled(session):
+    eos = sorted(session.tokenizer.end_token_ids)[0]
+    ids = session.encode("First part.")[:-1] + [eos] + session.encode("Second part?")[1:]
+    r = session.generate(ids, 4)
+    assert r.prompt_tokens == len(ids) and r.stop_reason in ("n_tokens", "end_token")
+
+
+def test_decode_reads_only_positions_up_to_the_current_one(session):
+    m = session.model
+    ids = session.encode("Count: one, two, three,")
+    first = prefill(m, ids)
+    tok, pos = int(first.argmax()), len(ids)
+    clean = decode_step(m, tok, pos).clone()
+    m.kv.k[:, :, pos + 1:] = float("nan")                    # everything past the current position
+    m.kv.v[:, :, pos + 1:] = float("nan")
+    try:
+        poisoned = decode_step(m, tok, pos)
+    finally:
+        m.kv.k[:, :, pos + 1:] = 0
+        m.kv.v[:, :, pos + 1:] = 0
+    assert torch.equal(clean, poisoned)
+
+
+def test_japan_answer_names_tokyo(session):
+    r = session.generate("What is the capital of Japan?", 16)
+    assert "Tokyo" in r.text and r.stop_reason == "end_token"
+
+
+def test_chunked_prefill_equals_single_shot(session):
+    m = session.model
+    ids = (session.encode("Tell me a story about a lighthouse keeper and the sea.") * 20)[:300]
+    single = prefill(m, ids)                                 # one 2048 chunk
+    m.buckets, saved = (128, 256), m.buckets                 # now 256 + 44 at an offset
+    try:
+        chunked = prefill(m, ids)
+    finally:
+        m.buckets = saved
+    assert int(single.argmax()) == int(chunked.argmax())
+    assert torch.nn.functional.cosine_similarity(single, chunked, dim=0) > 0.999
+
+
+def test_two_turn_chat_matches_a_fresh_run_of_the_transcript(session):
+    from llama_runtime.chat import Conversation
+
+    conv = Conversation(session)
+    conv.ask("What is the capital of Japan?", 12)
+    before = _calls(session)
+    second = conv.ask("And of France?", 12)
+    layers = session.config.num_hidden_layers
+    # the second turn prefilled only its new tokens: one chunk, far fewer than the transcript
+    assert second.prefill_tokens < len(conv.tokens) // 2
+    assert _calls(session) - before == (3 * layers + 1) + (2 * layers + 1) * (len(second.tokens) - 1 +
+                                                                              (second.stop_reason == "end_token"))
+    fresh_ids = session.tokenizer.chat.render(conv.messages[:-1])
+    fresh = session.generate(fresh_ids, 12)
+    assert fresh.tokens == second.tokens
+
+
+def test_sampling_is_reproducible_with_a_seed(session):
+    p = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=7)
+    a = session.generate("Write a word.", 8, sampling=p).tokens
+    b = session.generate("Write a word.", 8, sampling=p).tokens
+    c = session.generate("Write a word.", 8, sampling=SamplingParams(temperature=1.0, top_k=50, top_p=0.95,
+                                                                     seed=8)).tokens
+    assert a == b and a != c
+
+
+def test_over_long_input_is_refused(session):
+    ids = session.encode("word " * 3000)
+    with pytest.raises(PromptError, match="context limit"):
+        session.generate(ids, 4)
+    with pytest.raises(PromptError, match="empty"):
+        session.generate("   ", 4)
+    with pytest.raises(PromptError, match="positive"):
+        session.generate("hi", 0)
+
+
+def test_generation_stops_at_the_context_limit(session):
+    limit = session.model.max_context
+    ids = session.encode("a b c d e f g h")
+    start = limit - len(ids) - 3          # continue a (pretend) long conversation near the limit
+    r = session.generate(ids, 50, start=start, history=[0] * start)
+    # three free positions: three tokens are fed back, and a fourth is sampled from the last one
+    assert r.stop_reason in ("context_limit", "end_token") and len(r.tokens) <= 4
+    assert r.stop_reason == "end_token" or (len(r.tokens) == 4 and r.cached == limit)
