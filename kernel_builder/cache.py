@@ -142,6 +142,8 @@ class KernelCache:
                 if self._valid(path, key):       # another process built it while we waited
                     self.stats.loaded_from_disk += 1
                     return
+                for orphan in self.dir.glob(f".tmp-{group.name}-*"):   # left by a killed compile
+                    shutil.rmtree(orphan, ignore_errors=True)
                 self._build(group, key, path)
         except PermissionError as e:
             raise KernelCacheError(f"kernel cache folder {self.dir} is not writable ({e.strerror}); "

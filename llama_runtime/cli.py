@@ -23,8 +23,15 @@ def positive_int(text: str) -> int:
     return v
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line on stderr (exit 2) rather than usage plus the error."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="llama32_1b_inference.py",
+    p = _Parser(prog="llama32_1b_inference.py",
                                 description="Llama-3.2-1B on the AMD NPU2 (or the simulated NPU) through MLIR-AIR.")
     p.add_argument("--prompt", "-p", help="prompt text; '-' reads it from standard input")
     p.add_argument("--model", "-m", default="instruct",
@@ -111,6 +118,8 @@ def run_cli(argv: list[str] | None = None) -> int:
 
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed)
         prompt = None if (args.interactive or args.compile_only) else _read_prompt(args)
+        if prompt is not None and not prompt.strip():
+            raise PromptError("the prompt is empty")
         session = build_session(args.model, args.device, args.max_context, profile=args.profile,
                                 allow_compile=not args.run_only, chat=False if args.raw else None)
         k = session.kc.stats
