@@ -197,6 +197,12 @@ class LlamaWeights:
     lm_head: torch.Tensor        # [vocab, hidden]; the embedding itself when tied
     layers: list[LayerWeights]
     source: str = ""
+    checkpoint: Checkpoint | None = None   # the mapping behind the tensors, when loaded from disk
+
+    def release_pages(self) -> None:
+        """Let the OS drop file pages already copied elsewhere (see `Checkpoint.release_pages`)."""
+        if self.checkpoint is not None:
+            self.checkpoint.release_pages()
 
     def nbytes(self) -> int:
         """bf16 bytes of distinct tensors (a tied LM head counts once)."""
@@ -226,7 +232,7 @@ def load_weights(source: str | Path) -> LlamaWeights:
         LayerWeights(**{n: ckpt.get(f"model.layers.{i}.{t}", shapes[n]) for n, t in LAYER_TENSORS.items()})
         for i in range(cfg.num_hidden_layers)
     ]
-    return LlamaWeights(cfg, embed, ckpt.get("model.norm.weight", (h,)), lm_head, layers, str(folder))
+    return LlamaWeights(cfg, embed, ckpt.get("model.norm.weight", (h,)), lm_head, layers, str(folder), ckpt)
 
 
 def synthetic_weights(config: LlamaConfig, seed: int = 0) -> LlamaWeights:

@@ -52,18 +52,34 @@ class DeviceError(RuntimeError):
 
 
 class SimBO:
-    """A simulated buffer object: host and device byte arrays, moved only by `sync`."""
+    """A simulated buffer object: host and device byte arrays, moved only by `sync`.
+
+    Both sides are allocated on first use (a fresh BO reads as zeros, as XRT's do), so a
+    weight buffer costs one copy of the weight: written on the host, then shared with the
+    device side by a full sync until either side is written again.
+    """
 
     def __init__(self, device: "SimDevice", nbytes: int):
         self.size = nbytes
         self._dev_counters = device.counters
-        self._host: torch.Tensor | None = torch.zeros(nbytes, dtype=torch.uint8)
-        self._dev = torch.zeros(nbytes, dtype=torch.uint8)
-        self._mapped = False
+        self._host: torch.Tensor | None = None
+        self._dev: torch.Tensor | None = None
+        self._shared = False       # host and device sides are one storage (equal contents)
+        self._mapped = False       # a mapped BO may be written behind our back: never shared
+
+    def _zeros(self) -> torch.Tensor:
+        return torch.zeros(self.size, dtype=torch.uint8)
+
+    def _dev_side(self) -> torch.Tensor:
+        if self._dev is None:
+            self._dev = self._zeros()
+        return self._dev
 
     def _own_host(self) -> torch.Tensor:
-        if self._host is None:          # shared with the device side: split before writing
-            self._host = self._dev.clone()
+        if self._shared:
+            self._host, self._shared = self._dev.clone(), False
+        elif self._host is None:
+            self._host = self._zeros()
         return self._host
 
     def map(self) -> torch.Tensor:
@@ -76,30 +92,31 @@ class SimBO:
         self._own_host()[offset:offset + raw.numel()].copy_(raw)
 
     def read(self, nbytes: int | None = None, offset: int = 0) -> torch.Tensor:
-        host = self._dev if self._host is None else self._host
         end = self.size if nbytes is None else offset + nbytes
-        return host[offset:end].clone()
+        return self._own_host()[offset:end].clone()
 
     def sync(self, direction: Sync, nbytes: int | None = None, offset: int = 0) -> None:
         n = self.size - offset if nbytes is None else nbytes
         if direction is Sync.TO_DEVICE:
             self._dev_counters.bytes_to_device += n
-            if self._host is None:
+            if self._shared:
                 return
+            host = self._own_host()
             if not self._mapped and offset == 0 and n == self.size:
-                self._dev, self._host = self._host, None   # share until either side writes
+                self._dev, self._shared = host, True      # one storage until either side writes
             else:
-                self._dev[offset:offset + n].copy_(self._host[offset:offset + n])
+                self._dev_side()[offset:offset + n].copy_(host[offset:offset + n])
         else:
             self._dev_counters.bytes_from_device += n
-            if self._host is not None:
-                self._host[offset:offset + n].copy_(self._dev[offset:offset + n])
+            if not self._shared:
+                self._own_host()[offset:offset + n].copy_(self._dev_side()[offset:offset + n])
 
     def device_view(self, for_write: bool) -> torch.Tensor:
-        """What a simulated kernel sees; a write first detaches a shared host side."""
-        if for_write and self._host is None:
-            self._host = self._dev.clone()
-        return self._dev
+        """What a simulated kernel sees; a kernel write first gives the host side its own copy."""
+        dev = self._dev_side()
+        if for_write and self._shared:
+            self._host, self._shared = dev.clone(), False
+        return dev
 
 
 @dataclass
@@ -126,14 +143,14 @@ class SimKernel:
     def _bind(self, bos: list[SimBO]) -> dict[str, torch.Tensor]:
         # Keyed on storage addresses: the cached views keep their storages alive, so an
         # address cannot be reused by a different buffer while the cache refers to it.
-        key = tuple(b._dev.data_ptr() for b in bos)
+        key = tuple(b._dev_side().data_ptr() for b in bos)
         if key != self._cache_key:
             views = {}
             for slot, bo in zip(self.group.slots, bos):
                 raw = bo.device_view(for_write=slot.name in self._written)
                 views[slot.name] = raw[: slot.nbytes].view(slot.torch_dtype).view(slot.shape)
             self._views = views
-            self._cache_key = tuple(b._dev.data_ptr() for b in bos)
+            self._cache_key = key
         return self._views
 
     def run(self, bos: list[SimBO]) -> None:

@@ -65,7 +65,9 @@ class DeviceModel:
         for layer in range(self.config.num_hidden_layers):
             for g in layer_groups:
                 self.kc.preload(g.name, bo_key(g, layer), static_tensors(g, weights, layer), share_key=f"L{layer}")
+            weights.release_pages()
         self.kc.preload(self.lm_head.name, bo_key(self.lm_head, None), static_tensors(self.lm_head, weights, None))
+        weights.release_pages()
 
     def bucket_for(self, n: int) -> int:
         for s in self.buckets:

@@ -9,6 +9,7 @@ Only the safetensors format is read: pickled checkpoints are never loaded.
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 from pathlib import Path
 
@@ -63,6 +64,16 @@ class SafetensorsFile:
     def names(self) -> list[str]:
         return list(self._entries)
 
+    def release_pages(self) -> None:
+        """Drop the mapping's resident pages; views stay valid and fault back in from the file.
+
+        Preload copies each weight into a device buffer once; without this the copied-from pages
+        would stay resident too and the process would briefly hold every weight twice.
+        """
+        m = getattr(self._map, "_mmap", None)
+        if m is not None and hasattr(m, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            m.madvise(mmap.MADV_DONTNEED)
+
     def info(self, name: str) -> tuple[str, tuple[int, ...]]:
         dtype, shape, _, _ = self._entries[name]
         return dtype, shape
@@ -112,6 +123,10 @@ class Checkpoint:
                 st = SafetensorsFile(shard)
                 for name in st.names():
                     self._where[name] = st
+
+    def release_pages(self) -> None:
+        for st in {id(f): f for f in self._where.values()}.values():
+            st.release_pages()
 
     def __contains__(self, name: str) -> bool:
         return name in self._where

@@ -75,7 +75,7 @@ void qk(const bf16 *KRESTRICT q, const bf16 *KRESTRICT k, float *KRESTRICT s) {
 // exp(x) for a scalar through the vector unit: the core has no scalar exp.
 inline float exp_scalar(float x) {
   aie::vector<bf16, kF32Lanes> e = aie::exp2<bf16>(aie::broadcast<float, kF32Lanes>(x * kLog2e));
-  return bf16_to_f32(e[0]);
+  return bf16_to_f32(static_cast<bf16>(e[0]));
 }
 
 template <int T>

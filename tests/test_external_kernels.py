@@ -1,0 +1,373 @@
+"""The external C++ kernels: their scalar paths against numpy/torch references, their
+`extern "C"` signatures against `externs.py`, and the object build's stamps and Peano probe."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import shutil
+import subprocess
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from kernel_builder import backend_presets as presets
+from kernel_builder import externs
+from kernel_builder.external_kernels import (
+    KERNELS_DIR, PEANO_FLAGS, PEANO_TARGET, Toolchain, ToolchainNotFound, build_objects, define_flags,
+    externs_for_groups, find_peano,
+)
+from kernel_builder.groups import all_groups, build_group, prefill_buckets
+from kernel_builder.host_kernels import ELEMENT_TYPES, HOST_FLAGS, ArgType, HostKernels, host_toolchain
+from llama32_1b_weights import LlamaConfig, generate_rope_lut
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+LLAMA = LlamaConfig()
+SMOLLM2 = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                      head_dim=64, intermediate_size=1536, vocab_size=49152, rope_theta=100000.0,
+                      rope_scaling=None, max_position_embeddings=8192)
+ROPE_POSITIONS = (0, 1, 777, 8191)
+ATTN_SEQ = 128
+ATTN_KV_HEADS, ATTN_Q_HEADS = 2, 4
+ATTN_HEAD_DIMS = (64, 128)
+
+
+def _launch(group, name):
+    return next(l for l in group.launches if l.name == name)
+
+
+def _gemv_kernels():
+    g = build_group("o_gemv_ffn", LLAMA)
+    return [externs.externs_for_launch(_launch(g, n))[0] for n in ("gate_proj", "down_proj")]
+
+
+def _swiglu_kernel():
+    return externs.externs_for_launch(_launch(build_group("o_gemv_ffn", LLAMA), "swiglu"))[0]
+
+
+def _attention_kernels(head_dim):
+    t = presets.attention_tiling(ATTN_SEQ, head_dim)["tile_q"]
+    return {dict(k.defines)["ATTN_ONLY"]: k for k in externs.attention(head_dim, t)}, t
+
+
+@pytest.fixture(scope="session")
+def hk(tmp_path_factory):
+    kernels = [externs.rope(LLAMA.head_dim), _swiglu_kernel(), *_gemv_kernels()]
+    for d in ATTN_HEAD_DIMS:
+        kernels += _attention_kernels(d)[0].values()
+    return HostKernels(kernels, tmp_path_factory.mktemp("host_kernels"))
+
+
+def rand_bf16(rng, shape, scale=1.0):
+    return (rng.standard_normal(shape, dtype=np.float32) * scale).astype(BF16)
+
+
+def ulp_distance(a, b):
+    """Distance in representable bf16 steps (sign-magnitude bits mapped onto a line)."""
+    def ordered(x):
+        i = np.ascontiguousarray(x).view(np.uint16).astype(np.int32)
+        return np.where(i & 0x8000, -(i & 0x7FFF), i)
+    return np.abs(ordered(a) - ordered(b))
+
+
+def assert_bf16_close(got, want, min_exact=0.99):
+    d = ulp_distance(got, want)
+    assert d.max() <= 1, f"max {d.max()} ulp at {np.unravel_index(d.argmax(), d.shape)}"
+    assert (d == 0).mean() >= min_exact, f"only {(d == 0).mean():.4f} bit-exact"
+
+
+# --- RoPE ------------------------------------------------------------------------------
+
+def test_rope_matches_hf_rotate_half_at_scaled_lut_positions(hk):
+    lut = generate_rope_lut(LLAMA, max(ROPE_POSITIONS) + 1).float().numpy().astype(BF16)
+    sym, d, h = externs.rope(LLAMA.head_dim).symbol, LLAMA.head_dim, LLAMA.head_dim // 2
+    rng = np.random.default_rng(0)
+    for pos in ROPE_POSITIONS:
+        x = rand_bf16(rng, (LLAMA.num_attention_heads, d))
+        y = np.empty_like(x)
+        for head in range(x.shape[0]):
+            hk(sym, x[head], lut[pos], y[head])
+        # HF: q * cos + rotate_half(q) * sin, cos/sin repeated over both halves.
+        xf, cs = x.astype(np.float32), lut[pos].astype(np.float32)
+        cos, sin = np.concatenate([cs[:h], cs[:h]]), np.concatenate([cs[h:], cs[h:]])
+        rot = np.concatenate([-xf[:, h:], xf[:, :h]], axis=1)
+        want = (xf * cos + rot * sin).astype(BF16)
+        # bf16 x bf16 products are exact in f32, so the one f32 add rounds identically.
+        np.testing.assert_array_equal(y.view(np.uint16), want.view(np.uint16), err_msg=f"position {pos}")
+        if pos == 0:
+            np.testing.assert_array_equal(y.view(np.uint16), x.view(np.uint16))
+
+
+# --- SwiGLU ----------------------------------------------------------------------------
+
+def test_silu_and_mul_over_a_full_ffn_row_in_tiles(hk):
+    k = _swiglu_kernel()
+    tile, f = dict(k.defines)["SWIGLU_TILE"], LLAMA.intermediate_size
+    assert f // tile > 1 and f % tile == 0
+    rng = np.random.default_rng(1)
+    gate, up = rand_bf16(rng, f, 3.0), rand_bf16(rng, f)
+    gate[:4] = np.array([-100.0, 100.0, 0.0, -0.0], dtype=BF16)  # saturated and zero activations
+    out = np.empty(f, BF16)
+    for t0 in range(0, f, tile):
+        hk(k.symbol, gate[t0:t0 + tile], up[t0:t0 + tile], out[t0:t0 + tile])
+    g, u = torch.from_numpy(gate.astype(np.float32)), torch.from_numpy(up.astype(np.float32))
+    want = (torch.nn.functional.silu(g) * u).numpy().astype(BF16)
+    assert np.isfinite(out.astype(np.float32)).all()
+    assert_bf16_close(out, want)
+
+
+# --- GEMV ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kernel", _gemv_kernels(), ids=lambda k: k.symbol)
+def test_gemv_tiles_match_a_float64_reference(hk, kernel):
+    defs = dict(kernel.defines)
+    tm, k = defs["GEMV_TILE_M"], defs["GEMV_K"]
+    rows = 16 * tm
+    rng = np.random.default_rng(k)
+    w, x = rand_bf16(rng, (rows, k), 0.02), rand_bf16(rng, k)
+    y = np.empty(rows, BF16)
+    for r0 in range(0, rows, tm):
+        hk(kernel.symbol, w[r0:r0 + tm], x, y[r0:r0 + tm])
+    want = (w.astype(np.float64) @ x.astype(np.float64)).astype(BF16)
+    assert_bf16_close(y, want)
+
+
+def test_the_hidden_and_ffn_gemv_variants_are_distinct_symbols():
+    ks = {dict(k.defines)["GEMV_K"]: k.symbol for k in _gemv_kernels()}
+    assert set(ks) == {LLAMA.hidden_size, LLAMA.intermediate_size}
+    assert len(set(ks.values())) == 2
+
+
+# --- attention -------------------------------------------------------------------------
+
+def run_flash(hk, prims, tile, q, k, v, kv_order=None):
+    """One head through the primitives; `kv_order(qt)` overrides the key tiles a query tile visits."""
+    seq, d = q.shape
+    out = np.empty_like(q)
+    for qt in range(seq // tile):
+        rows = slice(qt * tile, (qt + 1) * tile)
+        m, l = np.empty(tile, np.float32), np.empty(tile, np.float32)
+        acc = np.empty((tile, d), np.float32)
+        hk(prims["init"].symbol, m, l, acc)
+        for kt in (kv_order(qt) if kv_order else range(qt + 1)):
+            keys = slice(kt * tile, (kt + 1) * tile)
+            s = np.empty((tile, tile), np.float32)
+            hk(prims["qk"].symbol, q[rows], k[keys], s)
+            if kt >= qt:
+                hk(prims["mask"].symbol, s, qt * tile, kt * tile)
+            p, corr = np.empty((tile, tile), BF16), np.empty(tile, np.float32)
+            hk(prims["softmax"].symbol, s, m, l, p, corr)
+            hk(prims["pv"].symbol, p, v[keys], corr, acc)
+        hk(prims["finalize"].symbol, acc, l, out[rows])
+    return out
+
+
+def blocked_reference(q, k, v, tile):
+    """The primitives' algorithm in numpy f32, with the probabilities rounded to bf16 as the kernel does."""
+    seq, d = q.shape
+    qf, kf, vf = (a.astype(np.float32) for a in (q, k, v))
+    out = np.empty((seq, d), np.float32)
+    pos = np.arange(seq)
+    for qt in range(seq // tile):
+        r = slice(qt * tile, (qt + 1) * tile)
+        m = np.full(tile, -np.inf, np.float32)
+        l, acc = np.zeros(tile, np.float32), np.zeros((tile, d), np.float32)
+        for kt in range(qt + 1):
+            c = slice(kt * tile, (kt + 1) * tile)
+            s = (qf[r] @ kf[c].T) * np.float32(1 / math.sqrt(d))
+            s = np.where(pos[c][None, :] > pos[r][:, None], -np.inf, s)
+            m_new = np.maximum(m, s.max(axis=1))
+            p = np.exp(s - m_new[:, None]).astype(BF16).astype(np.float32)
+            corr = np.exp(m - m_new)
+            l = l * corr + p.sum(axis=1)
+            acc = acc * corr[:, None] + p @ vf[c]
+            m = m_new
+        out[r] = acc / l[:, None]
+    return out.astype(BF16)
+
+
+@pytest.mark.parametrize("head_dim", ATTN_HEAD_DIMS)
+def test_flash_attention_primitives_match_causal_gqa_softmax_attention(hk, head_dim):
+    prims, tile = _attention_kernels(head_dim)
+    assert ATTN_SEQ // tile > 1
+    rng = np.random.default_rng(head_dim)
+    q = rand_bf16(rng, (ATTN_Q_HEADS, ATTN_SEQ, head_dim))
+    k = rand_bf16(rng, (ATTN_KV_HEADS, ATTN_SEQ, head_dim))
+    v = rand_bf16(rng, (ATTN_KV_HEADS, ATTN_SEQ, head_dim))
+    group = ATTN_Q_HEADS // ATTN_KV_HEADS
+    got = np.stack([run_flash(hk, prims, tile, q[h], k[h // group], v[h // group]) for h in range(ATTN_Q_HEADS)])
+
+    def f32(t, repeat=1):
+        return torch.from_numpy(t.astype(np.float32)).repeat_interleave(repeat, dim=0)
+
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        f32(q), f32(k, group), f32(v, group), is_causal=True).numpy()
+    # bf16 probabilities cost about 2^-9 relative per weight; outputs are O(1).
+    np.testing.assert_allclose(got.astype(np.float32), exact, atol=1e-2, rtol=1e-2)
+    blocked = np.stack([blocked_reference(q[h], k[h // group], v[h // group], tile) for h in range(ATTN_Q_HEADS)])
+    assert_bf16_close(got, blocked)
+
+
+def test_a_wholly_masked_key_tile_is_erased_by_the_next_real_one(hk):
+    prims, tile = _attention_kernels(ATTN_HEAD_DIMS[0])
+    rng = np.random.default_rng(7)
+    q, k, v = (rand_bf16(rng, (2 * tile, ATTN_HEAD_DIMS[0])) for _ in range(3))
+    normal = run_flash(hk, prims, tile, q, k, v)
+    # Query tile 0 first visits key tile 1, every key of which lies in its future.
+    future_first = run_flash(hk, prims, tile, q, k, v, kv_order=lambda qt: [1, 0] if qt == 0 else range(qt + 1))
+    np.testing.assert_array_equal(future_first.view(np.uint16), normal.view(np.uint16))
+
+
+def test_mask_uses_absolute_positions(hk):
+    prims, tile = _attention_kernels(ATTN_HEAD_DIMS[0])
+    rng = np.random.default_rng(3)
+    q_pos0, k_pos0 = 100, 80                      # a later chunk against cached keys
+    s = rng.standard_normal((tile, tile), dtype=np.float32)
+    before = s.copy()
+    hk(prims["mask"].symbol, s, q_pos0, k_pos0)
+    future = (k_pos0 + np.arange(tile))[None, :] > (q_pos0 + np.arange(tile))[:, None]
+    assert future.any() and (~future).any()
+    np.testing.assert_array_equal(s[~future], before[~future])
+    assert (s[future] < -1e29).all()
+
+
+# --- signatures ------------------------------------------------------------------------
+
+_LINEMARK = re.compile(r'^# \d+ "([^"]+)"')
+_EXTERN_C = re.compile(r'extern\s+"C"\s+void\s+(\w+)\s*\(([^)]*)\)')
+
+
+def exported_signatures(kernel):
+    """`extern "C"` functions of the kernel's own files after preprocessing with its defines,
+    each as its parameters' types: 'const bf16 *__restrict x' -> ['bf16', '*']."""
+    tc = host_toolchain()
+    cmd = [str(tc.cxx), "-E", *HOST_FLAGS, *define_flags(kernel), str(KERNELS_DIR / kernel.source)]
+    text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    own, current = [], ""
+    for line in text.splitlines():
+        mark = _LINEMARK.match(line)
+        if mark:
+            current = mark.group(1)
+        elif current.startswith(str(KERNELS_DIR)):
+            own.append(line)
+    return {name: [_param_type(p) for p in params.split(",")]
+            for name, params in _EXTERN_C.findall("\n".join(own))}
+
+
+def _param_type(param: str) -> list[str]:
+    tokens = re.sub(r"\b(const|__restrict)\b", " ", param).replace("*", " * ").split()
+    return tokens[:-1]  # the last token is the parameter's name
+
+
+def _c_param(arg: ArgType) -> list[str]:
+    c_type = ELEMENT_TYPES[arg.dtype][0]
+    return [c_type, "*"] if arg.shape is not None else [c_type]
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, SMOLLM2], ids=["llama-3.2-1b", "smollm2-135m"])
+def test_extern_c_signatures_match_the_mlir_declarations(cfg):
+    kernels = externs_for_groups(all_groups(cfg, prefill_buckets(cfg)))
+    assert {"gemv", "rope", "silu", "attn"} <= {k.symbol.split("_")[0] for k in kernels}
+    for k in kernels:
+        sigs = exported_signatures(k)
+        assert list(sigs) == [k.symbol], f"{k.source} with {k.defines} exports {list(sigs)}"
+        want = [_c_param(ArgType.parse(t)) for t in k.arg_types]
+        assert sigs[k.symbol] == want, f"{k.symbol}: {sigs[k.symbol]} != {want}"
+
+
+# --- host binding ----------------------------------------------------------------------
+
+def test_host_binding_rejects_buffers_that_do_not_fit_the_declared_memref(hk):
+    k = _gemv_kernels()[0]
+    tm, kk = dict(k.defines)["GEMV_TILE_M"], dict(k.defines)["GEMV_K"]
+    w, y = np.zeros((tm, kk), BF16), np.zeros(tm, BF16)
+    with pytest.raises(ValueError, match="shape"):
+        hk(k.symbol, w, np.zeros(kk // 2, BF16), y)
+    with pytest.raises(TypeError, match="dtype"):
+        hk(k.symbol, w, np.zeros(kk, np.float32), y)
+    with pytest.raises(TypeError, match="arguments"):
+        hk(k.symbol, w, y)
+
+
+# --- object build ----------------------------------------------------------------------
+
+def test_externs_for_launch_covers_exactly_the_external_ops():
+    g = build_group("rms_gemms_rope", LLAMA, presets.PREFILL_BUCKETS[0])
+    by_op = {l.op: externs.externs_for_launch(l) for l in g.launches}
+    assert by_op["rmsnorm"] == [] and by_op["gemm"] == []
+    assert [k.symbol for k in by_op["rope"]] == [externs.rope(LLAMA.head_dim).symbol]
+
+
+def test_without_peano_every_object_is_skipped_with_the_reason(tmp_path, monkeypatch):
+    empty = tmp_path / "no-peano"
+    empty.mkdir()
+    monkeypatch.setenv("PEANO_INSTALL_DIR", str(empty))
+    out = tmp_path / "objs"
+    results = build_objects([externs.rope(LLAMA.head_dim), *_gemv_kernels()], out)
+    assert [r.status for r in results] == ["skipped"] * 3
+    assert all("PEANO_INSTALL_DIR" in r.reason for r in results)
+    assert "skipped" in str(results[0]) and not list(out.glob("*.o"))
+
+
+def test_peano_builds_every_llama_object(tmp_path):
+    try:
+        tc = find_peano()
+    except ToolchainNotFound as e:
+        pytest.skip(f"skipped: {e}")
+    kernels = externs_for_groups(all_groups(LLAMA, prefill_buckets(LLAMA)))
+    results = build_objects(kernels, tmp_path, tc)
+    assert [r.status for r in results] == ["built"] * len(kernels)
+    assert all(r.obj.stat().st_size > 0 for r in results)
+
+
+FAKE_CXX = """#!/bin/sh
+if [ "$1" = "--version" ]; then echo "fake-clang {version}"; exit 0; fi
+echo "$*" >> "{log}"
+prev=""
+for a in "$@"; do
+  if [ "$prev" = "-o" ]; then printf obj > "$a"; fi
+  prev="$a"
+done
+"""
+
+
+def test_objects_rebuild_only_when_their_stamp_changes(tmp_path):
+    src = tmp_path / "kernels"
+    shutil.copytree(KERNELS_DIR, src)
+    log, cxx = tmp_path / "calls.log", tmp_path / "fake-clang++"
+
+    def set_compiler(version):
+        cxx.write_text(FAKE_CXX.format(version=version, log=log))
+        cxx.chmod(0o755)
+        # A reinstalled compiler has a new mtime; make that hold on coarse-timestamp filesystems too.
+        ns = int(float(version) * 1e9)
+        os.utime(cxx, ns=(ns, ns))
+
+    def build(kernels):
+        before = log.read_text().count("\n") if log.exists() else 0
+        res = build_objects(kernels, tmp_path / "objs", Toolchain(cxx, PEANO_FLAGS), src)
+        return [r.status for r in res], log.read_text().count("\n") - before
+
+    set_compiler("1.0")
+    rope, gemv = externs.rope(LLAMA.head_dim), _gemv_kernels()[0]
+    assert build([rope, gemv]) == (["built", "built"], 2)
+    calls = log.read_text()
+    assert f"--target={PEANO_TARGET}" in calls and f"-DGEMV_SYMBOL={gemv.symbol}" in calls
+    assert build([rope, gemv]) == (["up-to-date", "up-to-date"], 0)
+
+    (src / "gemv_bf16.cc").touch()                                   # same bytes: still current
+    assert build([rope, gemv])[0] == ["up-to-date", "up-to-date"]
+    (src / "gemv_bf16.cc").write_text((src / "gemv_bf16.cc").read_text() + "\n// edited\n")
+    assert build([rope, gemv]) == (["up-to-date", "built"], 1)
+    (src / "bf16.h").write_text((src / "bf16.h").read_text() + "\n// edited\n")  # a shared header
+    assert build([rope, gemv]) == (["built", "built"], 2)
+
+    redefined = dataclasses.replace(gemv, defines=gemv.defines + (("GEMV_UNROLL", 2),))
+    assert build([rope, redefined]) == (["up-to-date", "built"], 1)
+    set_compiler("2.0")
+    assert build([rope, redefined]) == (["built", "built"], 2)
+    (tmp_path / "objs" / rope.obj).unlink()
+    assert build([rope, redefined]) == (["built", "up-to-date"], 1)
