@@ -10,6 +10,8 @@ from __future__ import annotations
 # NPU2 (Strix, AIE2P): 8 columns x 4 compute rows; 64 KiB data memory per core.
 ARRAY_COLS, ARRAY_ROWS = 8, 4
 L1_BYTES = 64 * 1024
+L1_BUDGET = L1_BYTES - 8 * 1024  # what buffers may use: the rest is the core's stack and slack
+L2_BYTES = 512 * 1024  # one memory tile: an L2 buffer never spans two
 GEMM_HERD = (8, 4)
 ELEMENTWISE_HERD = (8, 1)
 ROPE_HERD_PREFILL = (8, 1)
@@ -26,13 +28,38 @@ def _largest_divisor(n: int, cap: int, multiple: int = 1) -> int:
     return 1
 
 
+def gemm_l1_bytes(tm: int, tn: int, tk: int) -> int:
+    """Double-buffered A and W tiles, the f32 accumulator and the bf16 output tile."""
+    return 2 * (tm + tn) * tk * BF16 + tm * tn * (4 + BF16)
+
+
+def gemm_l2_bytes(m_blk: int, n_blk: int, k_l2: int, split_k: bool) -> int:
+    """Double-buffered A and W panels, plus the block's f32 partial sums when K takes several steps."""
+    return 2 * (m_blk + n_blk) * k_l2 * BF16 + (m_blk * n_blk * 4 if split_k else 0)
+
+
 def gemm_tiling(m: int, n: int, k: int) -> dict:
-    """C[m,n] = A[m,k] · W[n,k]^T on the [8,4] herd: rows of A over herd rows, W rows over columns."""
+    """C[m,n] = A[m,k] · W[n,k]^T on the [8,4] herd: rows of A over herd rows, W rows over columns.
+
+    `tile_k_l2` is the K extent staged in L2 per step. A full-K panel of A and W does not fit a
+    memory tile for any real layer, so K is streamed; when it takes more than one step the
+    block's f32 partial sums stay in L2 between steps and count against the budget. `tile_m`
+    shrinks until both the core tiles fit L1 and the block fits a memory tile.
+    """
     hm, hn = GEMM_HERD
-    tm = _largest_divisor(max(m // hm, 1), 64, 8 if m // hm >= 8 else 1)
-    tn = _largest_divisor(max(n // hn, 1), 64, 16 if n // hn >= 16 else 1)
     tk = _largest_divisor(k, 64, 16)
-    return {"M": m, "N": n, "K": k, "herd": GEMM_HERD, "tile_m": tm, "tile_n": tn, "tile_k": tk}
+    tn = _largest_divisor(max(n // hn, 1), 64, 16 if n // hn >= 16 else 1)
+    per_row = max(m // hm, 1)
+    tms = sorted((d for d in range(1, min(per_row, 64) + 1) if per_row % d == 0),
+                 key=lambda d: (d % 8 == 0, d), reverse=True)
+    for tm in tms:
+        if gemm_l1_bytes(tm, tn, tk) > L1_BUDGET:
+            continue
+        for k_l2 in range(k, tk - 1, -tk):
+            if k % k_l2 == 0 and gemm_l2_bytes(hm * tm, hn * tn, k_l2, k_l2 < k) <= L2_BYTES:
+                return {"M": m, "N": n, "K": k, "herd": GEMM_HERD, "tile_m": tm, "tile_n": tn,
+                        "tile_k": tk, "tile_k_l2": k_l2}
+    raise ValueError(f"no GEMM tiling of {m}x{n}x{k} fits L1 ({L1_BUDGET} B) and L2 ({L2_BYTES} B)")
 
 
 def gemv_tiling(m: int, k: int) -> dict:
@@ -43,9 +70,17 @@ def gemv_tiling(m: int, k: int) -> dict:
     """
     herd = (ARRAY_COLS, 1) if m % ARRAY_COLS == 0 else (1, 1)
     per_core = m // herd[0]
-    budget = L1_BYTES // 4  # double-buffered W tile plus x, y and headroom
-    tm = _largest_divisor(per_core, max(budget // (k * BF16), 1))
+    tm = 1
+    for cand in range(per_core, 0, -1):
+        if per_core % cand == 0 and gemv_l1_bytes(cand, k) <= L1_BUDGET:
+            tm = cand
+            break
     return {"M": m, "K": k, "herd": herd, "tile_m": tm}
+
+
+def gemv_l1_bytes(tile_m: int, k: int) -> int:
+    """x, a double-buffered tile_m x k slab of W and the output tile."""
+    return (k + 2 * tile_m * k + tile_m) * BF16
 
 
 def elementwise_tiling(rows: int, dim: int) -> dict:
@@ -59,9 +94,25 @@ def elementwise_tiling(rows: int, dim: int) -> dict:
     return {"herd": herd, "tile": tile}
 
 
+def attention_l1_bytes(tile: int, head_dim: int) -> int:
+    """L1 held by one flash-attention core: q, double-buffered k and v, scores (f32), probabilities,
+    the f32 accumulator, the output tile and three per-row f32 vectors (max, sum, rescale)."""
+    t, d = tile, head_dim
+    return (t * d * BF16 * (1 + 2 + 2 + 1) + t * t * 4 + t * t * BF16 + t * d * 4 + 3 * t * 4)
+
+
 def attention_tiling(seq: int, head_dim: int) -> dict:
-    """Query and key/value tiles of the flash-attention kernel (rows of one head)."""
-    t = _largest_divisor(seq, 64, 16)
+    """Query and key/value tiles of the flash-attention kernel (rows of one head).
+
+    One tile size serves both (the causal mask then only touches the diagonal tile); it is
+    the largest that divides the sequence and fits the L1 budget.
+    """
+    t = 1
+    for cand in range(min(seq, 64), 0, -1):
+        if seq % cand == 0 and (cand % 16 == 0 or cand == seq) and \
+                attention_l1_bytes(cand, head_dim) <= L1_BUDGET:
+            t = cand
+            break
     return {"tile_q": t, "tile_kv": t, "herd": (ARRAY_COLS, ARRAY_ROWS)}
 
 

@@ -174,12 +174,10 @@ class KernelCache:
         self.stats.rebuilt += int(existed)
 
     @staticmethod
-    def _mlir(group: KernelGroup) -> str | None:
-        """The stitched, validated MLIR-AIR module: generated for every device, compiled only on the NPU."""
-        try:
-            from kernel_builder.compile import compile_group_mlir
-        except ImportError:
-            return None
+    def _mlir(group: KernelGroup) -> str:
+        """The stitched, validated MLIR-AIR module: generated for every device, compiled only for the NPU."""
+        from kernel_builder.compile import compile_group_mlir
+
         return compile_group_mlir(group)
 
     # ---- loading ------------------------------------------------------------------------

@@ -182,14 +182,11 @@ class SimDevice:
         self.counters.bytes_allocated += nbytes
         return SimBO(self, nbytes)
 
-    def compile(self, group: KernelGroup, out_dir: Path, mlir_text: str | None) -> list[str]:
+    def compile(self, group: KernelGroup, out_dir: Path, mlir_text: str) -> list[str]:
         """The simulated artifact is the launch program itself (plus the stitched MLIR, for study)."""
         (out_dir / "program.json").write_text(json.dumps(group.to_json(), sort_keys=True))
-        files = ["program.json"]
-        if mlir_text is not None:
-            (out_dir / "group.mlir").write_text(mlir_text)
-            files.append("group.mlir")
-        return files
+        (out_dir / "group.mlir").write_text(mlir_text)
+        return ["program.json", "group.mlir"]
 
     def load(self, artifact_dir: Path, group: KernelGroup) -> SimKernel:
         """Execute what the artifact says, not what the caller hopes: the program must equal the group."""

@@ -102,25 +102,16 @@ class XrtKernel:
         self.device.counters.runs += 1
 
 
-class XrtDevice:
+class NpuTarget:
+    """Builds NPU artifacts (needs aircc and Peano, not an NPU): what `make compile` uses on a
+    development machine, and what `XrtDevice` compiles with. Same cache key on both."""
+
     kind = "npu"
-
-    def __init__(self, index: int = 0):
-        import pyxrt
-
-        self.handle = pyxrt.device(index)
-        self.name = f"NPU2 via XRT ({self.handle.get_info(pyxrt.xrt_info_device.name)})"
-        self.counters = Counters()
 
     def toolchain_stamp(self) -> str:
         from kernel_builder.compile import toolchain
 
         return f"npu/{toolchain().stamp()}"
-
-    def bo(self, nbytes: int) -> XrtBO:
-        self.counters.bos_allocated += 1
-        self.counters.bytes_allocated += nbytes
-        return XrtBO(self, nbytes)
 
     def compile(self, group: KernelGroup, out_dir: Path, mlir_text: str | None) -> list[str]:
         """Stitched MLIR → aircc → ELF; the manifest lists every file so damage is detected."""
@@ -134,6 +125,20 @@ class XrtDevice:
         elf = Path(result["elf"])
         (out_dir / "npu.json").write_text(json.dumps({"elf": elf.name, "kernel": result["kernel"]}))
         return ["group.mlir", elf.name, "npu.json"]
+
+
+class XrtDevice(NpuTarget):
+    def __init__(self, index: int = 0):
+        import pyxrt
+
+        self.handle = pyxrt.device(index)
+        self.name = f"NPU2 via XRT ({self.handle.get_info(pyxrt.xrt_info_device.name)})"
+        self.counters = Counters()
+
+    def bo(self, nbytes: int) -> XrtBO:
+        self.counters.bos_allocated += 1
+        self.counters.bytes_allocated += nbytes
+        return XrtBO(self, nbytes)
 
     def load(self, artifact_dir: Path, group: KernelGroup) -> XrtKernel:
         return XrtKernel(self, artifact_dir, group)

@@ -12,7 +12,7 @@ from kernel_builder import xrt_device
 def _program(tiny_config, tmp_path):
     dev = SimDevice()
     g = build_group("o_gemv_ffn", tiny_config)
-    dev.compile(g, tmp_path, None)
+    dev.compile(g, tmp_path, "")
     return dev, g, dev.load(tmp_path, g)
 
 
@@ -82,7 +82,7 @@ def test_loading_a_program_that_disagrees_with_the_declaration_fails(tiny_config
 
     dev = SimDevice()
     g = build_group("o_gemv_ffn", tiny_config)
-    dev.compile(g, tmp_path, None)
+    dev.compile(g, tmp_path, "")
     other = build_group("rms_gemv_rope", tiny_config)
     with pytest.raises(DeviceError, match="does not match"):
         dev.load(tmp_path, other)

@@ -1,0 +1,35 @@
+"""Per-kernel MLIR-AIR builders: one module of text per `groups.Launch`.
+
+`build_launch(group, launch)` is the only entry point the stitcher needs: the launch's `op`
+selects the builder and the group supplies the slots behind the launch's arguments.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from kernel_builder.groups import KernelGroup, Launch, Slot
+from kernel_builder.mlir import add, flash_attention, gemm, gemv, rmsnorm, rope, swiglu
+from kernel_builder.mlir.common import KernelShapeError
+
+Builder = Callable[[Launch, Sequence[Slot]], str]
+
+BUILDERS: dict[str, Builder] = {
+    "rmsnorm": rmsnorm.build,
+    "gemm": gemm.build,
+    "gemv": gemv.build,
+    "rope": rope.build,
+    "swiglu": swiglu.build,
+    "add": add.build,
+    "flash_attn": flash_attention.build,
+}
+
+
+def build_launch(group: KernelGroup, launch: Launch) -> str:
+    try:
+        builder = BUILDERS[launch.op]
+    except KeyError:
+        raise KernelShapeError(f"{group.name}: no MLIR builder for op {launch.op!r}") from None
+    return builder(launch, [group.slot(a) for a in launch.args])
+
+
+__all__ = ["BUILDERS", "Builder", "KernelShapeError", "build_launch"]

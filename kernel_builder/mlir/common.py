@@ -1,0 +1,105 @@
+"""What every per-kernel builder shares: the launch's view of its slots and the outer hierarchy.
+
+A builder gets one `groups.Launch` and the `Slot`s behind its arguments (`launch.args`
+order: reads, then writes) and returns a complete module whose function takes exactly those
+arguments as L3 memrefs. Shapes come from the slots, tilings from the launch parameters;
+nothing here knows a model dimension.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+from kernel_builder.groups import Launch, Slot
+from kernel_builder.mlir.emit import Emitter, Hierarchy, Index, Pattern, Value, memref
+
+
+class KernelShapeError(ValueError):
+    """A launch's parameters and its slot shapes do not give a legal kernel."""
+
+
+def slot_type(slot: Slot) -> str:
+    return memref(slot.shape, slot.dtype)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    launch: Launch
+    slots: tuple[Slot, ...]
+
+    def p(self, key: str) -> Any:
+        return self.launch.p(key)
+
+    def require(self, cond: bool, msg: str) -> None:
+        if not cond:
+            raise KernelShapeError(f"launch {self.launch.name!r} ({self.launch.op}): {msg}")
+
+    def herd(self) -> tuple[int, int]:
+        h = tuple(self.p("herd"))
+        self.require(len(h) == 2 and all(d >= 1 for d in h), f"herd {h} is not two positive sizes")
+        return h  # type: ignore[return-value]
+
+
+def kernel(launch: Launch, slots: Sequence[Slot], n_reads: int, n_writes: int) -> Kernel:
+    k = Kernel(launch, tuple(slots))
+    k.require(len(launch.reads) == n_reads and len(launch.writes) == n_writes,
+              f"expects {n_reads} reads and {n_writes} writes, got {launch.reads} -> {launch.writes}")
+    k.require(len(slots) == len(launch.args), f"{len(slots)} slots for {len(launch.args)} arguments")
+    return k
+
+
+@contextmanager
+def module(k: Kernel) -> Iterator[tuple[Emitter, list[Value]]]:
+    """The sub-module's function: named after the launch, one L3 memref per launch argument."""
+    b = Emitter()
+    with b.function(k.launch.name, [slot_type(s) for s in k.slots]) as args:
+        yield b, args
+
+
+@contextmanager
+def launch_segment(b: Emitter, k: Kernel, args: Sequence[Value]) -> Iterator[Hierarchy]:
+    """A single-iteration launch and its segment, both forwarding every argument by slot name."""
+    hints = [s.name for s in k.slots]
+    with b.hierarchy("launch", [], args, hints) as lh:
+        with b.hierarchy("segment", [], lh.args, hints) as sh:
+            yield sh
+
+
+@contextmanager
+def single_herd(b: Emitter, k: Kernel, args: Sequence[Value]) -> Iterator[Hierarchy]:
+    """launch → segment → herd over `k.herd()`, with every argument passed down unchanged."""
+    hx, hy = k.herd()
+    with launch_segment(b, k, args) as sh:
+        with b.hierarchy("herd", [hx, hy], sh.args, [s.name for s in k.slots]) as hh:
+            yield hh
+
+
+def core_index(b: Emitter, h: Hierarchy, herd: tuple[int, int]) -> Index:
+    """Linear core number, row-major over (x, y); a 1-wide dimension contributes nothing."""
+    tx, ty = h.ids
+    if herd == (1, 1):
+        return 0
+    if herd[1] == 1:
+        return tx
+    return b.add(b.mul(tx, herd[1]), ty)
+
+
+def flat_pattern(b: Emitter, shape: tuple[int, ...], start: Index, n: int) -> Pattern:
+    """`n` consecutive elements from flat offset `start` of a row-major 1-D or 2-D buffer.
+
+    This is what lets one elementwise kernel serve [rows, features] prefill slots and
+    [features] decode slots: the herd walks a flat index space and the DMA turns it back into
+    (row, column) when the buffer is 2-D. The caller guarantees a chunk never crosses a row.
+    """
+    if len(shape) == 1:
+        return [start], [n], [1]
+    cols = shape[-1]
+    return [b.div(start, cols), b.rem(start, cols)], [1, n], [cols, 1]
+
+
+def row_pattern(shape: tuple[int, ...], row: Index, col: Index, n: int) -> Pattern:
+    """`n` elements of one row starting at column `col` (a 1-D buffer is its single row)."""
+    if len(shape) == 1:
+        return [col], [n], [1]
+    return [row, col], [1, n], [shape[-1], 1]

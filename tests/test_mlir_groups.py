@@ -1,0 +1,118 @@
+"""Every stitched group module, the compile entry points and the `make compile` CLI."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from kernel_builder import compile as kc
+from kernel_builder import externs, groups
+from kernel_builder.mlir_validate import validate_group_module
+from mlir_samples import BUCKET, CONFIGS
+
+
+def all_groups(cfg):
+    return groups.all_groups(cfg, (BUCKET,))
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_every_group_module_validates_against_its_declaration(name):
+    for g in all_groups(CONFIGS[name]):
+        text = kc.compile_group_mlir(g)
+        s = validate_group_module(text, g)           # parse, structure, cross-check
+        assert [u.name for u in s.launches] == [f"{l.name}_launch" for l in g.launches]
+        want = {k.symbol: k.obj for l in g.launches for k in externs.externs_for_launch(l)}
+        assert s.externs == want
+        assert sorted(kc.link_objects(text)) == sorted(set(want.values()))
+
+
+def test_group_text_is_a_pure_function_of_the_declaration():
+    g = groups.o_ffn(CONFIGS["smollm2"], BUCKET)
+    again = groups.o_ffn(CONFIGS["smollm2"], BUCKET)
+    assert kc.compile_group_mlir(g) == kc.compile_group_mlir(again)
+
+
+def test_attention_over_a_longer_context_is_its_own_module():
+    g = groups.flash_attn(CONFIGS["llama32_1b"], BUCKET, 2 * BUCKET)
+    text = kc.compile_group_mlir(g)
+    assert f"func.func @{g.name}(" in text and "memref<8x256x64xbf16>" in text
+
+
+def _no_toolchain(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("PEANO_INSTALL_DIR", raising=False)
+    monkeypatch.setenv("LLAMA_NPU_CACHE", str(tmp_path / "cache"))
+
+
+def test_toolchain_probe_and_compile_elf_without_a_toolchain(monkeypatch, tmp_path):
+    _no_toolchain(monkeypatch, tmp_path)
+    tc = kc.toolchain()
+    assert (tc.aircc, tc.aiecc, tc.peano) == (None, None, None) and not tc.complete
+    assert "aircc=none" in tc.stamp()
+    g = groups.lm_head_gemv(CONFIGS["smollm2"])
+    path = tmp_path / "m.mlir"
+    path.write_text(kc.compile_group_mlir(g))
+    with pytest.raises(kc.ToolchainError, match="missing aircc, aiecc"):
+        kc.compile_elf(path, tmp_path, g)
+
+
+def test_aircc_command_carries_the_group_options(tmp_path):
+    tc = kc.Toolchain(Path("/opt/air/bin/aircc"), Path("/opt/aie/bin/aiecc"), Path("/opt/peano"))
+    ffn = groups.o_ffn(CONFIGS["smollm2"], BUCKET)
+    attn = groups.flash_attn(CONFIGS["smollm2"], BUCKET)
+    cmd = kc.aircc_command(tc, tmp_path / "x.mlir", tmp_path, ffn)
+    assert cmd[:2] == ["/opt/air/bin/aircc", str(tmp_path / "x.mlir")]
+    assert {"--device=npu2", "--output-format=elf", "--omit-while-true-loop", "--peano=/opt/peano",
+            f"--elf-name={tmp_path / (ffn.name + '.elf')}"} <= set(cmd)
+    assert "--omit-while-true-loop" not in kc.aircc_command(tc, tmp_path / "a.mlir", tmp_path, attn)
+
+
+FAKE_AIRCC = """#!/bin/sh
+# Stands in for aircc: records its arguments and writes the ELF it is asked for.
+echo "$@" > "$(pwd)/aircc.args"
+for a in "$@"; do case "$a" in --elf-name=*) : > "${a#--elf-name=}";; esac; done
+"""
+
+
+def test_compile_elf_links_objects_and_returns_the_artifacts(monkeypatch, tmp_path):
+    _no_toolchain(monkeypatch, tmp_path)
+    bin_dir, peano, objs = tmp_path / "bin", tmp_path / "peano", tmp_path / "objs"
+    for d in (bin_dir, peano / "bin", objs):
+        d.mkdir(parents=True)
+    for tool, body in (("aircc", FAKE_AIRCC), ("aiecc", "#!/bin/sh\n")):
+        (bin_dir / tool).write_text(body)
+        (bin_dir / tool).chmod(stat.S_IRWXU)
+    (peano / "bin" / "clang").write_text("")
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    monkeypatch.setenv("PEANO_INSTALL_DIR", str(peano))
+    g = groups.rms_gemv_rope(CONFIGS["smollm2"])
+    text = kc.compile_group_mlir(g)
+    for obj in kc.link_objects(text):
+        (objs / obj).write_bytes(b"\x7fELF")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "g.mlir").write_text(text)
+    files = kc.compile_elf(out / "g.mlir", out, g, objects_dir=objs)
+    assert files == {"elf": out / f"{g.name}.elf", "kernel": f"main:{g.name}"}
+    assert all((out / o).resolve() == (objs / o).resolve() for o in kc.link_objects(text))
+    assert "--device=npu2" in (out / "aircc.args").read_text()
+
+
+def test_cli_writes_every_group_module_and_says_what_it_skipped(monkeypatch, tmp_path, capsys):
+    _no_toolchain(monkeypatch, tmp_path)
+    monkeypatch.setenv("LLAMA_NPU_CACHE", str(tmp_path / "cache"))
+    cfg_path = tmp_path / "config.json"
+    cfg_path.write_text(json.dumps(CONFIGS["smollm2"].to_dict()))
+    out = tmp_path / "mlir"
+    args = ["--model-config", str(cfg_path), "--max-seq", str(BUCKET), "--out", str(out), "--device", "sim"]
+    assert kc.main(args) == 0
+    want = {g.name for g in all_groups(CONFIGS["smollm2"])}
+    assert {p.stem for p in out.glob("*.mlir")} == want
+    printed = capsys.readouterr().out
+    assert "ELFs skipped: missing aircc, aiecc, Peano" in printed
+    for name in want:
+        assert f"[compile] {name}: " in printed
+    assert "kernel objects skipped" in printed and "PEANO_INSTALL_DIR" in printed
