@@ -1,8 +1,8 @@
 """Writing HF-style checkpoint folders (config, generation config, sharded safetensors).
 
-Only the fixture builders write checkpoints; keeping the layout rules here means the embedded
-import and the 1B-shape model produce folders that differ only in content, and that both look
-like what `from_pretrained` and the runtime's own `Checkpoint` reader expect.
+Only the fixture builders write checkpoints; keeping the layout rules in one place means both
+fixture folders follow the same conventions, the ones `from_pretrained` and the runtime's own
+`Checkpoint` reader expect.
 """
 from __future__ import annotations
 
@@ -25,6 +25,18 @@ def write_configs(folder: Path, cfg: LlamaConfig, pad_token_id: int | None = Non
         config["pad_token_id"] = gen["pad_token_id"] = pad_token_id
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def balanced_shards(tensors: Mapping[str, torch.Tensor], n_shards: int) -> list[list[str]]:
+    """Split tensor names, in their order, into `n_shards` runs of roughly equal byte size."""
+    total = sum(t.nbytes for t in tensors.values())
+    shards: list[list[str]] = [[] for _ in range(n_shards)]
+    running = 0
+    for name, t in tensors.items():
+        # A tensor goes to the shard its first byte falls in.
+        shards[min(running * n_shards // max(total, 1), n_shards - 1)].append(name)
+        running += t.nbytes
+    return [s for s in shards if s]
 
 
 def write_sharded(folder: Path, tensors: Mapping[str, torch.Tensor], shards: Sequence[Sequence[str]]) -> list[Path]:

