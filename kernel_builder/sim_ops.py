@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernel_builder import native_cpu
 from kernel_builder.groups import Launch
 
 
@@ -27,8 +28,10 @@ def gemm(l: Launch, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None
 
 
 def gemv(l: Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    """y[M] = W[M,K] · x[K]; torch.mv streams the weight faster than F.linear at M=1."""
-    torch.mv(w, x, out=out)
+    """y[M] = W[M,K] · x[K]: the native AVX512-BF16 kernel when the CPU has it (memory-bound,
+    as on the NPU), else torch (compute-bound in bf16 on CPUs without AMX)."""
+    if not native_cpu.gemv(w, x, out):
+        torch.mv(w, x, out=out)
 
 
 def rope(l: Launch, x: torch.Tensor, lut: torch.Tensor, out: torch.Tensor) -> None:

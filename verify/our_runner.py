@@ -1,0 +1,43 @@
+"""Our side: the session `make run` builds, driven through the runtime's own step functions.
+
+Nothing here re-implements a layer: `prefill` and `decode_step` are the functions
+`Session.generate` calls, on the device model `build_session` built, so what passes
+verification is exactly what is deployed. The per-layer outputs come from the runtime's
+capture hook, which hands out views of reused device buffers; they are copied at once, and a
+prompt longer than the largest bucket (prefilled chunk by chunk) has its chunks joined.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from llama32_1b_decode import decode_step
+from llama32_1b_inference import Session
+from llama32_1b_prefill import prefill
+from verify.runner import PrefillResult, StepResult
+
+
+class OurRunner:
+    def __init__(self, session: Session):
+        self.session = session
+
+    @torch.inference_mode()
+    def prefill(self, tokens: Sequence[int], keep_layers: bool = False) -> PrefillResult:
+        chunks: dict[int, list[torch.Tensor]] = {}
+        normed: list[torch.Tensor] = []
+
+        def capture(layer: int, name: str, t: torch.Tensor) -> None:
+            if name == "out":
+                chunks.setdefault(layer, []).append(t.clone())
+            elif name == "final_normed":
+                normed.append(t.clone())
+
+        logits = prefill(self.session.model, list(tokens), capture=capture if keep_layers else None)
+        if not keep_layers:
+            return PrefillResult(logits.clone())
+        return PrefillResult(logits.clone(), [torch.cat(chunks[i]) for i in sorted(chunks)], normed[0])
+
+    @torch.inference_mode()
+    def decode_step(self, token: int, pos: int) -> StepResult:
+        return StepResult(decode_step(self.session.model, token, pos).clone())

@@ -1,0 +1,66 @@
+"""What both verification commands do before and after the HF side: prompts in, our session up.
+
+The prompts are encoded before either model exists (the HF side runs first, in a child, and
+needs the ids), with the tokenizer and chat rule `build_session` uses. Once our session is
+built, its own `encode` must give the same ids, so a change in how sessions encode prompts
+can never leave verification checking a sequence `make run` would not feed.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from llama32_1b_inference import Session, build_session, is_chat_model
+from llama32_1b_weights import LlamaConfig
+from llama_runtime.models import resolve_model
+from llama_runtime.tokenizer import Tokenizer
+from verify import VerifyError
+from verify.prompts import prompt_set
+
+
+@dataclass
+class Prepared:
+    model: str                  # what the user asked for
+    folder: Path                # the checkpoint both sides load
+    name: str                   # the resolved model's name (after any fallback)
+    tokenizer: Tokenizer
+    chat: bool
+    prompts: tuple[str, ...]
+    prompt_ids: list[list[int]]
+    end_ids: list[int]
+
+    @property
+    def label(self) -> str:
+        """The model for a report heading, naming the request too when a fallback replaced it."""
+        asked = f", requested `{self.model}`" if self.model != self.name else ""
+        return f"`{self.name}` ({self.folder}{asked})"
+
+
+def prepare(model: str, n_prompts: int, log: Callable[[str], None] = print) -> Prepared:
+    resolved = resolve_model(model)
+    if resolved.fallback_note:
+        log(f"[model] {resolved.fallback_note}")
+    cfg = LlamaConfig.from_json(resolved.folder)
+    tokenizer = Tokenizer(resolved.folder, cfg)
+    chat = is_chat_model(cfg, tokenizer)
+    prompts = prompt_set(chat, n_prompts)
+    ids = [tokenizer.encode_prompt(p, chat=chat) for p in prompts]
+    return Prepared(model, resolved.folder, resolved.name, tokenizer, chat, prompts, ids,
+                    sorted(tokenizer.end_token_ids))
+
+
+def build_ours(prep: Prepared, device: str, log: Callable[[str], None] = print) -> Session:
+    """The session `make run` would build, on the exact folder the HF side loaded."""
+    session = build_session(str(prep.folder), device=device, log=log)
+    for prompt, ids in zip(prep.prompts, prep.prompt_ids):
+        if session.encode(prompt) != ids:
+            raise VerifyError(f"the session encodes {prompt!r} differently from the verification's encoding")
+    return session
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="instruct",
+                        help="instruct | base | embedded | llama1b-shape | a checkpoint folder | a HF repo id")
+    parser.add_argument("--device", default="auto", choices=("auto", "npu", "sim"))
