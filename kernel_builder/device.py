@@ -135,7 +135,9 @@ class SimKernel:
 
         self.device = device
         self.group = group
-        self._ops = [(l, sim_ops.OPS[l.op]) for l in group.launches]
+        self._steps = [(step, None) if isinstance(step, list) else (step, sim_ops.OPS[step.op])
+                       for step in sim_ops.plan(group.launches)]
+        self._batch = sim_ops.gemv_batch
         self._written = {w for l in group.launches for w in l.writes}
         self._cache_key: tuple | None = None
         self._views: dict[str, torch.Tensor] = {}
@@ -160,8 +162,11 @@ class SimKernel:
             if bo.size < slot.nbytes:
                 raise DeviceError(f"{self.group.name}: buffer for {slot.name} has {bo.size} bytes, needs {slot.nbytes}")
         views = self._bind(bos)
-        for launch, fn in self._ops:
-            fn(launch, *(views[a] for a in launch.args))
+        for step, fn in self._steps:
+            if fn is None:
+                self._batch(step, views)
+            else:
+                fn(step, *(views[a] for a in step.args))
         self.device.counters.runs += 1
 
 

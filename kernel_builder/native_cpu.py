@@ -1,10 +1,10 @@
 """Native host kernels that make the simulated NPU fast where torch is slow: the bf16 GEMV.
 
-Built with the system C++ compiler on first use into the cache (keyed by the source hash),
-loaded with ctypes, and used only when the CPU has AVX512-BF16; otherwise `gemv` is None and
-the simulator uses torch. ctypes releases the GIL during the call, so splitting the rows over
-a small thread pool uses every core without an OpenMP runtime of our own (torch brings one,
-and two in one process fight over the cores).
+Built with the system C++ compiler on first use into the cache (keyed by the source hash and
+flags), loaded with ctypes, and used only when the CPU has AVX512-BF16; otherwise the
+simulator uses torch. The library is parallel with OpenMP and binds to the runtime torch has
+already loaded (torch is imported first), so both share one thread team and torch's
+`set_num_threads` governs both. `LLAMA_NPU_NATIVE=0` turns the native path off.
 """
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -22,13 +21,10 @@ import torch
 from llama_runtime.paths import cache_root
 
 _SRC = Path(__file__).resolve().parent / "native" / "gemv_bf16_cpu.cc"
-_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512bf16"]
+_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512bf16"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
-_pool: ThreadPoolExecutor | None = None
-# Below this many weight bytes a second thread costs more than it saves.
-_SPLIT_BYTES = 1 << 20
 
 
 def _build() -> ctypes.CDLL | None:
@@ -47,13 +43,12 @@ def _build() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(out))
     if not lib.gemv_bf16_cpu_supported():
         return None
-    lib.gemv_bf16_cpu.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-    lib.gemv_bf16_cpu.restype = None
+    lib.gemv_bf16_cpu_batch.argtypes = [ctypes.c_void_p, ctypes.c_int]
     return lib
 
 
 def _library() -> ctypes.CDLL | None:
-    global _lib, _tried, _pool
+    global _lib, _tried
     if not _tried:
         with _lock:
             if not _tried:
@@ -62,8 +57,6 @@ def _library() -> ctypes.CDLL | None:
                         _lib = _build()
                     except OSError:
                         _lib = None
-                threads = torch.get_num_threads()
-                _pool = ThreadPoolExecutor(threads - 1) if _lib is not None and threads > 1 else None
                 _tried = True
     return _lib
 
@@ -72,21 +65,17 @@ def available() -> bool:
     return _library() is not None
 
 
-def gemv(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> bool:
-    """out = w @ x (bf16, f32 accumulation) natively; False when the native path is unavailable."""
+def gemv_batch(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> bool:
+    """out = w @ x for each (w, x, out), natively in one dispatch; False if the native path is unavailable."""
     lib = _library()
-    if lib is None or not (w.is_contiguous() and x.is_contiguous() and out.is_contiguous()):
+    if lib is None or not all(w.is_contiguous() and x.is_contiguous() and y.is_contiguous() for w, x, y in jobs):
         return False
-    m, k = w.shape
-    wp, xp, yp = w.data_ptr(), x.data_ptr(), out.data_ptr()
-    if _pool is None or w.numel() * 2 < _SPLIT_BYTES:
-        lib.gemv_bf16_cpu(wp, xp, yp, k, 0, m)
-        return True
-    parts = _pool._max_workers + 1
-    step = -(-m // parts)
-    futures = [_pool.submit(lib.gemv_bf16_cpu, wp, xp, yp, k, i * step, min(m, (i + 1) * step))
-               for i in range(1, parts)]
-    lib.gemv_bf16_cpu(wp, xp, yp, k, 0, min(m, step))
-    for f in futures:
-        f.result()
+    desc = (ctypes.c_int64 * (5 * len(jobs)))()
+    for i, (w, x, y) in enumerate(jobs):
+        desc[5 * i:5 * i + 5] = [w.data_ptr(), x.data_ptr(), y.data_ptr(), w.shape[0], w.shape[1]]
+    lib.gemv_bf16_cpu_batch(desc, len(jobs))
     return True
+
+
+def gemv(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> bool:
+    return gemv_batch([(w, x, out)])

@@ -19,7 +19,7 @@ from kernel_builder.groups import Launch
 
 def rmsnorm(l: Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     xf = x.float()
-    out.copy_(F.rms_norm(xf, (xf.shape[-1],), w.float(), l.p("eps")))
+    torch.mul(F.rms_norm(xf, (xf.shape[-1],), eps=l.p("eps")), w, out=out)   # w widened in-kernel
 
 
 def gemm(l: Launch, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
@@ -48,8 +48,7 @@ def rope(l: Launch, x: torch.Tensor, lut: torch.Tensor, out: torch.Tensor) -> No
 
 
 def swiglu(l: Launch, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
-    g = gate.float()
-    out.copy_(F.silu(g).mul_(up.float()))
+    torch.mul(F.silu(gate.float()), up, out=out)
 
 
 def add(l: Launch, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
@@ -73,6 +72,40 @@ def flash_attn(l: Launch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_s
         visible = torch.arange(c)[None, :] <= (start + torch.arange(s))[:, None]
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible, enable_gqa=hq != hk)
     out.view(s, hq, d).copy_(o.squeeze(0).transpose(0, 1))
+
+
+def gemv_batch(launches: list[Launch], views: dict[str, torch.Tensor]) -> None:
+    """Independent GEMV launches (no launch reads another's output) as one native dispatch."""
+    jobs = [(views[l.reads[1]], views[l.reads[0]], views[l.writes[0]]) for l in launches]
+    if not native_cpu.gemv_batch(jobs):
+        for w, x, y in jobs:
+            torch.mv(w, x, out=y)
+
+
+def plan(launches: tuple[Launch, ...]) -> list[Launch | list[Launch]]:
+    """Launch order for the simulator: runs of mutually independent GEMVs become one batch.
+
+    Same launches, same results: a batch only groups GEMVs whose inputs none of them writes,
+    so their order never mattered (Q/K/V of a layer, gate and up, the LM-head partitions).
+    """
+    steps: list[Launch | list[Launch]] = []
+    batch: list[Launch] = []
+    written: set[str] = set()
+    for l in launches:
+        if l.op == "gemv" and not (set(l.reads) & written):
+            batch.append(l)
+            written |= set(l.writes)
+            continue
+        if batch:
+            steps.append(batch)
+            batch, written = [], set()
+        if l.op == "gemv":
+            batch, written = [l], set(l.writes)
+        else:
+            steps.append(l)
+    if batch:
+        steps.append(batch)
+    return steps
 
 
 OPS = {

@@ -73,12 +73,13 @@ class KVCache:
 def decode_attention_cpu(q: torch.Tensor, cache: KVCache, layer: int, pos: int, n_heads: int) -> torch.Tensor:
     """Single-query GQA attention of the token at `pos` over cached positions 0..pos (inclusive).
 
-    Reads exactly those positions (never the rest of the cache). torch's fused CPU attention
-    keeps softmax in f32 and handles the GQA head grouping without copying K/V.
+    Reads exactly those positions (never the rest of the cache). Written as two batched f32
+    matmuls over the KV heads, with each head's query group as the rows: for one query this
+    is several times faster than torch's fused attention, which expands K/V for GQA.
     """
     kvh, d = cache.k.shape[1], cache.k.shape[3]
-    k = cache.k[layer, :, : pos + 1].unsqueeze(0)
-    v = cache.v[layer, :, : pos + 1].unsqueeze(0)
-    qh = q.view(1, n_heads, 1, d)
-    o = F.scaled_dot_product_attention(qh, k, v, enable_gqa=n_heads != kvh)
-    return o.reshape(n_heads * d)
+    k = cache.k[layer, :, : pos + 1].float()
+    v = cache.v[layer, :, : pos + 1].float()
+    qh = q.view(kvh, n_heads // kvh, d).float()
+    scores = torch.matmul(qh, k.transpose(1, 2)).mul_(1.0 / math.sqrt(d))
+    return torch.matmul(torch.softmax(scores, -1), v).reshape(n_heads * d).to(torch.bfloat16)

@@ -3,14 +3,28 @@
 // torch's bf16 matrix-vector product is compute-bound on CPUs without AMX (it widens to f32
 // element by element), so decode would run at a fraction of memory bandwidth. AVX512-BF16's
 // dot-product instruction multiplies bf16 pairs and accumulates in f32 at full vector width,
-// which makes the GEMV memory-bound as it should be. Rows are split between the calling
-// threads (the Python side runs one call per thread on disjoint row ranges); four rows share
-// each load of x. The result is rounded to bf16 once per row, nearest-even.
+// which makes the GEMV memory-bound, as it is on the NPU. Four rows share each load of x; each
+// row's sum is rounded to bf16 once, nearest-even.
+//
+// A call takes a batch of independent GEMVs (Q/K/V of a layer, gate and up, the LM head's
+// partitions) and splits all their rows into small chunks scheduled dynamically over OpenMP
+// threads: one parallel region per batch, balanced to the end. Built with -fopenmp, this
+// library binds to the libgomp torch has already loaded (same soname), so the GEMVs and
+// torch's own ops share one warm thread team instead of two teams spinning against each other.
 #include <immintrin.h>
+
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
+
+struct Job {
+  const uint16_t *w;
+  const uint16_t *x;
+  uint16_t *y;
+  int64_t m, k;
+};
 
 inline uint16_t to_bf16(float f) {
   uint32_t u;
@@ -20,9 +34,50 @@ inline uint16_t to_bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-inline __m512bh load(const uint16_t *p, __mmask32 m) {
-  return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
+inline __m512bh load(const uint16_t *p, __mmask32 m) { return (__m512bh)_mm512_maskz_loadu_epi16(m, p); }
+
+void rows(const Job &j, int64_t r0, int64_t r1) {
+  const int64_t k = j.k, full = k / 32 * 32;
+  const __mmask32 tail = k == full ? 0 : static_cast<__mmask32>((1ull << (k - full)) - 1);
+  int64_t r = r0;
+  for (; r + 4 <= r1; r += 4) {
+    const uint16_t *a = j.w + r * k, *b = a + k, *c = b + k, *d = c + k;
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (int64_t i = 0; i < full; i += 32) {
+      __m512bh xv = load(j.x + i, ~0u);
+      s0 = _mm512_dpbf16_ps(s0, load(a + i, ~0u), xv);
+      s1 = _mm512_dpbf16_ps(s1, load(b + i, ~0u), xv);
+      s2 = _mm512_dpbf16_ps(s2, load(c + i, ~0u), xv);
+      s3 = _mm512_dpbf16_ps(s3, load(d + i, ~0u), xv);
+    }
+    if (tail) {
+      __m512bh xv = load(j.x + full, tail);
+      s0 = _mm512_dpbf16_ps(s0, load(a + full, tail), xv);
+      s1 = _mm512_dpbf16_ps(s1, load(b + full, tail), xv);
+      s2 = _mm512_dpbf16_ps(s2, load(c + full, tail), xv);
+      s3 = _mm512_dpbf16_ps(s3, load(d + full, tail), xv);
+    }
+    j.y[r] = to_bf16(_mm512_reduce_add_ps(s0));
+    j.y[r + 1] = to_bf16(_mm512_reduce_add_ps(s1));
+    j.y[r + 2] = to_bf16(_mm512_reduce_add_ps(s2));
+    j.y[r + 3] = to_bf16(_mm512_reduce_add_ps(s3));
+  }
+  for (; r < r1; ++r) {
+    const uint16_t *a = j.w + r * k;
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t i = 0; i < full; i += 32) s = _mm512_dpbf16_ps(s, load(a + i, ~0u), load(j.x + i, ~0u));
+    if (tail) s = _mm512_dpbf16_ps(s, load(a + full, tail), load(j.x + full, tail));
+    j.y[r] = to_bf16(_mm512_reduce_add_ps(s));
+  }
 }
+
+// About 64 KiB of weights per chunk: big enough to amortise scheduling, small enough to balance.
+constexpr int64_t kChunkBytes = 64 * 1024;
+
+struct Chunk {
+  int job;
+  int64_t r0, r1;
+};
 
 }  // namespace
 
@@ -30,39 +85,21 @@ extern "C" int gemv_bf16_cpu_supported() {
   return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
 }
 
-// Rows [r0, r1) of y = W x; W row-major [M, K]. K need not be a multiple of 32.
-extern "C" void gemv_bf16_cpu(const uint16_t *w, const uint16_t *x, uint16_t *y,
-                              int64_t k, int64_t r0, int64_t r1) {
-  const int64_t full = k / 32 * 32;
-  const __mmask32 tail = k == full ? 0 : static_cast<__mmask32>((1ull << (k - full)) - 1);
-  int64_t r = r0;
-  for (; r + 4 <= r1; r += 4) {
-    const uint16_t *a = w + r * k, *b = a + k, *c = b + k, *d = c + k;
-    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    for (int64_t i = 0; i < full; i += 32) {
-      __m512bh xv = load(x + i, ~0u);
-      s0 = _mm512_dpbf16_ps(s0, load(a + i, ~0u), xv);
-      s1 = _mm512_dpbf16_ps(s1, load(b + i, ~0u), xv);
-      s2 = _mm512_dpbf16_ps(s2, load(c + i, ~0u), xv);
-      s3 = _mm512_dpbf16_ps(s3, load(d + i, ~0u), xv);
-    }
-    if (tail) {
-      __m512bh xv = load(x + full, tail);
-      s0 = _mm512_dpbf16_ps(s0, load(a + full, tail), xv);
-      s1 = _mm512_dpbf16_ps(s1, load(b + full, tail), xv);
-      s2 = _mm512_dpbf16_ps(s2, load(c + full, tail), xv);
-      s3 = _mm512_dpbf16_ps(s3, load(d + full, tail), xv);
-    }
-    y[r] = to_bf16(_mm512_reduce_add_ps(s0));
-    y[r + 1] = to_bf16(_mm512_reduce_add_ps(s1));
-    y[r + 2] = to_bf16(_mm512_reduce_add_ps(s2));
-    y[r + 3] = to_bf16(_mm512_reduce_add_ps(s3));
+// n independent GEMVs, each described by 5 int64 slots: w, x, y (addresses), m (rows), k.
+extern "C" void gemv_bf16_cpu_batch(const int64_t *desc, int n) {
+  std::vector<Job> jobs(n);
+  for (int i = 0; i < n; ++i) {
+    const int64_t *d = desc + 5 * i;
+    jobs[i] = {reinterpret_cast<const uint16_t *>(d[0]), reinterpret_cast<const uint16_t *>(d[1]),
+               reinterpret_cast<uint16_t *>(d[2]), d[3], d[4]};
   }
-  for (; r < r1; ++r) {
-    const uint16_t *a = w + r * k;
-    __m512 s = _mm512_setzero_ps();
-    for (int64_t i = 0; i < full; i += 32) s = _mm512_dpbf16_ps(s, load(a + i, ~0u), load(x + i, ~0u));
-    if (tail) s = _mm512_dpbf16_ps(s, load(a + full, tail), load(x + full, tail));
-    y[r] = to_bf16(_mm512_reduce_add_ps(s));
+  std::vector<Chunk> chunks;
+  for (int i = 0; i < n; ++i) {
+    int64_t step = kChunkBytes / (jobs[i].k * 2);
+    step = step < 4 ? 4 : step / 4 * 4;
+    for (int64_t r = 0; r < jobs[i].m; r += step) chunks.push_back({i, r, r + step < jobs[i].m ? r + step : jobs[i].m});
   }
+  const int64_t count = static_cast<int64_t>(chunks.size());
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t c = 0; c < count; ++c) rows(jobs[chunks[c].job], chunks[c].r0, chunks[c].r1);
 }
