@@ -47,7 +47,9 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# The verification gate on the embedded model first, then the suite (pytest's summary closes the run).
 test: install
+	$(PY) -m verify --model embedded --device sim --prompts 2 --n-tokens 32
 	$(PY) -m pytest -q
 
 run: install
