@@ -134,9 +134,19 @@ class KernelCache:
         self._entries[group.name] = _Entry(group, path)
         return path
 
-    def _build_locked(self, group: KernelGroup, key: str, path: Path) -> None:
+    def _writable(self) -> None:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
+            probe = Path(tempfile.mkstemp(prefix=".probe-", dir=self.dir)[1])
+            probe.unlink()
+        except OSError as e:
+            raise KernelCacheError(f"kernel cache folder {self.dir} is not writable ({e.strerror or e}); "
+                                   "set LLAMA_NPU_CACHE to a writable folder, or use --run-only with a "
+                                   "complete cache") from None
+
+    def _build_locked(self, group: KernelGroup, key: str, path: Path) -> None:
+        self._writable()
+        try:
             lock = FileLock(str(self.dir / f".{group.name}.lock"), timeout=self.lock_timeout)
             with lock:
                 if self._valid(path, key):       # another process built it while we waited
@@ -145,9 +155,6 @@ class KernelCache:
                 for orphan in self.dir.glob(f".tmp-{group.name}-*"):   # left by a killed compile
                     shutil.rmtree(orphan, ignore_errors=True)
                 self._build(group, key, path)
-        except PermissionError as e:
-            raise KernelCacheError(f"kernel cache folder {self.dir} is not writable ({e.strerror}); "
-                                   "set LLAMA_NPU_CACHE to a writable folder") from None
         except Timeout:
             raise KernelCacheError(f"timed out waiting for another compile of {group.name} "
                                    f"(lock {self.dir}/.{group.name}.lock)") from None

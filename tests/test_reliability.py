@@ -1,0 +1,232 @@
+"""Failing well: bad prompts, damaged checkpoints and caches, interruptions — one line, nothing lost."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from kernel_builder.cache import KernelCache
+from kernel_builder.device import SimDevice
+from kernel_builder.groups import build_group
+from llama32_1b_weights import LAYER_TENSORS, load_weights
+from llama_runtime.cli import run_cli
+from llama_runtime.errors import CheckpointError, KernelCacheError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cli(capsys, *argv):
+    code = run_cli(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _one_line_error(code, err, *needles):
+    lines = [l for l in err.strip().splitlines() if l]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+# ---- prompts and numbers -----------------------------------------------------------------
+@pytest.mark.parametrize("prompt", ["", "   \n\t "])
+def test_empty_prompts_are_refused_before_any_work(capsys, prompt):
+    code, out, err = _cli(capsys, "--prompt", prompt, "--model", "embedded", "--device", "sim")
+    _one_line_error(code, err, "empty")
+    assert "[model]" not in out                       # refused before loading anything
+
+
+@pytest.mark.parametrize("value", ["0", "-4", "abc", "2.5"])
+def test_bad_token_counts_are_one_line_errors(value):
+    r = subprocess.run([sys.executable, str(REPO / "llama32_1b_inference.py"), "--prompt", "hi", "-n", value],
+                       capture_output=True, text=True)
+    _one_line_error(r.returncode, r.stderr, "--n-tokens", value)
+
+
+def test_invalid_utf8_on_stdin_is_refused():
+    r = subprocess.run([sys.executable, str(REPO / "llama32_1b_inference.py"), "--prompt", "-"],
+                       input=b"caf\xe9 \xff\xfe", capture_output=True)
+    _one_line_error(r.returncode, r.stderr.decode(), "UTF-8")
+    assert b"Traceback" not in r.stderr
+
+
+def test_prompt_longer_than_the_context_names_the_limit(capsys):
+    code, _, err = _cli(capsys, "--prompt", "word " * 400, "--model", "embedded", "--device", "sim",
+                        "--max-context", "256")
+    _one_line_error(code, err, "context limit is 256")
+
+
+# ---- checkpoints --------------------------------------------------------------------------
+def _write_checkpoint(folder: Path, cfg, weights, drop=None, reshape=None, dtype=None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg.to_dict()))
+    tensors = {"model.embed_tokens.weight": weights.embed, "model.norm.weight": weights.final_norm}
+    for i, lw in enumerate(weights.layers):
+        for name, hf in LAYER_TENSORS.items():
+            tensors[f"model.layers.{i}.{hf}"] = getattr(lw, name)
+    tensors = {k: v.contiguous() for k, v in tensors.items() if k != drop}
+    if reshape:
+        tensors[reshape] = tensors[reshape][:-1].contiguous()
+    if dtype:
+        name, dt = dtype
+        tensors[name] = tensors[name].to(dt)
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.fixture
+def good_checkpoint(tmp_path, tiny_config, tiny_weights):
+    return _write_checkpoint(tmp_path / "ok", tiny_config, tiny_weights)
+
+
+def test_a_good_tiny_checkpoint_loads(good_checkpoint, tiny_config):
+    w = load_weights(good_checkpoint)
+    assert w.config == tiny_config and w.lm_head is w.embed
+
+
+def test_missing_folder_and_config(tmp_path, capsys):
+    with pytest.raises(CheckpointError, match="not found"):
+        load_weights(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_weights(tmp_path / "empty")
+    code, _, err = _cli(capsys, "--prompt", "hi", "--model", str(tmp_path / "nowhere"))
+    _one_line_error(code, err, "not found")
+
+
+def test_unknown_architecture(good_checkpoint):
+    cfg = json.loads((good_checkpoint / "config.json").read_text())
+    cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (good_checkpoint / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="unsupported architecture"):
+        load_weights(good_checkpoint)
+
+
+def test_truncated_safetensors_names_the_file(good_checkpoint):
+    f = good_checkpoint / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) * 2 // 3])
+    with pytest.raises(CheckpointError, match="truncated"):
+        load_weights(good_checkpoint)
+    f.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    with pytest.raises(CheckpointError, match="corrupted"):
+        load_weights(good_checkpoint)
+
+
+def test_missing_tensor_wrong_shape_wrong_dtype(tmp_path, tiny_config, tiny_weights):
+    name = "model.layers.1.mlp.up_proj.weight"
+    with pytest.raises(CheckpointError, match=f"'{name}' is missing"):
+        load_weights(_write_checkpoint(tmp_path / "a", tiny_config, tiny_weights, drop=name))
+    with pytest.raises(CheckpointError, match=f"'{name}' has shape"):
+        load_weights(_write_checkpoint(tmp_path / "b", tiny_config, tiny_weights, reshape=name))
+    with pytest.raises(CheckpointError, match=f"'{name}' has dtype I8"):
+        load_weights(_write_checkpoint(tmp_path / "c", tiny_config, tiny_weights, dtype=(name, torch.int8)))
+
+
+def test_sharded_index_pointing_at_a_missing_file(good_checkpoint):
+    weight_map = {"model.embed_tokens.weight": "model-00002-of-00002.safetensors"}
+    (good_checkpoint / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors.*missing"):
+        load_weights(good_checkpoint)
+
+
+def test_gated_repo_without_token_says_how_to_authenticate(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    code, _, err = _cli(capsys, "--prompt", "hi", "--model", "meta-llama/Llama-3.2-1B")
+    _one_line_error(code, err, "HF_TOKEN", "meta-llama/Llama-3.2-1B")
+
+
+# ---- kernel cache -------------------------------------------------------------------------
+def test_unwritable_cache_folder_is_a_clear_error(tmp_path, tiny_config):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    kc = KernelCache(SimDevice(), blocker / "kernels")
+    with pytest.raises(KernelCacheError, match="not writable"):
+        kc.compile_and_cache(build_group("o_gemv_ffn", tiny_config))
+
+
+def test_an_interrupted_compile_leaves_nothing_that_is_used(tmp_path, tiny_config, monkeypatch):
+    g = build_group("o_gemv_ffn", tiny_config)
+    kc = KernelCache(SimDevice(), tmp_path)
+    real = kc.device.compile
+
+    def dies_midway(group, out_dir, mlir):
+        (out_dir / "program.json").write_text("{half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kc.device, "compile", dies_midway)
+    with pytest.raises(KeyboardInterrupt):
+        kc.compile_and_cache(g)
+    assert not any(tmp_path.glob(f"{g.name}-*")) and not any(tmp_path.glob(".tmp-*"))
+    orphan = tmp_path / f".tmp-{g.name}-killed"          # what a kill -9 would leave behind
+    orphan.mkdir()
+    (orphan / "program.json").write_text("{half")
+    monkeypatch.setattr(kc.device, "compile", real)
+    entry = KernelCache(SimDevice(), tmp_path).compile_and_cache(g)
+    assert not orphan.exists() and json.loads((entry / "program.json").read_text())["kind"] == "o_gemv_ffn"
+
+
+# ---- interruptions ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    from llama32_1b_inference import build_session
+
+    return build_session("embedded", "sim", max_context=1024, cache_dir=tmp_path_factory.mktemp("k"),
+                         buckets=(128,), log=lambda s: None)
+
+
+def test_ctrl_c_in_prefill_and_decode_keeps_the_chat_usable(session, monkeypatch):
+    import llama32_1b_inference as inference
+    from llama_runtime.chat import Conversation
+
+    conv = Conversation(session)
+    conv.ask("What is the capital of Japan?", 12)
+    real_prefill = inference.prefill
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(inference, "prefill", interrupted)
+    r = conv.ask("Name a large river.", 12)
+    assert r.stop_reason == "interrupted" and r.tokens == []
+    monkeypatch.setattr(inference, "prefill", real_prefill)
+
+    def stop_after_two(text, seen=[]):
+        seen.append(text)
+        if len(seen) == 2:
+            raise KeyboardInterrupt
+
+    r = conv.ask("And of France?", 12, on_text=stop_after_two)
+    assert r.stop_reason == "interrupted"
+    third = conv.ask("Thanks. And of Italy?", 12)
+    fresh = session.generate(session.tokenizer.chat.render(conv.messages[:-1]), 12)
+    assert third.tokens == fresh.tokens                  # the cache and the transcript still agree
+
+
+# ---- what the runtime touches -------------------------------------------------------------
+def test_a_run_writes_only_under_the_cache(tmp_path):
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    env = dict(os.environ, HOME=str(home), HF_HUB_OFFLINE="1")
+    env.setdefault("LLAMA_NPU_CACHE", str(Path.home() / ".cache" / "llama32-1b-npu"))
+    r = subprocess.run([sys.executable, str(REPO / "llama32_1b_inference.py"), "--prompt", "Hi", "-n", "2",
+                        "--model", "embedded", "--device", "sim", "--max-context", "256"],
+                       cwd=work, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert list(work.iterdir()) == [] and list(home.rglob("*")) == []
+
+
+def test_no_pickle_loading_and_no_remote_code():
+    sources = [p for d in ("kernel_builder", "llama_runtime", "verify", "multi_launch_builder")
+               for p in (REPO / d).rglob("*.py")] + list(REPO.glob("llama32_1b_*.py"))
+    text = "\n".join(p.read_text() for p in sources)
+    for banned in ("trust_remote_code=True", "torch.load(", "pickle.load", "allow_pickle=True"):
+        assert banned not in text, banned
