@@ -1,0 +1,31 @@
+"""A prompt longer than the largest bucket: chunked prefill at offsets, checked against HF transformers."""
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from llama32_1b_inference import build_session
+from llama32_1b_prefill import prefill
+from verify.compare import TOP_K, gate_prompt
+
+PROMPT_TOKENS = 3000
+
+
+def test_3000_token_prompt_matches_hf_within_the_gate():
+    s = build_session("embedded", "sim", max_context=4096, log=lambda m: None)
+    text = ("The lighthouse keeper wrote in his log every night: the wind, the ships, the lamp. " * 200)
+    ids = s.tokenizer.encode_prompt(text, chat=False)[:PROMPT_TOKENS]
+    assert len(ids) == PROMPT_TOKENS > s.model.buckets[-1]
+    calls = s.device.counters.runs
+    ours = prefill(s.model, ids)
+    layers = s.config.num_hidden_layers
+    chunks = -(-PROMPT_TOKENS // s.model.buckets[-1])
+    assert s.device.counters.runs - calls == 3 * layers * chunks + 1
+    folder = s.resolved.folder
+    del s
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, local_files_only=True).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0, -1].float()
+    gate = gate_prompt(ref[None], ours[None], TOP_K)
+    assert gate.passed, gate
+    assert torch.nn.functional.cosine_similarity(ours, ref, dim=0) > 0.99
