@@ -1,0 +1,70 @@
+"""Config parsing for the supported shapes, and the RoPE table against transformers' rotary embedding."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig as HFLlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from kernel_builder.groups import all_groups, prefill_buckets
+from llama32_1b_weights import LlamaConfig, RopeScaling, generate_rope_lut
+from llama_runtime.errors import CheckpointError
+
+LLAMA_1B = {  # Llama-3.2-1B-Instruct's config.json as published (transformers 4 layout)
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "attention_bias": False,
+    "mlp_bias": False, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "head_dim": 64,
+    "hidden_size": 2048, "intermediate_size": 8192, "max_position_embeddings": 131072, "num_attention_heads": 32,
+    "num_hidden_layers": 16, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "vocab_size": 128256,
+}
+LLAMA_3B = {**LLAMA_1B, "hidden_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 24, "head_dim": 128}
+SMOLLM2 = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30,
+    "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152,
+    "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+    "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+def test_llama_1b_config_is_the_default():
+    assert LlamaConfig.from_dict(LLAMA_1B) == LlamaConfig()
+
+
+def test_transformers_5_rope_parameters_layout_parses_the_same():
+    v5 = {k: v for k, v in LLAMA_1B.items() if k not in ("rope_theta", "rope_scaling")}
+    v5["rope_parameters"] = {"rope_theta": 500000.0, **LLAMA_1B["rope_scaling"]}
+    assert LlamaConfig.from_dict(v5) == LlamaConfig()
+
+
+def test_3b_and_smollm2_shapes():
+    c3 = LlamaConfig.from_dict(LLAMA_3B)
+    assert (c3.hidden_size, c3.num_hidden_layers, c3.head_dim, c3.q_dim, c3.kv_dim, c3.gqa_group) == \
+        (3072, 28, 128, 3072, 1024, 3)
+    s = LlamaConfig.from_dict(SMOLLM2)
+    assert (s.head_dim, s.kv_dim, s.rope_scaling, s.eos_token_ids, s.tie_word_embeddings) == (64, 192, None, (2,), True)
+    for cfg in (c3, s):              # every group declares legal shapes for these configs
+        assert len(all_groups(cfg, prefill_buckets(cfg, 256))) == 3 * 2 + 3
+
+
+def test_bad_configs_are_one_line_errors():
+    with pytest.raises(CheckpointError, match="missing 'hidden_size'"):
+        LlamaConfig.from_dict({k: v for k, v in LLAMA_1B.items() if k != "hidden_size"})
+    with pytest.raises(CheckpointError, match="rope type 'yarn'"):
+        LlamaConfig.from_dict({**LLAMA_1B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+@pytest.mark.parametrize("cfg_dict", [LLAMA_1B, SMOLLM2], ids=["llama3-scaled", "plain"])
+def test_rope_table_matches_transformers(cfg_dict):
+    cfg = LlamaConfig.from_dict(cfg_dict)
+    positions = torch.tensor([[0, 1, 1000, 8191]])
+    rot = LlamaRotaryEmbedding(config=HFLlamaConfig(**cfg_dict))
+    cos, sin = rot(torch.zeros(1, dtype=torch.float32), positions)
+    lut = generate_rope_lut(cfg, 8192)[positions[0]]
+    h = cfg.head_dim // 2
+    assert torch.equal(lut[:, :h], cos[0, :, :h].to(torch.bfloat16))
+    assert torch.equal(lut[:, h:], sin[0, :, :h].to(torch.bfloat16))
+    if cfg.rope_scaling == RopeScaling():         # the scaling really changed the low frequencies
+        unscaled = generate_rope_lut(LlamaConfig(rope_scaling=None), 8192)[positions[0]]
+        assert not torch.equal(unscaled, lut)
