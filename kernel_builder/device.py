@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 import json
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -117,14 +117,6 @@ class SimBO:
         if for_write and self._shared:
             self._host, self._shared = dev.clone(), False
         return dev
-
-
-@dataclass
-class SimProgram:
-    """A loaded launch program: the group's launches with typed views of the BO list."""
-
-    group: KernelGroup
-    views: dict = field(default_factory=dict)
 
 
 class SimKernel:

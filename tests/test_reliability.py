@@ -230,3 +230,19 @@ def test_no_pickle_loading_and_no_remote_code():
     text = "\n".join(p.read_text() for p in sources)
     for banned in ("trust_remote_code=True", "torch.load(", "pickle.load", "allow_pickle=True"):
         assert banned not in text, banned
+
+
+def test_chat_context_overflow_drops_the_oldest_exchange(session):
+    from llama_runtime.chat import Conversation
+
+    conv = Conversation(session)
+    message = "Please remember this list of words: " + ", ".join(f"item{i}" for i in range(30)) + "."
+    turns = 0
+    while not conv.notices:
+        conv.ask(message, 4)
+        turns += 1
+        assert turns < 40
+    assert "dropped the oldest exchange" in conv.notices[0]
+    assert len(conv.tokens) + len(conv.pending) < session.model.max_context
+    rendered = session.tokenizer.chat.render(conv.messages, add_generation_prompt=False)
+    assert len(conv.messages) < 2 * turns and len(rendered) < session.model.max_context
