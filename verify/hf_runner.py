@@ -19,7 +19,9 @@ from verify.runner import PrefillResult, StepResult
 class HFRunner:
     def __init__(self, folder: str | Path):
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()        # a progress bar per load only clutters the gate's log
         self.model = AutoModelForCausalLM.from_pretrained(
             str(folder), dtype=torch.bfloat16, trust_remote_code=False, local_files_only=True
         ).eval()
