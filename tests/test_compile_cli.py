@@ -19,3 +19,19 @@ def test_second_compile_builds_nothing(tiny_config, tmp_path, monkeypatch, capsy
     assert compile_cli.main(args) == 0
     second = capsys.readouterr().out
     assert "sim: 0 built, 6 already cached" in second and "built (MLIR" not in second
+
+
+def test_npu_target_without_toolchain_fails_cleanly(tiny_config, tmp_path):
+    import pytest
+
+    from kernel_builder.cache import KernelCache
+    from kernel_builder.compile import ToolchainError, toolchain
+    from kernel_builder.groups import build_group
+    from kernel_builder.xrt_device import NpuTarget
+
+    if toolchain().complete:
+        pytest.skip("aircc and Peano are installed: the ELF path is exercised by make compile")
+    kc = KernelCache(NpuTarget(), tmp_path)
+    with pytest.raises(ToolchainError, match="missing"):
+        kc.compile_and_cache(build_group("o_gemv_ffn", tiny_config))
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
