@@ -7,6 +7,8 @@ allocates only small f32 temporaries, and they use torch's bf16 GEMM/GEMV paths 
 AVX512-BF16 on the CPUs this is developed on), which accumulate in f32.
 
 Signature: `op(launch, *views)` with views in `launch.args` order (reads, then writes).
+Elementwise ops work through their rows in blocks whose f32 temporaries stay in cache: on a
+2048-row prompt that is several times faster than widening whole tensors, with the same result.
 """
 from __future__ import annotations
 
@@ -17,9 +19,24 @@ from kernel_builder import native_cpu
 from kernel_builder.groups import Launch
 
 
+_BLOCK_ELEMS = 1 << 19        # f32 temporaries of 2 MiB: resident in L2/L3 while used
+
+
+def _row_blocks(rows: int, width: int):
+    step = max(1, _BLOCK_ELEMS // width)
+    for i in range(0, rows, step):
+        yield slice(i, min(rows, i + step))
+
+
+def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    return t.view(-1, width)
+
+
 def rmsnorm(l: Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    xf = x.float()
-    torch.mul(F.rms_norm(xf, (xf.shape[-1],), eps=l.p("eps")), w, out=out)   # w widened in-kernel
+    d = l.p("dim")
+    xs, os = _rows(x, d), _rows(out, d)
+    for b in _row_blocks(xs.shape[0], d):
+        torch.mul(F.rms_norm(xs[b].float(), (d,), eps=l.p("eps")), w, out=os[b])   # w widened in-kernel
 
 
 def gemm(l: Launch, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
@@ -38,17 +55,20 @@ def rope(l: Launch, x: torch.Tensor, lut: torch.Tensor, out: torch.Tensor) -> No
     """Half-split rotation of every head by its position's angles (LUT row = cos | sin)."""
     rows, heads, d = l.p("rows"), l.p("heads"), l.p("head_dim")
     h = d // 2
-    xf = x.view(rows, heads, d).float()
-    lf = lut.view(rows, 1, d).float()
-    cos, sin = lf[..., :h], lf[..., h:]
-    x1, x2 = xf[..., :h], xf[..., h:]
-    o = out.view(rows, heads, d)
-    o[..., :h].copy_(x1 * cos - x2 * sin)
-    o[..., h:].copy_(x2 * cos + x1 * sin)
+    xs, ls, os = x.view(rows, heads, d), lut.view(rows, 1, d), out.view(rows, heads, d)
+    for b in _row_blocks(rows, heads * d):
+        xf, lf = xs[b].float(), ls[b].float()
+        cos, sin = lf[..., :h], lf[..., h:]
+        x1, x2 = xf[..., :h], xf[..., h:]
+        os[b, :, :h].copy_(x1 * cos - x2 * sin)
+        os[b, :, h:].copy_(x2 * cos + x1 * sin)
 
 
 def swiglu(l: Launch, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
-    torch.mul(F.silu(gate.float()), up, out=out)
+    width = gate.shape[-1]
+    gs, us, os = _rows(gate, width), _rows(up, width), _rows(out, width)
+    for b in _row_blocks(gs.shape[0], width):
+        torch.mul(F.silu(gs[b].float()), us[b], out=os[b])
 
 
 def add(l: Launch, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
