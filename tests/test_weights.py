@@ -45,7 +45,8 @@ def test_3b_and_smollm2_shapes():
     s = LlamaConfig.from_dict(SMOLLM2)
     assert (s.head_dim, s.kv_dim, s.rope_scaling, s.eos_token_ids, s.tie_word_embeddings) == (64, 192, None, (2,), True)
     for cfg in (c3, s):              # every group declares legal shapes for these configs
-        assert len(all_groups(cfg, prefill_buckets(cfg, 256))) == 3 * 2 + 3
+        buckets = prefill_buckets(cfg, 256)
+        assert buckets[-1] == 256 and len(all_groups(cfg, buckets)) == 3 * len(buckets) + 3
 
 
 def test_bad_configs_are_one_line_errors():
