@@ -17,12 +17,16 @@ from __future__ import annotations
 import enum
 import json
 import shutil
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kernel_builder.groups import KernelGroup
+
+
+_VIEW_SETS = 256   # cached BO-list bindings per loaded group (one per layer in practice)
 
 
 class Sync(enum.Enum):
@@ -131,21 +135,25 @@ class SimKernel:
                        for step in sim_ops.plan(group.launches)]
         self._batch = sim_ops.gemv_batch
         self._written = {w for l in group.launches for w in l.writes}
-        self._cache_key: tuple | None = None
-        self._views: dict[str, torch.Tensor] = {}
+        self._views: OrderedDict[tuple, dict[str, torch.Tensor]] = OrderedDict()
 
     def _bind(self, bos: list[SimBO]) -> dict[str, torch.Tensor]:
-        # Keyed on storage addresses: the cached views keep their storages alive, so an
-        # address cannot be reused by a different buffer while the cache refers to it.
+        """Typed views of the BO list, cached per list: a group runs on one BO set per layer.
+
+        Keyed on storage addresses; a cached entry keeps its storages alive, so an address
+        cannot be reused by another buffer while the entry exists.
+        """
         key = tuple(b._dev_side().data_ptr() for b in bos)
-        if key != self._cache_key:
+        views = self._views.get(key)
+        if views is None:
             views = {}
             for slot, bo in zip(self.group.slots, bos):
                 raw = bo.device_view(for_write=slot.name in self._written)
                 views[slot.name] = raw[: slot.nbytes].view(slot.torch_dtype).view(slot.shape)
-            self._views = views
-            self._cache_key = key
-        return self._views
+            self._views[key] = views
+            if len(self._views) > _VIEW_SETS:
+                self._views.popitem(last=False)
+        return views
 
     def run(self, bos: list[SimBO]) -> None:
         if len(bos) != len(self.group.slots):

@@ -34,6 +34,7 @@ class Role(str, Enum):
 
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32}
+ITEMSIZE: dict[str, int] = {"bf16": 2, "f32": 4, "i32": 4}
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class Slot:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+        return self.numel * ITEMSIZE[self.dtype]
 
     @property
     def torch_dtype(self) -> torch.dtype:
