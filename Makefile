@@ -74,7 +74,7 @@ diagnosis: install
 	$(PY) -m verify.diagnosis --model "$(MODEL)" --device "$(DEVICE)"
 
 bench: install
-	$(PY) -m verify.bench --device "$(DEVICE)"
+	$(PY) -m bench --device "$(DEVICE)"
 
 clean:
 	$(PY) -c "import shutil; from llama_runtime.paths import cache_root; shutil.rmtree(cache_root(), ignore_errors=True)" 2>/dev/null || true

@@ -27,19 +27,31 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 
 
-def _build() -> ctypes.CDLL | None:
+def build_shared(src: Path, flags: list[str]) -> Path | None:
+    """`src` compiled into a shared library under the cache, or None without a working compiler.
+
+    Keyed by the source and flags, so an edit rebuilds it, and renamed into place so that a
+    concurrent process never loads a half-written file.
+    """
     cxx = shutil.which(os.environ.get("CXX", "g++"))
     if cxx is None:
         return None
-    digest = hashlib.sha256(_SRC.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    out = cache_root() / "native" / f"gemv_bf16_cpu-{digest}.so"
+    digest = hashlib.sha256(src.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    out = cache_root() / "native" / f"{src.stem}-{digest}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        r = subprocess.run([cxx, *_FLAGS, str(_SRC), "-o", str(tmp)], capture_output=True, text=True)
+        r = subprocess.run([cxx, *flags, str(src), "-o", str(tmp)], capture_output=True, text=True)
         if r.returncode != 0:
             return None
         os.replace(tmp, out)
+    return out
+
+
+def _build() -> ctypes.CDLL | None:
+    out = build_shared(_SRC, _FLAGS)
+    if out is None:
+        return None
     lib = ctypes.CDLL(str(out))
     if not lib.gemv_bf16_cpu_supported():
         return None

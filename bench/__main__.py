@@ -1,0 +1,44 @@
+"""`python -m bench` (`make bench`): this runtime vs HF transformers and llama.cpp, one machine, one run.
+
+Prints the tables and writes `bench-<time>.json` / `.md` under the reports folder. Missed
+targets do not fail the command (a bench measures; the verification gates): exit 0 when the
+bench ran, 2 when it could not (bad arguments, an unusable model).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from bench.plan import FULL, QUICK
+from bench.run import run_bench
+from llama_runtime.errors import UserError
+from llama_runtime.models import EMBEDDED, LLAMA1B_SHAPE
+
+DEFAULT_MODELS = f"{LLAMA1B_SHAPE},{EMBEDDED}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="auto", choices=("auto", "npu", "sim"), help="our runtime's device")
+    ap.add_argument("--models", default=DEFAULT_MODELS,
+                    help=f"comma-separated models (names or checkpoint folders); default {DEFAULT_MODELS}")
+    ap.add_argument("--quick", action="store_true", help="a short smoke run of every path (not a result)")
+    ap.add_argument("--skip-llamacpp", action="store_true", help="do not build or run llama.cpp")
+    ap.add_argument("--rebuild-llamacpp", action="store_true", help="retry a llama.cpp build that failed before")
+    args = ap.parse_args(argv)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if not models:
+        ap.error("--models names no model")
+    try:
+        data, md, (jpath, mpath) = run_bench(models, QUICK if args.quick else FULL, args.device,
+                                             args.skip_llamacpp, args.rebuild_llamacpp)
+    except UserError as e:
+        print(f"[bench] ERROR: {e}", file=sys.stderr)
+        return 2
+    print(md)
+    print(f"\n[bench] report: {jpath} and {mpath}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""The machine's memory bandwidth: an f32 matrix-vector product over at least 1 GiB, all cores.
+
+A GEMV reads its matrix exactly once, like a decode step reads its weights, so its rate is the
+bandwidth a memory-bound decode can hope for. The matrix is far larger than the last-level
+cache (some of these VMs report hundreds of MiB of it, which makes small benchmarks read from
+cache).
+The native AVX-512 kernel is used where the CPU has AVX-512, because library GEMVs fall short
+of the hardware's streaming rate here; otherwise numpy's BLAS GEMV is used, and the report
+says which method produced the number.
+
+A sample's rate is the fastest of several passes, not their median: this is the ceiling a
+decode is held against, and anything else running on the host can only slow a pass down. On a
+VM the ceiling itself moves (other guests share the memory system), so the bench samples
+again after every runtime and bounds decode by the median sample, reporting the range; each
+pass's time is kept in the report.
+"""
+from __future__ import annotations
+
+import ctypes
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from bench.machine import cpu_flags
+
+GIB = 1 << 30
+_SRC = Path(__file__).resolve().parent / "native" / "gemv_f32_stream.cc"
+_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f"]
+_ROW_FLOATS = 16384          # 64 KiB rows: long contiguous streams per row block
+_ROW_BLOCK = 4               # the kernel's rows per step (see the source)
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    bytes_per_s: float        # of the fastest timed pass
+    matrix_bytes: int
+    method: str
+    threads: int
+    pass_s: list[float]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _native_gemv():
+    from kernel_builder.native_cpu import build_shared
+
+    if "avx512f" not in cpu_flags():
+        return None
+    path = build_shared(_SRC, _FLAGS)
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    lib.gemv_f32_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    return lib
+
+
+def measure_bandwidth(matrix_bytes: int = GIB, passes: int = 8) -> Bandwidth:
+    """Read rate of an f32 GEMV over a matrix of at least `matrix_bytes`; one untimed pass first."""
+    row_bytes = _ROW_FLOATS * np.dtype(np.float32).itemsize
+    rows = -(-matrix_bytes // row_bytes)
+    rows = -(-rows // _ROW_BLOCK) * _ROW_BLOCK
+    a = np.ones((rows, _ROW_FLOATS), dtype=np.float32)      # written, so every page is resident
+    x = np.ones(_ROW_FLOATS, dtype=np.float32)
+    y = np.empty(rows, dtype=np.float32)
+    lib = _native_gemv()
+    if lib is not None:
+        threads = lib.gemv_f32_stream_threads()
+        method = f"native AVX-512 f32 GEMV ({_SRC.name}), OpenMP, {threads} threads"
+
+        def run() -> None:
+            lib.gemv_f32_stream(a.ctypes.data, x.ctypes.data, y.ctypes.data, rows, _ROW_FLOATS)
+    else:
+        threads = 0
+        method = "numpy f32 GEMV (BLAS sgemv), library threading"
+
+        def run() -> None:
+            np.matmul(a, x, out=y)
+    run()
+    times = []
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    if not np.all(y == _ROW_FLOATS):   # every row of ones · ones sums to its length, exactly in f32
+        raise RuntimeError("the bandwidth GEMV computed a wrong result")
+    return Bandwidth(a.nbytes / min(times), a.nbytes, method, threads, times)
+
+
+def summarize(samples: list[tuple[str, Bandwidth]]) -> dict:
+    """Samples taken through a run (each labelled with what had just run) → the rate to bound by."""
+    rates = [b.bytes_per_s for _, b in samples]
+    first = samples[0][1]
+    return {"bytes_per_s": statistics.median(rates), "min_bytes_per_s": min(rates), "max_bytes_per_s": max(rates),
+            "method": first.method, "matrix_bytes": first.matrix_bytes, "threads": first.threads,
+            "samples": [{"after": label, **b.to_dict()} for label, b in samples]}

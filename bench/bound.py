@@ -1,0 +1,48 @@
+"""What a decode step must read, from the model's config, and the speed limit that sets.
+
+A single-token decode step multiplies one activation row by every linear weight of every layer
+and by the LM head, so each step streams all of those bytes from memory once; everything else
+it reads (norm weights, one embedding row, the KV cache at short contexts) is small beside
+them. Bytes per token ÷ memory bandwidth is therefore the fastest a memory-bound decode can
+go. A tied embedding is the LM head: it is counted once, as the head, plus the one row the
+embedding lookup reads. Sizes come from the config only, so the same arithmetic serves the
+1B shape, SmolLM2 and a 3B config.
+"""
+from __future__ import annotations
+
+from kernel_builder.backend_presets import BF16
+from llama32_1b_weights import LlamaConfig, layer_shapes
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def layer_linear_params(cfg: LlamaConfig) -> int:
+    return sum(_numel(s) for s in layer_shapes(cfg).values() if len(s) == 2)
+
+
+def weight_bytes(cfg: LlamaConfig) -> int:
+    """bf16 bytes of every distinct tensor of the checkpoint (a tied LM head counts once)."""
+    per_layer = sum(_numel(s) for s in layer_shapes(cfg).values())
+    table = cfg.vocab_size * cfg.hidden_size
+    heads = table if cfg.tie_word_embeddings else 2 * table
+    return (cfg.num_hidden_layers * per_layer + heads + cfg.hidden_size) * BF16
+
+
+def decode_bytes_per_token(cfg: LlamaConfig) -> int:
+    """bf16 bytes one decode step reads: all linear weights, the LM head, one embedding row."""
+    linear = cfg.num_hidden_layers * layer_linear_params(cfg)
+    return (linear + cfg.vocab_size * cfg.hidden_size + cfg.hidden_size) * BF16
+
+
+def kv_cache_bytes(cfg: LlamaConfig, positions: int) -> int:
+    """bf16 K and V for every layer and KV head over `positions` positions."""
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * positions * cfg.head_dim * BF16
+
+
+def decode_bound_tokens_per_s(bytes_per_token: int, bandwidth_bytes_per_s: float) -> float:
+    return bandwidth_bytes_per_s / bytes_per_token

@@ -1,0 +1,81 @@
+"""What the bench ran on: CPU model and flags, cores, memory, and how busy the machine was.
+
+Timings are only comparable on a quiet machine, so every runtime's run records how much CPU
+*other* processes used meanwhile: all busy CPU time of the machine (from /proc/stat, steal
+included, since a hypervisor's other guests slow us too) minus what the runtime's own child
+used. The load average cannot tell that apart: it still carries the previous child's work for
+minutes after it ended.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+CPUINFO = Path("/proc/cpuinfo")
+MEMINFO = Path("/proc/meminfo")
+STAT = Path("/proc/stat")
+# /proc/stat's first line: user nice system idle iowait irq softirq steal (guest time is inside user).
+_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
+
+
+def _cpuinfo_field(name: str) -> str:
+    try:
+        for line in CPUINFO.read_text().splitlines():
+            if line.startswith(name):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def cpu_flags() -> frozenset[str]:
+    return frozenset(_cpuinfo_field("flags").split())
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    at_s: float
+    machine_busy_s: float | None   # None where /proc/stat is unreadable
+    children_s: float              # CPU time of this process's finished children
+
+
+def cpu_sample() -> CpuSample:
+    busy = None
+    try:
+        fields = STAT.read_text().splitlines()[0].split()[1:]
+        busy = sum(int(fields[i]) for i in _BUSY_FIELDS if i < len(fields)) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        pass
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return CpuSample(time.perf_counter(), busy, ru.ru_utime + ru.ru_stime)
+
+
+def other_cores(before: CpuSample, after: CpuSample) -> float | None:
+    """Cores' worth of CPU that processes other than our children used between two samples."""
+    if before.machine_busy_s is None or after.machine_busy_s is None or after.at_s <= before.at_s:
+        return None
+    others = (after.machine_busy_s - before.machine_busy_s) - (after.children_s - before.children_s)
+    return max(others, 0.0) / (after.at_s - before.at_s)
+
+
+def describe() -> dict:
+    mem = 0
+    try:
+        for line in MEMINFO.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    flags = cpu_flags()
+    return {
+        "cpu": _cpuinfo_field("model name") or platform.processor(),
+        "cores": os.cpu_count(),
+        "memory_bytes": mem,
+        "isa": sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2", "avx_vnni"))),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }

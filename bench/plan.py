@@ -1,0 +1,72 @@
+"""What a bench run measures: prompt lengths, decode steps, repetitions, and the prompt ids.
+
+The full plan is the issue's: TTFT at 32/128/512/2048 prompt tokens, 64 decode tokens after
+the 128-token prompt, 3 timed runs after one warm-up for every measurement. The quick plan is
+a smoke run of the same code paths (used by the tests), small enough for seconds, not minutes.
+
+Prompts are token ids built once by the model's own tokenizer from one fixed text (repeated,
+then cut to length), and every runtime gets exactly those ids: no runtime tokenizes, so no
+tokenizer difference can change a prompt's length or content.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from bench.bandwidth import GIB
+from llama32_1b_inference import DEFAULT_MAX_CONTEXT
+from llama32_1b_weights import LlamaConfig
+from llama_runtime.tokenizer import Tokenizer
+
+PROMPT_TEXT = (
+    "The history of computing is a story of moving data as much as of computing on it. Early machines "
+    "kept their programs on punched cards and their numbers in rotating drums; later ones stored both "
+    "in the same fast memory, and the speed of that memory soon set the pace of everything else. Today "
+    "a processor can multiply far faster than it can fetch the numbers it multiplies, so the engineers "
+    "who build language models count bytes as carefully as arithmetic: a model that reads its weights "
+    "once per word can never answer faster than its memory can deliver them."
+)
+
+
+@dataclass(frozen=True)
+class Plan:
+    prompt_lengths: tuple[int, ...] = (32, 128, 512, 2048)
+    decode_length: int = 128          # the prompt the decode steps follow
+    n_decode: int = 64
+    runs: int = 3
+    warmup: int = 1
+    max_context: int = DEFAULT_MAX_CONTEXT   # our KV cache and llama.cpp's n_ctx: the same positions
+    bandwidth_bytes: int = GIB
+    gguf_types: tuple[str, ...] = ("bf16", "q8_0")
+    quick: bool = False
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.decode_length not in self.prompt_lengths:
+            raise ValueError("the decode prompt must be one of the measured prompt lengths")
+        if max(self.prompt_lengths) + self.n_decode >= self.max_context:
+            raise ValueError("the longest prompt plus its decode steps must fit the context")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+FULL = Plan()
+QUICK = Plan(prompt_lengths=(32,), decode_length=32, n_decode=4, runs=2, warmup=1, max_context=128,
+             bandwidth_bytes=GIB // 4, gguf_types=("bf16",), quick=True,
+             notes=("quick smoke run: fewer, shorter measurements and a 256 MiB bandwidth matrix; "
+                    "not a benchmark result",))
+
+
+def prompt_ids(folder: Path, cfg: LlamaConfig, lengths: tuple[int, ...]) -> dict[int, list[int]]:
+    """For each length, exactly that many ids: the text with BOS as the tokenizer adds it, then repeats."""
+    tok = Tokenizer(folder, cfg)
+    head = tok.encode_prompt(PROMPT_TEXT, chat=False)
+    body = tok.encode_text(" " + PROMPT_TEXT)
+    out = {}
+    for n in lengths:
+        ids = list(head)
+        while len(ids) < n:
+            ids += body
+        out[n] = tok.check_ids(ids[:n])
+    return out

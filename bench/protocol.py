@@ -1,0 +1,88 @@
+"""The measurement every runtime goes through, inside its own child process.
+
+A side provides a runner with the two calls of `verify.runner.Runner` — `prefill(ids)` and
+`decode_step(token, pos)`, each returning a result whose `top1` is the greedy next token — and
+this module times them the same way for all: TTFT is prompt ids in → first token chosen;
+decode is `n_decode` greedy steps after the decode-length prompt, end tokens ignored so that
+every runtime does the same number of steps. Each prompt length gets `warmup` untimed runs,
+then `runs` timed ones; the parent takes medians.
+
+Standard library only: the llama.cpp side imports this under an interpreter that has nothing
+but llama-cpp-python.
+"""
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+JOB_FILE = "job.json"
+RESULT_FILE = "result.json"
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory.
+
+    VmHWM rather than ru_maxrss: a child's ru_maxrss can include what its parent had resident
+    when it was forked, which would credit a runtime with the harness's memory.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # KiB on Linux
+
+
+def measure(runner, prompts: dict[int, list[int]], decode_length: int, n_decode: int, runs: int,
+            warmup: int) -> dict:
+    ttft: dict[str, list[float]] = {}
+    decode: list[float] = []
+    for length in sorted(prompts):
+        ids = prompts[length]
+        times = []
+        for r in range(warmup + runs):
+            t0 = time.perf_counter()
+            tok = runner.prefill(ids).top1
+            t1 = time.perf_counter()
+            if length == decode_length:
+                pos = len(ids)
+                for _ in range(n_decode):
+                    tok = runner.decode_step(tok, pos).top1
+                    pos += 1
+                if r >= warmup:
+                    decode.append(n_decode / (time.perf_counter() - t1))
+            if r >= warmup:
+                times.append(t1 - t0)
+        ttft[str(length)] = times
+    return {"ttft_s": ttft, "decode_tok_s": decode}
+
+
+def child_main(make_runner: Callable[[dict], tuple[object, dict]], argv: list[str] | None = None) -> int:
+    """Entry point of a side: job.json in, result.json out (with load time, peak memory, extras).
+
+    `make_runner(job)` returns the runner and a dict of facts the side wants reported (versions,
+    settings, sizes). Failures are written to the result, so the parent can report them.
+    """
+    workdir = Path((argv if argv is not None else sys.argv[1:])[0])
+    job = json.loads((workdir / JOB_FILE).read_text())
+    result: dict = {}
+    try:
+        t0 = time.perf_counter()
+        runner, info = make_runner(job)
+        result["load_s"] = time.perf_counter() - t0
+        result["info"] = info
+        prompts = {int(k): v for k, v in job["prompts"].items()}
+        result.update(measure(runner, prompts, job["decode_length"], job["n_decode"], job["runs"], job["warmup"]))
+    except Exception as e:  # reported by the parent as this runtime's note
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["traceback"] = traceback.format_exc()
+    result["peak_rss_bytes"] = peak_rss_bytes()
+    (workdir / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if "error" not in result else 1

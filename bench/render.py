@@ -1,0 +1,80 @@
+"""The bench report for people: one table per model, the bandwidth and bound lines, notes."""
+from __future__ import annotations
+
+from bench.summary import OURS
+from verify.report import md_table
+
+GB = 1e9
+GIB = float(1 << 30)
+LABELS = {"ours": "ours", "hf": "HF transformers", "llama.cpp bf16": "llama.cpp bf16", "llama.cpp q8_0": "llama.cpp q8_0"}
+
+
+def _num(v: float | None, fmt: str) -> str:
+    return "—" if v is None else format(v, fmt)
+
+
+def _target_value(t: dict) -> str:
+    if t["value"] is None:
+        return "—"
+    return f"{t['value']:.0%}" if t["row"] == "bound" else f"{t['value']:.2f}×"
+
+
+def model_table(m: dict) -> str:
+    sides = m["runtimes"]
+    peers = [p for p in sides if p != OURS]
+    lengths = sorted({n for s in sides.values() for n in s.get("ttft_s", {})})
+    header = ["metric", *(LABELS.get(k, k) for k in sides), *(f"ours/{LABELS.get(p, p)}" for p in peers), "target"]
+    by_row: dict[str, list[str]] = {}
+    for t in m["targets"]:
+        by_row.setdefault(t["row"], []).append(f"{t['name']}: {_target_value(t)} **{t['status']}**")
+
+    def row(label: str, key: str, values: list[str], ratio_key: str | None) -> list[str]:
+        rs = [_num(m["ratios"][p].get(ratio_key), ".2f") + "×" if ratio_key and m["ratios"][p].get(ratio_key) is not None
+              else "—" for p in peers]
+        return [label, *values, *rs, "; ".join(by_row.get(key, []))]
+
+    rows = [row(f"TTFT @{n} tokens (s)", f"ttft@{n}", [_num(s.get("ttft_s", {}).get(n), ".3f") for s in sides.values()],
+                f"ttft@{n}") for n in lengths]
+    rows.append(row("decode (tokens/s)", "decode", [_num(s.get("decode_tok_s"), ".2f") for s in sides.values()], "decode"))
+    rows.append(row("decode, % of the bf16 bound", "bound",
+                    [_num(m["bound_fraction"].get(k), ".0%") for k in sides], None))
+    rows.append(row("peak resident memory (GiB)", "peak_rss",
+                    [_num(s["peak_rss_bytes"] / GIB if s.get("peak_rss_bytes") else None, ".2f") for s in sides.values()],
+                    "peak_rss"))
+    return md_table(header, rows)
+
+
+def markdown(data: dict) -> str:
+    bw = data.get("bandwidth")
+    lines = [f"# Bench {data['created']}", ""]
+    mc = data["machine"]
+    lines.append(f"Machine: {mc['cpu']}, {mc['cores']} cores, {mc['memory_bytes'] / GIB:.0f} GiB; "
+                 f"device `{data['device']}`; plan: TTFT at {', '.join(map(str, data['plan']['prompt_lengths']))} tokens, "
+                 f"{data['plan']['n_decode']} decode tokens after the {data['plan']['decode_length']}-token prompt, "
+                 f"median of {data['plan']['runs']} runs after {data['plan']['warmup']} warm-up.")
+    lines.append("Ratios are ours ÷ peer: below 1 is better for us for TTFT and memory, above 1 for tokens/s.")
+    lines.append("")
+    if bw:
+        samples = bw["samples"]
+        lines.append(f"**Memory bandwidth: {bw['bytes_per_s'] / GB:.1f} GB/s** — {bw['method']} over a "
+                     f"{bw['matrix_bytes'] / GIB:.2f} GiB matrix; median of {len(samples)} samples taken at the start "
+                     f"and after each runtime (each the fastest of {len(samples[0]['pass_s'])} passes), range "
+                     f"{bw['min_bytes_per_s'] / GB:.1f}–{bw['max_bytes_per_s'] / GB:.1f} GB/s.")
+    else:
+        lines.append("Memory bandwidth: not measured.")
+    for m in data["models"]:
+        lines += ["", f"## {m['model']}", ""]
+        per_token = m["decode_bytes_per_token"]
+        if m["decode_bound_tok_s"]:
+            lines.append(f"Decode bound: {per_token / GB:.3f} GB of bf16 weights read per token "
+                         f"(linear layers + LM head + one embedding row) ÷ bandwidth = "
+                         f"{1e3 / m['decode_bound_tok_s']:.1f} ms/token = **{m['decode_bound_tok_s']:.2f} tokens/s**.")
+        lines.append(f"Memory budget: 1.5 × (weights {m['weight_bytes'] / GIB:.2f} GiB + KV cache "
+                     f"{m['kv_cache_bytes'] / GIB:.2f} GiB) = {1.5 * (m['weight_bytes'] + m['kv_cache_bytes']) / GIB:.2f} GiB.")
+        lines += ["", model_table(m)]
+        for name, s in m["runtimes"].items():
+            if s.get("error"):
+                lines.append(f"\n- {LABELS.get(name, name)} failed: {s['error']}")
+    if data.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in data["notes"]]
+    return "\n".join(lines)

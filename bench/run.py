@@ -1,0 +1,153 @@
+"""One bench run: bandwidth, then for each model every runtime in its own child, then the report.
+
+Children run one after another, never side by side: each has the whole machine (both cores,
+all the memory bandwidth) while it is timed, and its peak memory is its own. A runtime that
+cannot run (llama.cpp not built, a crash) becomes a note and empty cells, never a lost bench.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from bench import BenchError
+from bench.bandwidth import Bandwidth, measure_bandwidth
+from bench.bandwidth import summarize as summarize_bandwidth
+from bench.machine import cpu_sample, describe, other_cores
+from bench.plan import Plan, prompt_ids
+from bench.protocol import JOB_FILE, RESULT_FILE
+from bench.render import markdown
+from bench.summary import BF16_RUNTIMES, HF, OURS, summarize_model
+from llama32_1b_weights import LlamaConfig
+from llama_runtime.models import EMBEDDED, resolve_checkpoint
+from verify.report import write_report
+
+# The folder holding the `bench` package: the llama.cpp interpreter imports the side from here.
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+BUSY_CORES = 0.1   # other processes' average CPU use above which a runtime's times are flagged
+BANDWIDTH_SPREAD = 1.15   # max/min of the bandwidth samples above which the report says the bound is soft
+SIDE_TIMEOUT_S = 3600   # a runtime that has not finished by then is hung, not slow
+
+
+def run_side(module: str, job: dict, workdir: Path, python: str = sys.executable,
+             log: Callable[[str], None] = print) -> dict:
+    """Run one runtime's child on `job`; its result dict (with `error` when it failed)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / JOB_FILE).write_text(json.dumps(job))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])))
+    before = cpu_sample()
+    with open(workdir / "child.log", "w") as out:
+        try:
+            rc = subprocess.run([python, "-m", module, str(workdir)], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                cwd=PROJECT_ROOT, timeout=SIDE_TIMEOUT_S).returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    result_file = workdir / RESULT_FILE
+    result = json.loads(result_file.read_text()) if result_file.is_file() else {}
+    if rc is None:
+        result["error"] = f"no result after {SIDE_TIMEOUT_S} s: stopped"
+    elif rc != 0 and "error" not in result:
+        how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}"
+        tail = (workdir / "child.log").read_text(errors="replace").strip().splitlines()[-3:]
+        result["error"] = f"{how}: " + " | ".join(tail)
+    after = cpu_sample()
+    result["wall_s"] = after.at_s - before.at_s
+    result["other_cores"] = other_cores(before, after)
+    if result.get("error"):
+        log(f"[bench]   {module}: {result['error'].splitlines()[0]}")
+    return result
+
+
+def _llamacpp(plan: Plan, skip: bool, rebuild: bool, notes: list[str], log):
+    if skip:
+        notes.append("llama.cpp skipped (--skip-llamacpp).")
+        return None
+    from bench.llamacpp_build import ensure_llamacpp
+
+    try:
+        return ensure_llamacpp(log, rebuild=rebuild)
+    except BenchError as e:
+        notes.append(f"llama.cpp not measured: {e}")
+        log(f"[bench] llama.cpp unavailable: {str(e).splitlines()[0]}")
+        return None
+
+
+def bench_model(model: str, plan: Plan, device: str, llamacpp, work: Path, notes: list[str],
+                sample_bandwidth: Callable[[str], None], log) -> tuple[LlamaConfig, dict[str, dict], str]:
+    """Every runtime's raw results on `model`, the bandwidth sampled again after each one."""
+    folder = resolve_checkpoint(model)
+    cfg = LlamaConfig.from_json(folder)
+    prompts = prompt_ids(folder, cfg, plan.prompt_lengths)
+    base = {"prompts": {str(n): ids for n, ids in prompts.items()}, "decode_length": plan.decode_length,
+            "n_decode": plan.n_decode, "runs": plan.runs, "warmup": plan.warmup, "max_context": plan.max_context}
+    sides: list[tuple[str, str, dict, str]] = [
+        (OURS, "bench.side_ours", {"model": str(folder), "device": device}, sys.executable),
+        (HF, "bench.side_hf", {"folder": str(folder)}, sys.executable),
+    ]
+    if llamacpp is not None:
+        from bench.gguf_convert import ensure_gguf
+
+        for outtype in plan.gguf_types:
+            try:
+                gguf = ensure_gguf(llamacpp, folder, cfg.vocab_size, outtype, log)
+            except BenchError as e:
+                notes.append(f"{model}: llama.cpp {outtype} not measured: {e}")
+                continue
+            sides.append((f"llama.cpp {outtype}", "bench.side_llamacpp", {"gguf": str(gguf)}, str(llamacpp.python)))
+    raw = {}
+    for name, module, extra, python in sides:
+        log(f"[bench] {model}: {name} ...")
+        raw[name] = run_side(module, {**base, **extra}, work / model / name.replace(" ", "-"), python, log)
+        busy = raw[name]["other_cores"]
+        if busy is not None and busy > BUSY_CORES:
+            notes.append(f"{model}: while {name} ran, other processes used {busy:.2f} cores on average: "
+                         "its times may be slow.")
+        sample_bandwidth(f"{model} {name}")
+    return cfg, raw, str(folder)
+
+
+def run_bench(models: list[str], plan: Plan, device: str = "auto", skip_llamacpp: bool = False,
+              rebuild_llamacpp: bool = False, log: Callable[[str], None] = print) -> tuple[dict, str, tuple[Path, Path]]:
+    notes: list[str] = list(plan.notes)
+    data: dict = {"created": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "device": device,
+                  "machine": describe(), "plan": plan.to_dict(), "models": [], "notes": notes}
+    samples: list[tuple[str, Bandwidth]] = []
+
+    def sample_bandwidth(after: str) -> None:
+        samples.append((after, measure_bandwidth(plan.bandwidth_bytes)))
+
+    log(f"[bench] memory bandwidth over {plan.bandwidth_bytes / (1 << 30):.2f} GiB ...")
+    sample_bandwidth("start")
+    log(f"[bench] memory bandwidth {samples[0][1].bytes_per_s / 1e9:.1f} GB/s ({samples[0][1].method})")
+    llamacpp = _llamacpp(plan, skip_llamacpp, rebuild_llamacpp, notes, log)
+    if llamacpp is not None:
+        data["llamacpp_build"] = {"version": llamacpp.version, "cmake_args": list(llamacpp.cmake_args)}
+    measured = []
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        for model in models:
+            measured.append((model, *bench_model(model, plan, device, llamacpp, Path(tmp), notes, sample_bandwidth,
+                                                 log)))
+    bw = data["bandwidth"] = summarize_bandwidth(samples)
+    if bw["max_bytes_per_s"] > BANDWIDTH_SPREAD * bw["min_bytes_per_s"]:
+        notes.append(f"memory bandwidth varied from {bw['min_bytes_per_s'] / 1e9:.1f} to {bw['max_bytes_per_s'] / 1e9:.1f} "
+                     "GB/s during the run (a shared host): the bound and the % of it are approximate.")
+    for model, cfg, raw, folder in measured:
+        summary = summarize_model(model, cfg, model == EMBEDDED, plan.prompt_lengths, plan.max_context, raw,
+                                  bw["bytes_per_s"])
+        data["models"].append({**summary, "folder": folder})
+        for name in BF16_RUNTIMES:
+            frac = summary["bound_fraction"].get(name)
+            if frac is not None and frac > 1:
+                rate = summary["runtimes"][name]["decode_tok_s"] * summary["decode_bytes_per_token"]
+                notes.append(f"{model}: {name} decoded at {frac:.0%} of the bound, reading bf16 weights at "
+                             f"{rate / 1e9:.1f} GB/s: faster than the median bandwidth sample, so the bound is a "
+                             "reference here, not a ceiling.")
+    md = markdown(data)
+    return data, md, write_report("bench", data, md)

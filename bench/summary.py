@@ -1,0 +1,114 @@
+"""From raw runs to the bench's verdict: medians, ratios ours/peer, the decode bound, targets.
+
+Ratios are always ours ÷ peer, whatever the metric, so one rule reads them: for TTFT and
+memory below 1 is better for us, for tokens/s above 1 is. Targets are the issue's; each is
+PASS or MISS, or n/a when a run did not produce the value it needs (a skipped llama.cpp, a
+prompt length the quick plan leaves out), so a missing number never passes silently.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+
+from bench.bound import decode_bound_tokens_per_s, decode_bytes_per_token, kv_cache_bytes, weight_bytes
+from llama32_1b_weights import LlamaConfig
+
+OURS, HF, LLAMACPP_BF16 = "ours", "hf", "llama.cpp bf16"
+BF16_RUNTIMES = (OURS, HF, LLAMACPP_BF16)   # those that read bf16 weights, the bound's bytes
+
+
+def median(values: list[float] | None) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def ratio(ours: float | None, peer: float | None) -> float | None:
+    return ours / peer if ours is not None and peer else None
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    row: str            # the table row it is shown on
+    op: str             # "<=" or ">="
+    limit: float
+    value: float | None
+
+    @property
+    def status(self) -> str:
+        if self.value is None:
+            return "n/a"
+        ok = self.value <= self.limit if self.op == "<=" else self.value >= self.limit
+        return "PASS" if ok else "MISS"
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "status": self.status}
+
+
+def side_summary(raw: dict) -> dict:
+    """Medians of one runtime's runs (raw runs kept alongside)."""
+    if "error" in raw and not raw.get("ttft_s"):
+        return {"error": raw["error"], "peak_rss_bytes": raw.get("peak_rss_bytes")}
+    return {
+        "ttft_s": {int(n): median(v) for n, v in raw.get("ttft_s", {}).items()},
+        "decode_tok_s": median(raw.get("decode_tok_s")),
+        "peak_rss_bytes": raw.get("peak_rss_bytes"),
+        "load_s": raw.get("load_s"),
+        "wall_s": raw.get("wall_s"),
+        "other_cores": raw.get("other_cores"),
+        "info": raw.get("info", {}),
+        "runs": {"ttft_s": raw.get("ttft_s", {}), "decode_tok_s": raw.get("decode_tok_s", [])},
+        **({"error": raw["error"]} if "error" in raw else {}),
+    }
+
+
+def ratios(sides: dict[str, dict], lengths: tuple[int, ...]) -> dict[str, dict[str, float | None]]:
+    ours = sides.get(OURS, {})
+    out = {}
+    for peer, s in sides.items():
+        if peer == OURS:
+            continue
+        r = {f"ttft@{n}": ratio(ours.get("ttft_s", {}).get(n), s.get("ttft_s", {}).get(n)) for n in lengths}
+        r["decode"] = ratio(ours.get("decode_tok_s"), s.get("decode_tok_s"))
+        r["peak_rss"] = ratio(ours.get("peak_rss_bytes"), s.get("peak_rss_bytes"))
+        out[peer] = r
+    return out
+
+
+def targets(embedded: bool, rat: dict, ours: dict, bound_tok_s: float | None, memory_budget: int) -> list[Target]:
+    """The issue's targets: the 1B-class ones, or for the embedded model its decode vs HF."""
+    hf, lc = rat.get(HF, {}), rat.get(LLAMACPP_BF16, {})
+    if embedded:
+        return [Target("decode ≥ 1.0× HF", "decode", ">=", 1.0, hf.get("decode"))]
+    decode, peak = ours.get("decode_tok_s"), ours.get("peak_rss_bytes")
+    return [
+        Target("TTFT@128 ≤ 0.8× HF", "ttft@128", "<=", 0.8, hf.get("ttft@128")),
+        Target("TTFT@2048 ≤ 1.0× HF", "ttft@2048", "<=", 1.0, hf.get("ttft@2048")),
+        Target("decode ≥ 85% of the bandwidth bound", "bound", ">=", 0.85, ratio(decode, bound_tok_s)),
+        Target("decode ≥ 1.2× llama.cpp bf16", "decode", ">=", 1.2, lc.get("decode")),
+        Target("peak memory ≤ 1.5× (bf16 weights + KV cache)", "peak_rss", "<=", 1.5, ratio(peak, memory_budget)),
+    ]
+
+
+def summarize_model(name: str, cfg: LlamaConfig, embedded: bool, lengths: tuple[int, ...], max_context: int,
+                    raw: dict[str, dict], bandwidth_bytes_per_s: float | None) -> dict:
+    sides = {k: side_summary(v) for k, v in raw.items()}
+    per_token = decode_bytes_per_token(cfg)
+    bound = decode_bound_tokens_per_s(per_token, bandwidth_bytes_per_s) if bandwidth_bytes_per_s else None
+    weights = weight_bytes(cfg)
+    kv = sides.get(OURS, {}).get("info", {}).get("kv_cache_bytes") or kv_cache_bytes(cfg, max_context)
+    rat = ratios(sides, lengths)
+    tg = targets(embedded, rat, sides.get(OURS, {}), bound, weights + kv)
+    return {
+        "model": name,
+        "config": {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "intermediate": cfg.intermediate_size,
+                   "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads, "vocab": cfg.vocab_size,
+                   "tied": cfg.tie_word_embeddings},
+        "weight_bytes": weights,
+        "kv_cache_bytes": kv,
+        "decode_bytes_per_token": per_token,
+        "decode_bound_tok_s": bound,
+        "bound_fraction": {k: ratio(s.get("decode_tok_s"), bound) for k, s in sides.items()},
+        "runtimes": sides,
+        "ratios": rat,
+        "targets": [t.to_dict() for t in tg],
+    }

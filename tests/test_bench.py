@@ -1,0 +1,192 @@
+"""The bench harness: its arithmetic, its measurement protocol, its llama.cpp build settings,
+and one quick end-to-end run on the embedded model. Nothing here asserts a speed."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+
+import bench.__main__ as bench_cli
+from bench.bandwidth import GIB, Bandwidth
+from bench.bandwidth import summarize as summarize_bandwidth
+from bench.bound import decode_bound_tokens_per_s, decode_bytes_per_token, kv_cache_bytes, weight_bytes
+from bench.gguf_convert import trim_tokenizer_files
+from bench.llamacpp_build import AMX_SWITCHES, cmake_args
+from bench.plan import prompt_ids
+from bench.protocol import measure
+from bench.run import run_side
+from bench.summary import HF, LLAMACPP_BF16, OURS, ratio, summarize_model
+from llama32_1b_weights import LlamaConfig, synthetic_weights
+from llama_runtime.fixtures import ensure_embedded_model, llama_tokenizer_dir
+from llama_runtime.host_ops import KVCache
+from llama_runtime.models import EMBEDDED
+
+LLAMA_1B = LlamaConfig()
+
+
+def test_decode_bytes_per_token_of_llama_3_2_1b():
+    # 16 layers of q, k, v, o, gate, up, down at hidden 2048, 8 KV heads of 64, FFN 8192; the tied
+    # 128256 x 2048 head counted once; one 2048-wide embedding row; bf16.
+    per_layer = 2048 * 2048 + 2 * (512 * 2048) + 2048 * 2048 + 3 * (8192 * 2048)
+    expected = 2 * (16 * per_layer + 128256 * 2048 + 2048)
+    assert decode_bytes_per_token(LLAMA_1B) == expected == 2_471_497_728
+    assert decode_bound_tokens_per_s(expected, 30e9) == pytest.approx(12.138, abs=1e-3)
+
+
+def test_an_untied_head_is_read_besides_the_embedding_row():
+    untied = LlamaConfig(tie_word_embeddings=False)
+    assert decode_bytes_per_token(untied) == decode_bytes_per_token(LLAMA_1B)   # still one head + one row
+    assert weight_bytes(untied) - weight_bytes(LLAMA_1B) == 2 * 128256 * 2048
+
+
+def test_weight_and_kv_bytes_match_the_runtime_s_own_tensors(tiny_config):
+    assert weight_bytes(tiny_config) == synthetic_weights(tiny_config).nbytes()
+    c = tiny_config
+    assert kv_cache_bytes(c, 96) == KVCache(c.num_hidden_layers, c.num_key_value_heads, 96, c.head_dim).nbytes
+
+
+class _Scripted:
+    """Next token = last token + 1; records every call so the protocol's bookkeeping shows."""
+
+    class _R:
+        def __init__(self, t):
+            self.top1 = t
+
+    def __init__(self):
+        self.prefills, self.steps = [], []
+
+    def prefill(self, ids):
+        self.prefills.append(len(ids))
+        return self._R(ids[-1] + 1)
+
+    def decode_step(self, token, pos):
+        self.steps.append((token, pos))
+        return self._R(token + 1)
+
+
+def test_protocol_runs_warmups_untimed_and_decodes_after_the_decode_prompt():
+    r = _Scripted()
+    out = measure(r, {4: [0, 1, 2, 3], 2: [0, 1]}, decode_length=4, n_decode=3, runs=2, warmup=1)
+    assert r.prefills == [2, 2, 2, 4, 4, 4]                 # shortest first; 1 warm-up + 2 runs each
+    assert {k: len(v) for k, v in out["ttft_s"].items()} == {"2": 2, "4": 2}
+    assert len(out["decode_tok_s"]) == 2 and all(v > 0 for v in out["decode_tok_s"])
+    assert r.steps[:3] == [(4, 4), (5, 5), (6, 6)]          # greedy tokens fed back at consecutive positions
+
+
+def _raw(ttft: dict[int, list[float]], decode: list[float], peak: int, **extra) -> dict:
+    return {"ttft_s": {str(k): v for k, v in ttft.items()}, "decode_tok_s": decode, "peak_rss_bytes": peak, **extra}
+
+
+def test_summary_ratios_and_targets():
+    gib = 1 << 30
+    raw = {
+        OURS: _raw({128: [0.30, 0.20, 0.25], 2048: [4.0, 4.2, 3.9]}, [10.0, 11.0, 10.5], 3 * gib,
+                   info={"kv_cache_bytes": gib // 4}),
+        HF: _raw({128: [0.50, 0.40, 0.45], 2048: [3.0, 3.0, 3.0]}, [7.0, 7.0, 7.0], 4 * gib),
+        LLAMACPP_BF16: _raw({128: [1.7], 2048: [30.0]}, [8.0], 2 * gib),
+    }
+    bw = 30e9
+    m = summarize_model("1b", LLAMA_1B, False, (128, 2048), 4096, raw, bw)
+    assert m["runtimes"][OURS]["ttft_s"][128] == 0.25 and m["runtimes"][OURS]["decode_tok_s"] == 10.5
+    assert m["ratios"][HF]["ttft@128"] == pytest.approx(0.25 / 0.45)
+    assert m["ratios"][HF]["decode"] == pytest.approx(10.5 / 7.0)
+    assert m["ratios"][LLAMACPP_BF16]["decode"] == pytest.approx(10.5 / 8.0)
+    assert m["ratios"][LLAMACPP_BF16]["peak_rss"] == pytest.approx(1.5)
+    bound = bw / decode_bytes_per_token(LLAMA_1B)
+    assert m["decode_bound_tok_s"] == pytest.approx(bound)
+    assert m["kv_cache_bytes"] == gib // 4          # what the runtime reported, not a recomputation
+    status = {t["name"]: t["status"] for t in m["targets"]}
+    assert status == {
+        "TTFT@128 ≤ 0.8× HF": "PASS",                      # 0.56×
+        "TTFT@2048 ≤ 1.0× HF": "MISS",                     # 1.33×
+        "decode ≥ 85% of the bandwidth bound": "PASS" if 10.5 / bound >= 0.85 else "MISS",
+        "decode ≥ 1.2× llama.cpp bf16": "PASS",            # 1.31×
+        "peak memory ≤ 1.5× (bf16 weights + KV cache)": "PASS" if 3 * gib <= 1.5 * (weight_bytes(LLAMA_1B) + gib // 4)
+        else "MISS",
+    }
+
+
+def test_missing_numbers_are_not_applicable_never_a_pass():
+    raw = {OURS: _raw({32: [0.1]}, [5.0], 1), HF: {"error": "RuntimeError: boom", "peak_rss_bytes": 1}}
+    m = summarize_model(EMBEDDED, LLAMA_1B, True, (32,), 128, raw, None)
+    assert m["runtimes"][HF]["error"] == "RuntimeError: boom"
+    assert m["ratios"][HF]["decode"] is None and m["decode_bound_tok_s"] is None
+    assert [(t["name"], t["status"]) for t in m["targets"]] == [("decode ≥ 1.0× HF", "n/a")]
+    assert ratio(1.0, 0.0) is None and ratio(None, 2.0) is None
+
+
+def test_the_bound_uses_the_median_bandwidth_sample():
+    samples = [(label, Bandwidth(rate, GIB, "m", 2, [GIB / rate])) for label, rate in
+               (("start", 30e9), ("a", 20e9), ("b", 34e9))]
+    bw = summarize_bandwidth(samples)
+    assert (bw["bytes_per_s"], bw["min_bytes_per_s"], bw["max_bytes_per_s"]) == (30e9, 20e9, 34e9)
+    assert [x["after"] for x in bw["samples"]] == ["start", "a", "b"]
+
+
+def test_llamacpp_build_turns_amx_and_native_off_and_follows_the_cpu():
+    avx512 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512cd", "avx512vl",
+                        "avx512dq", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"})
+    args = cmake_args(avx512)
+    assert "-DGGML_NATIVE=OFF" in args
+    assert all(f"-D{s}=OFF" in args for s in AMX_SWITCHES)          # even when the CPU advertises AMX
+    assert "-DGGML_AVX512=ON" in args and "-DGGML_AVX512_BF16=ON" in args and "-DGGML_AVX512_VNNI=OFF" in args
+    assert "-DGGML_AVX512=OFF" in cmake_args(avx512 - {"avx512vl"})  # needs every AVX-512 subset it compiles for
+
+
+def test_tokenizer_trim_drops_ids_past_the_text_vocabulary(tmp_path):
+    src = llama_tokenizer_dir()
+    changed = trim_tokenizer_files(src, tmp_path, LLAMA_1B.vocab_size)
+    assert "tokenizer.json" in changed
+    tok = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert tok.get_vocab_size(with_added_tokens=True) == LLAMA_1B.vocab_size
+    assert tok.token_to_id("<|image|>") is None and tok.token_to_id("<|eot_id|>") == 128009
+    if (tmp_path / "tokenizer_config.json").exists():
+        decoder = json.loads((tmp_path / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+        assert max(map(int, decoder)) < LLAMA_1B.vocab_size
+    assert trim_tokenizer_files(ensure_embedded_model(), tmp_path / "x", 49152) == []   # nothing to trim
+
+
+def test_prompts_have_exactly_the_asked_lengths():
+    folder = ensure_embedded_model()
+    cfg = LlamaConfig.from_json(folder)
+    ids = prompt_ids(folder, cfg, (32, 300))
+    assert [len(ids[32]), len(ids[300])] == [32, 300]
+    assert ids[300][:32] == ids[32] and max(ids[300]) < cfg.vocab_size
+
+
+def test_a_crashing_side_becomes_an_error_not_an_exception(tmp_path):
+    out = run_side("bench.no_such_side", {}, tmp_path / "w", log=lambda _: None)
+    assert "exit status 1" in out["error"] and "No module named" in out["error"]
+
+
+@pytest.fixture
+def reports(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLAMA_NPU_REPORTS", str(tmp_path))
+    return tmp_path
+
+
+def test_quick_bench_on_the_embedded_model_writes_both_reports(reports, capsys):
+    rc = bench_cli.main(["--quick", "--models", EMBEDDED, "--skip-llamacpp", "--device", "sim"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    (jpath,) = reports.glob("bench-*.json")
+    md = jpath.with_suffix(".md").read_text()
+    data = json.loads(jpath.read_text())
+    bw = data["bandwidth"]
+    assert [x["after"] for x in bw["samples"]] == ["start", f"{EMBEDDED} {OURS}", f"{EMBEDDED} {HF}"]
+    assert 0 < bw["min_bytes_per_s"] <= bw["bytes_per_s"] <= bw["max_bytes_per_s"] and bw["method"] in md
+    (m,) = data["models"]
+    assert set(m["runtimes"]) == {OURS, HF}
+    for s in m["runtimes"].values():
+        assert "error" not in s
+        assert set(s["ttft_s"]) == {"32"} and s["ttft_s"]["32"] > 0 and len(s["runs"]["ttft_s"]["32"]) == 2
+        assert s["decode_tok_s"] > 0 and s["peak_rss_bytes"] > 0 and "other_cores" in s
+    ours, hf = m["runtimes"][OURS], m["runtimes"][HF]
+    assert math.isclose(m["ratios"][HF]["decode"], ours["decode_tok_s"] / hf["decode_tok_s"])
+    assert math.isclose(m["decode_bound_tok_s"], data["bandwidth"]["bytes_per_s"] / m["decode_bytes_per_token"])
+    assert [t["name"] for t in m["targets"]] == ["decode ≥ 1.0× HF"] and m["targets"][0]["status"] in ("PASS", "MISS")
+    assert any("--skip-llamacpp" in n for n in data["notes"])
+    assert "| metric | ours | HF transformers | ours/HF transformers | target |" in md
+    assert str(jpath) in out
