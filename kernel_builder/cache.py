@@ -218,17 +218,18 @@ class KernelCache:
                 raise KeyError(f"bo_key {bo_key!r} belongs to {s.group.name}, not {name}")
             return s
         group = self.group(name)
-        bos = []
-        for slot in group.slots:
-            if slot.role is Role.STATIC:
-                bos.append(None)                  # filled by preload
-            else:
-                key = (name, slot.name)
+        # Statics are filled by preload, activations on the set's first run: a bucket that is
+        # never used never allocates its activation buffers.
+        s = self._sets[bo_key] = BOSet(group, [None] * len(group.slots))
+        return s
+
+    def _bind_activations(self, s: BOSet) -> None:
+        for i, slot in enumerate(s.group.slots):
+            if slot.role is not Role.STATIC and s.bos[i] is None:
+                key = (s.group.name, slot.name)
                 if key not in self._acts:
                     self._acts[key] = self.device.bo(slot.nbytes)
-                bos.append(self._acts[key])
-        s = self._sets[bo_key] = BOSet(group, bos)
-        return s
+                s.bos[i] = self._acts[key]
 
     def preload(self, name: str, bo_key: str, statics: dict[str, torch.Tensor], share_key: str | None = None) -> None:
         """Upload a BO set's static slots once. With `share_key`, reuse another group's identical weight BO."""
@@ -263,6 +264,8 @@ class KernelCache:
         s = self._bo_set(name, bo_key)
         if not s.statics_ready:
             raise KernelCacheError(f"{bo_key}: static slots not uploaded; call preload() before the first run")
+        if s.calls == 0:
+            self._bind_activations(s)
         prof = self.profiler.enabled
         t0 = time.perf_counter() if prof else 0.0
         group = s.group

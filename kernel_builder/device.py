@@ -95,9 +95,13 @@ class SimBO:
             self._dev = self._zeros()
         return self._dev
 
+    def _split(self) -> None:
+        """End sharing: the host side gets its own copy of the (equal) contents."""
+        self._host, self._shared = self._zeros().copy_(self._dev), False
+
     def _own_host(self) -> torch.Tensor:
         if self._shared:
-            self._host, self._shared = self._zeros().copy_(self._dev), False
+            self._split()
         elif self._host is None:
             self._host = self._zeros()
         return self._host
@@ -135,7 +139,7 @@ class SimBO:
         """What a simulated kernel sees; a kernel write first gives the host side its own copy."""
         dev = self._dev_side()
         if for_write and self._shared:
-            self._host, self._shared = self._zeros().copy_(dev), False
+            self._split()
         return dev
 
 

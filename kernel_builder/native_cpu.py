@@ -73,10 +73,6 @@ def _library() -> ctypes.CDLL | None:
     return _lib
 
 
-def available() -> bool:
-    return _library() is not None
-
-
 def gemv_batch(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> bool:
     """out = w @ x for each (w, x, out), natively in one dispatch; False if the native path is unavailable."""
     lib = _library()

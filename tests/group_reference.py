@@ -5,9 +5,9 @@ the simulated device (and, through the same declarations, what the NPU must comp
 """
 from __future__ import annotations
 
-import math
-
 import torch
+
+from llama_runtime.host_ops import reference_attention
 
 bf = torch.bfloat16
 
@@ -32,13 +32,7 @@ def rope(x, lut, heads):
 
 
 def attention(q, k, v, hq, hk):
-    n, d = q.shape[0], q.shape[1] // hq
-    qh = q.float().view(n, hq, d).transpose(0, 1)
-    kh = k.float().view(n, hk, d).transpose(0, 1).repeat_interleave(hq // hk, 0)
-    vh = v.float().view(n, hk, d).transpose(0, 1).repeat_interleave(hq // hk, 0)
-    s = qh @ kh.transpose(1, 2) / math.sqrt(d)
-    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    return (torch.softmax(s, -1) @ vh).transpose(0, 1).reshape(n, hq * d).to(bf)
+    return reference_attention(q, k, v, hq, hk)
 
 
 def rms_gemms_rope(cfg, lw, x, lut):
