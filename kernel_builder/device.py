@@ -31,7 +31,7 @@ _VIEW_SETS = 256   # cached BO-list bindings per loaded group (one per layer in 
 _HUGE = 2 << 20    # buffers from this size up ask for transparent huge pages
 
 
-def _zeroed(nbytes: int) -> torch.Tensor:
+def zeroed_buffer(nbytes: int) -> torch.Tensor:
     """Zeroed host memory; large buffers on huge pages.
 
     Decode streams every weight once per token: with 4 KiB pages that is a TLB miss per page,
@@ -88,7 +88,7 @@ class SimBO:
         self._mapped = False       # a mapped BO may be written behind our back: never shared
 
     def _zeros(self) -> torch.Tensor:
-        return _zeroed(self.size)
+        return zeroed_buffer(self.size)
 
     def _dev_side(self) -> torch.Tensor:
         if self._dev is None:
