@@ -1,4 +1,6 @@
-"""Native host kernels that make the simulated NPU fast where torch is slow: the bf16 GEMV.
+"""Native host kernels that make the simulated NPU fast where torch is slow: the bf16 GEMV
+(memory-bound instead of compute-bound) and the decode-sized elementwise launches (one pass
+instead of several dispatched ops with temporaries).
 
 Built with the system C++ compiler on first use into the cache (keyed by the source hash and
 flags), loaded with ctypes, and used only when the CPU has AVX512-BF16; otherwise the
@@ -20,28 +22,32 @@ import torch
 
 from llama_runtime.paths import cache_root
 
-_SRC = Path(__file__).resolve().parent / "native" / "gemv_bf16_cpu.cc"
-_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512bf16"]
+_NATIVE = Path(__file__).resolve().parent / "native"
+_SRCS = [_NATIVE / "gemv_bf16_cpu.cc", _NATIVE / "eltwise_bf16_cpu.cc", _NATIVE / "attention_bf16_cpu.cc"]
+_HEADERS = [_NATIVE / "simd_bf16.h"]
+_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off",
+          "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
 
 
-def build_shared(src: Path, flags: list[str]) -> Path | None:
-    """`src` compiled into a shared library under the cache, or None without a working compiler.
+def build_shared(srcs: Path | list[Path], flags: list[str], headers: list[Path] = ()) -> Path | None:
+    """The sources compiled into one shared library under the cache, or None without a working compiler.
 
-    Keyed by the source and flags, so an edit rebuilds it, and renamed into place so that a
+    Keyed by the sources, the headers they include and the flags, so an edit rebuilds it, and renamed into place so that a
     concurrent process never loads a half-written file.
     """
+    srcs = [srcs] if isinstance(srcs, Path) else srcs
     cxx = shutil.which(os.environ.get("CXX", "g++"))
     if cxx is None:
         return None
-    digest = hashlib.sha256(src.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
-    out = cache_root() / "native" / f"{src.stem}-{digest}.so"
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in [*srcs, *headers]) + " ".join(flags).encode()).hexdigest()[:16]
+    out = cache_root() / "native" / f"{srcs[0].stem}-{digest}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        r = subprocess.run([cxx, *flags, str(src), "-o", str(tmp)], capture_output=True, text=True)
+        r = subprocess.run([cxx, *flags, *map(str, srcs), "-o", str(tmp)], capture_output=True, text=True)
         if r.returncode != 0:
             return None
         os.replace(tmp, out)
@@ -49,13 +55,20 @@ def build_shared(src: Path, flags: list[str]) -> Path | None:
 
 
 def _build() -> ctypes.CDLL | None:
-    out = build_shared(_SRC, _FLAGS)
+    out = build_shared(_SRCS, _FLAGS, _HEADERS)
     if out is None:
         return None
     lib = ctypes.CDLL(str(out))
     if not lib.gemv_bf16_cpu_supported():
         return None
-    lib.gemv_bf16_cpu_batch.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.gemv_bf16_cpu_batch.argtypes = [ptr, ctypes.c_int]
+    lib.rmsnorm_bf16_cpu.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
+    lib.swiglu_bf16_cpu.argtypes = [ptr, ptr, ptr, i64]
+    lib.add_bf16_cpu.argtypes = [ptr, ptr, ptr, i64]
+    lib.rope_bf16_cpu.argtypes = [ptr, ptr, ptr, i64, i64, i64]
+    lib.attention_bf16_cpu.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+    lib.attention_bf16_cpu_max_head_dim.restype = i64
     return lib
 
 
@@ -87,3 +100,59 @@ def gemv_batch(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> b
 
 def gemv(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> bool:
     return gemv_batch([(w, x, out)])
+
+
+def _usable(*ts: torch.Tensor) -> ctypes.CDLL | None:
+    lib = _library()
+    if lib is None or not all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in ts):
+        return None
+    return lib
+
+
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, dim: int, eps: float) -> bool:
+    """out = x / rms(x) · w over rows of `dim`; False if the native path is unavailable."""
+    lib = _usable(x, w, out)
+    if lib is None:
+        return False
+    lib.rmsnorm_bf16_cpu(x.data_ptr(), w.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps)
+    return True
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> bool:
+    """out = silu(gate) · up; False if the native path is unavailable."""
+    lib = _usable(gate, up, out)
+    if lib is None:
+        return False
+    lib.swiglu_bf16_cpu(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
+    return True
+
+
+def add(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
+    """out = a + b (exact in f32, rounded once); False if the native path is unavailable."""
+    lib = _usable(a, b, out)
+    if lib is None:
+        return False
+    lib.add_bf16_cpu(a.data_ptr(), b.data_ptr(), out.data_ptr(), a.numel())
+    return True
+
+
+def rope(x: torch.Tensor, lut: torch.Tensor, out: torch.Tensor, rows: int, heads: int, head_dim: int) -> bool:
+    """Half-split rotation of [rows, heads, head_dim] by each row's cos | sin; False if unavailable."""
+    lib = _usable(x, lut, out)
+    if lib is None or head_dim % 2:
+        return False
+    lib.rope_bf16_cpu(x.data_ptr(), lut.data_ptr(), out.data_ptr(), rows, heads, head_dim)
+    return True
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, out: torch.Tensor) -> bool:
+    """One query's GQA attention over positions 0..n-1 of one layer's head-major cache.
+
+    q, out: [heads·d] bf16; k, v: [kv_heads, max_seq, d] bf16. False if the native path is unavailable.
+    """
+    lib = _usable(q, k, v, out)
+    kvh, stride, d = k.shape
+    if lib is None or d > lib.attention_bf16_cpu_max_head_dim() or not 0 < n <= stride:
+        return False
+    lib.attention_bf16_cpu(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), q.numel() // d, kvh, d, n, stride)
+    return True

@@ -7,8 +7,10 @@ allocates only small f32 temporaries, and they use torch's bf16 GEMM/GEMV paths 
 AVX512-BF16 on the CPUs this is developed on), which accumulate in f32.
 
 Signature: `op(launch, *views)` with views in `launch.args` order (reads, then writes).
-Elementwise ops work through their rows in blocks whose f32 temporaries stay in cache: on a
-2048-row prompt that is several times faster than widening whole tensors, with the same result.
+Elementwise ops run natively (`native_cpu`) where the CPU allows: one pass, no temporaries,
+which matters most in decode, where torch's per-op overhead outweighs a row's arithmetic.
+The torch versions below them are the same math; they work through rows in blocks whose f32
+temporaries stay in cache, several times faster on a 2048-row prompt than widening whole tensors.
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
 
 def rmsnorm(l: Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     d = l.p("dim")
+    if native_cpu.rmsnorm(x, w, out, d, l.p("eps")):
+        return
     xs, os = _rows(x, d), _rows(out, d)
     for b in _row_blocks(xs.shape[0], d):
         torch.mul(F.rms_norm(xs[b].float(), (d,), eps=l.p("eps")), w, out=os[b])   # w widened in-kernel
@@ -54,6 +58,8 @@ def gemv(l: Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None
 def rope(l: Launch, x: torch.Tensor, lut: torch.Tensor, out: torch.Tensor) -> None:
     """Half-split rotation of every head by its position's angles (LUT row = cos | sin)."""
     rows, heads, d = l.p("rows"), l.p("heads"), l.p("head_dim")
+    if native_cpu.rope(x, lut, out, rows, heads, d):
+        return
     h = d // 2
     xs, ls, os = x.view(rows, heads, d), lut.view(rows, 1, d), out.view(rows, heads, d)
     for b in _row_blocks(rows, heads * d):
@@ -65,6 +71,8 @@ def rope(l: Launch, x: torch.Tensor, lut: torch.Tensor, out: torch.Tensor) -> No
 
 
 def swiglu(l: Launch, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
+    if native_cpu.swiglu(gate, up, out):
+        return
     width = gate.shape[-1]
     gs, us, os = _rows(gate, width), _rows(up, width), _rows(out, width)
     for b in _row_blocks(gs.shape[0], width):
@@ -73,7 +81,8 @@ def swiglu(l: Launch, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -
 
 def add(l: Launch, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     # bf16 + bf16 is computed exactly in f32 and rounded once, as the NPU's vector add does.
-    torch.add(a, b, out=out)
+    if not native_cpu.add(a, b, out):
+        torch.add(a, b, out=out)
 
 
 def flash_attn(l: Launch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: torch.Tensor,

@@ -12,9 +12,15 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kernel_builder import native_cpu
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """f32 math, one rounding to bf16 at the end (as the device RMSNorm launch does)."""
+    if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
+        out = torch.empty_like(x)
+        if native_cpu.rmsnorm(x.contiguous(), weight.contiguous(), out, x.shape[-1], eps):
+            return out
     xf = x.float()
     return F.rms_norm(xf, (xf.shape[-1],), weight.float(), eps).to(torch.bfloat16)
 
@@ -73,10 +79,14 @@ class KVCache:
 def decode_attention_cpu(q: torch.Tensor, cache: KVCache, layer: int, pos: int, n_heads: int) -> torch.Tensor:
     """Single-query GQA attention of the token at `pos` over cached positions 0..pos (inclusive).
 
-    Reads exactly those positions (never the rest of the cache). Written as two batched f32
-    matmuls over the KV heads, with each head's query group as the rows: for one query this
-    is several times faster than torch's fused attention, which expands K/V for GQA.
+    Reads exactly those positions (never the rest of the cache). Natively where the CPU allows
+    (`native_cpu.decode_attention`: one pass per head, no temporaries); otherwise two batched
+    f32 matmuls over the KV heads, with each head's query group as the rows, which for one
+    query is several times faster than torch's fused attention (it expands K/V for GQA).
     """
+    out = torch.empty(q.numel(), dtype=torch.bfloat16)
+    if native_cpu.decode_attention(q.reshape(-1), cache.k[layer], cache.v[layer], pos + 1, out):
+        return out
     kvh, d = cache.k.shape[1], cache.k.shape[3]
     k = cache.k[layer, :, : pos + 1].float()
     v = cache.v[layer, :, : pos + 1].float()

@@ -74,7 +74,8 @@ struct Chunk {
 }  // namespace
 
 extern "C" int gemv_bf16_cpu_supported() {
-  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
 }
 
 // n independent GEMVs, each described by 5 int64 slots: w, x, y (addresses), m (rows), k.

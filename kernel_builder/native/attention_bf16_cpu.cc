@@ -1,0 +1,77 @@
+// Single-query GQA attention over a head-major bf16 KV cache, f32 math: decode's host attention.
+//
+// One token's attention reads positions 0..pos of each KV head once; at short contexts torch
+// spends far longer dispatching the widen / matmul / softmax / matmul chain than reading. Here
+// each query head makes one pass for its scores and one for the weighted sum of V, with a
+// max-subtracted softmax as torch's, over the KV head its group shares. Long contexts split
+// the query heads over the OpenMP team.
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "simd_bf16.h"
+
+namespace {
+
+using native::exp_ps;
+using native::lanes;
+using native::load_bf16;
+using native::store_bf16;
+
+constexpr int64_t kParallelAbove = 1 << 16;   // K elements read per head group
+constexpr int64_t kMaxHeadDim = 256;
+
+void one_head(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, int64_t n, int64_t d,
+              float scale, float *scores) {
+  __m512 qv[kMaxHeadDim / 16];
+  const int64_t blocks = (d + 15) / 16;
+  for (int64_t b = 0; b < blocks; ++b) qv[b] = load_bf16(q + 16 * b, lanes(d - 16 * b));
+  float top = -INFINITY;
+  for (int64_t t = 0; t < n; ++t) {
+    const uint16_t *kt = k + t * d;
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) s = _mm512_fmadd_ps(qv[b], load_bf16(kt + 16 * b, lanes(d - 16 * b)), s);
+    scores[t] = _mm512_reduce_add_ps(s) * scale;
+    top = scores[t] > top ? scores[t] : top;
+  }
+  __m512 total = _mm512_setzero_ps();
+  const __m512 topv = _mm512_set1_ps(top);
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 m = lanes(n - t);
+    const __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + t), topv)));
+    _mm512_mask_storeu_ps(scores + t, m, e);
+    total = _mm512_add_ps(total, e);
+  }
+  const float inv = 1.0f / _mm512_reduce_add_ps(total);
+  __m512 acc[kMaxHeadDim / 16];
+  for (int64_t b = 0; b < blocks; ++b) acc[b] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    const __m512 p = _mm512_set1_ps(scores[t]);
+    const uint16_t *vt = v + t * d;
+    for (int64_t b = 0; b < blocks; ++b) acc[b] = _mm512_fmadd_ps(p, load_bf16(vt + 16 * b, lanes(d - 16 * b)), acc[b]);
+  }
+  for (int64_t b = 0; b < blocks; ++b)
+    store_bf16(out + 16 * b, _mm512_mul_ps(acc[b], _mm512_set1_ps(inv)), lanes(d - 16 * b));
+}
+
+}  // namespace
+
+extern "C" int64_t attention_bf16_cpu_max_head_dim() { return kMaxHeadDim; }
+
+// q, out: [heads, d]; k, v: [kv_heads, stride, d] (one layer of the cache), positions 0..n-1 read.
+extern "C" void attention_bf16_cpu(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
+                                   int64_t heads, int64_t kv_heads, int64_t d, int64_t n, int64_t stride) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const int64_t group = heads / kv_heads;
+#pragma omp parallel if (n * d * kv_heads > kParallelAbove)
+  {
+    std::vector<float> scores(n + 16);
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t g = h / group;
+      one_head(q + h * d, k + g * stride * d, v + g * stride * d, out + h * d, n, d, scale, scores.data());
+    }
+  }
+}

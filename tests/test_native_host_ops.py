@@ -1,0 +1,101 @@
+"""The native elementwise launches and decode attention against the torch code they replace.
+
+RoPE and add use torch's operation order exactly, so they must match every bit. RMSNorm sums squares in
+another order and SwiGLU uses its own exp, so they may differ by one bf16 unit, rarely. Shapes
+cover decode rows, vector tails (widths not a multiple of 16) and prefill sizes large enough to
+run in parallel; SwiGLU also sees overflow, zeros and NaN.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_builder import native_cpu, sim_ops
+from llama_runtime.host_ops import KVCache, decode_attention_cpu, reference_attention
+
+pytestmark = pytest.mark.skipif(native_cpu._library() is None,
+                                reason="no C++ compiler or no AVX512-BF16 on this CPU: the simulator uses torch")
+
+
+class _Launch:
+    def __init__(self, **params):
+        self.params = params
+
+    def p(self, key):
+        return self.params[key]
+
+
+def _native_and_torch(monkeypatch, name: str, run, out: torch.Tensor):
+    run(out)
+    native = out.clone()
+    with monkeypatch.context() as m:
+        m.setattr(native_cpu, name, lambda *a, **k: False)
+        out.fill_(0)
+        run(out)
+    return native, out.clone()
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 2048), (1, 100), (3, 576), (64, 2048)])
+def test_rmsnorm(monkeypatch, rows, dim):
+    g = torch.Generator().manual_seed(rows + dim)
+    x = (torch.randn(rows, dim, generator=g) * 3).bfloat16()
+    w = torch.randn(dim, generator=g).bfloat16()
+    l = _Launch(dim=dim, eps=1e-5)
+    native, ref = _native_and_torch(monkeypatch, "rmsnorm", lambda o: sim_ops.rmsnorm(l, x, w, o),
+                                    torch.empty_like(x))
+    d = _ulps(native, ref)
+    assert d.max() <= 1 and (d > 0).float().mean() < 1e-3
+
+
+@pytest.mark.parametrize("n", [8192, 1000, 128 * 8192])
+def test_swiglu(monkeypatch, n):
+    g = torch.Generator().manual_seed(n)
+    gate = (torch.randn(n, generator=g) * 4).bfloat16()
+    gate[:7] = torch.tensor([-100.0, -1e30, 1e30, 90.0, float("nan"), 0.0, -0.0])
+    up = torch.randn(n, generator=g).bfloat16()
+    native, ref = _native_and_torch(monkeypatch, "swiglu", lambda o: sim_ops.swiglu(None, gate, up, o),
+                                    torch.empty_like(gate))
+    assert torch.equal(torch.isnan(native), torch.isnan(ref))
+    ok = ~torch.isnan(ref)
+    d = _ulps(native[ok], ref[ok])
+    assert d.max() <= 1 and (d > 0).float().mean() < 1e-3
+
+
+@pytest.mark.parametrize("n", [2048, 1000, 128 * 2048])
+def test_add_is_bit_exact(monkeypatch, n):
+    g = torch.Generator().manual_seed(n)
+    a, b = (torch.randn(n, generator=g) * 100).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    native, ref = _native_and_torch(monkeypatch, "add", lambda o: sim_ops.add(None, a, b, o), torch.empty_like(a))
+    assert torch.equal(native.view(torch.int16), ref.view(torch.int16))
+
+
+@pytest.mark.parametrize("rows,heads,head_dim", [(1, 32, 64), (3, 4, 16), (2, 3, 20), (64, 32, 64)])
+def test_rope_is_bit_exact(monkeypatch, rows, heads, head_dim):
+    g = torch.Generator().manual_seed(rows * heads)
+    x = torch.randn(rows, heads * head_dim, generator=g).bfloat16()
+    lut = torch.randn(rows, head_dim, generator=g).bfloat16()
+    l = _Launch(rows=rows, heads=heads, head_dim=head_dim)
+    native, ref = _native_and_torch(monkeypatch, "rope", lambda o: sim_ops.rope(l, x, lut, o), torch.empty_like(x))
+    assert torch.equal(native.view(torch.int16), ref.view(torch.int16))
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,pos", [(32, 8, 64, 0), (32, 8, 64, 300), (6, 2, 20, 17), (4, 4, 16, 40)])
+def test_decode_attention_matches_the_reference(monkeypatch, heads, kv_heads, head_dim, pos):
+    """The host's single-query attention, native and torch, against the plain f32 reference."""
+    g = torch.Generator().manual_seed(pos + head_dim)
+    cache = KVCache(2, kv_heads, 320, head_dim)
+    k = torch.randn(pos + 1, kv_heads * head_dim, generator=g).bfloat16()
+    v = torch.randn(pos + 1, kv_heads * head_dim, generator=g).bfloat16()
+    cache.write(1, 0, k, v)
+    cache.k[1, :, pos + 1:].fill_(float("nan"))        # past the position: must never be read
+    q = (torch.randn(heads * head_dim, generator=g) * 2).bfloat16()
+    ref = reference_attention(q.view(1, -1), k, v, heads, kv_heads, q_start=pos).view(-1).float()
+    native, fallback = _native_and_torch(monkeypatch, "decode_attention",
+                                         lambda o: o.copy_(decode_attention_cpu(q, cache, 1, pos, heads)),
+                                         torch.empty(heads * head_dim, dtype=torch.bfloat16))
+    for out in (native, fallback):
+        assert torch.allclose(out.float(), ref, rtol=1e-2, atol=1e-2)
