@@ -1,8 +1,13 @@
 """What a bench run measures: prompt lengths, decode steps, repetitions, and the prompt ids.
 
 The full plan is the issue's: TTFT at 32/128/512/2048 prompt tokens, 64 decode tokens after
-the 128-token prompt, 3 timed runs after one warm-up for every measurement. The quick plan is
-a smoke run of the same code paths (used by the tests), small enough for seconds, not minutes.
+the 128-token prompt, 3 timed runs of every measurement. The runs are spread over rounds: in
+each round every runtime is started once and times each measurement after one warm-up, and the
+runtimes take turns round by round. The hosts this runs on share their memory system with
+other guests, and its bandwidth drifts by half over minutes; taking turns exposes every runtime
+to the same drift, where three back-to-back runs would hand one runtime a fast stretch and the
+next a slow one. The quick plan is a smoke run of the same code paths (used by the tests),
+small enough for seconds, not minutes.
 
 Prompts are token ids built once by the model's own tokenizer from one fixed text (repeated,
 then cut to length), and every runtime gets exactly those ids: no runtime tokenizes, so no
@@ -33,7 +38,8 @@ class Plan:
     prompt_lengths: tuple[int, ...] = (32, 128, 512, 2048)
     decode_length: int = 128          # the prompt the decode steps follow
     n_decode: int = 64
-    runs: int = 3
+    rounds: int = 3                   # runtimes take turns this many times
+    runs: int = 1                     # timed runs per measurement in each round
     warmup: int = 1
     max_context: int = DEFAULT_MAX_CONTEXT   # our KV cache and llama.cpp's n_ctx: the same positions
     bandwidth_bytes: int = GIB
@@ -52,7 +58,7 @@ class Plan:
 
 
 FULL = Plan()
-QUICK = Plan(prompt_lengths=(32,), decode_length=32, n_decode=4, runs=2, warmup=1, max_context=128,
+QUICK = Plan(prompt_lengths=(32,), decode_length=32, n_decode=4, rounds=2, runs=1, warmup=1, max_context=128,
              bandwidth_bytes=GIB // 4, gguf_types=("bf16",), quick=True,
              notes=("quick smoke run: fewer, shorter measurements and a 256 MiB bandwidth matrix; "
                     "not a benchmark result",))

@@ -51,14 +51,16 @@ def markdown(data: dict) -> str:
     lines.append(f"Machine: {mc['cpu']}, {mc['cores']} cores, {mc['memory_bytes'] / GIB:.0f} GiB; "
                  f"device `{data['device']}`; plan: TTFT at {', '.join(map(str, data['plan']['prompt_lengths']))} tokens, "
                  f"{data['plan']['n_decode']} decode tokens after the {data['plan']['decode_length']}-token prompt, "
-                 f"median of {data['plan']['runs']} runs after {data['plan']['warmup']} warm-up.")
+                 f"median of {data['plan']['rounds'] * data['plan']['runs']} timed runs: {data['plan']['rounds']} rounds "
+                 f"in which the runtimes take turns, each starting afresh and running every measurement "
+                 f"{data['plan']['runs']}× after {data['plan']['warmup']} warm-up.")
     lines.append("Ratios are ours ÷ peer: below 1 is better for us for TTFT and memory, above 1 for tokens/s.")
     lines.append("")
     if bw:
         samples = bw["samples"]
         lines.append(f"**Memory bandwidth: {bw['bytes_per_s'] / GB:.1f} GB/s** — {bw['method']} over a "
                      f"{bw['matrix_bytes'] / GIB:.2f} GiB matrix; median of {len(samples)} samples taken at the start "
-                     f"and after each runtime (each the fastest of {len(samples[0]['pass_s'])} passes), range "
+                     f"and after each runtime in each round (each the fastest of {len(samples[0]['pass_s'])} passes), range "
                      f"{bw['min_bytes_per_s'] / GB:.1f}–{bw['max_bytes_per_s'] / GB:.1f} GB/s.")
     else:
         lines.append("Memory bandwidth: not measured.")

@@ -1,8 +1,10 @@
 """One bench run: bandwidth, then for each model every runtime in its own child, then the report.
 
 Children run one after another, never side by side: each has the whole machine (both cores,
-all the memory bandwidth) while it is timed, and its peak memory is its own. A runtime that
-cannot run (llama.cpp not built, a crash) becomes a note and empty cells, never a lost bench.
+all the memory bandwidth) while it is timed, and its peak memory is its own. The runtimes take
+turns over the plan's rounds (one child per runtime per round) and their rounds are merged, so
+a drift of the host's bandwidth falls on all of them alike. A runtime that cannot run
+(llama.cpp not built, a crash) becomes a note and empty cells, never a lost bench.
 """
 from __future__ import annotations
 
@@ -65,6 +67,28 @@ def run_side(module: str, job: dict, workdir: Path, python: str = sys.executable
     return result
 
 
+def merge_rounds(rounds: list[dict]) -> dict:
+    """One runtime's rounds as one result: all timed runs together, the highest peak memory."""
+    ok = [r for r in rounds if not r.get("error")]
+    failed = [(i + 1, r["error"]) for i, r in enumerate(rounds) if r.get("error")]
+    merged: dict = {"ttft_s": {}, "decode_tok_s": []}
+    for r in ok:
+        for n, times in r.get("ttft_s", {}).items():
+            merged["ttft_s"].setdefault(n, []).extend(times)
+        merged["decode_tok_s"].extend(r.get("decode_tok_s", []))
+    if ok:
+        merged["info"] = ok[0].get("info", {})
+        merged["load_s"] = min(r["load_s"] for r in ok if "load_s" in r) if any("load_s" in r for r in ok) else None
+    peaks = [r["peak_rss_bytes"] for r in rounds if r.get("peak_rss_bytes")]
+    merged["peak_rss_bytes"] = max(peaks) if peaks else None
+    busy = [r["other_cores"] for r in rounds if r.get("other_cores") is not None]
+    merged["other_cores"] = max(busy) if busy else None
+    merged["wall_s"] = sum(r.get("wall_s", 0.0) for r in rounds)
+    if failed:
+        merged["error"] = "; ".join(f"round {i}: {e}" for i, e in failed)
+    return merged
+
+
 def _llamacpp(plan: Plan, skip: bool, rebuild: bool, notes: list[str], log):
     if skip:
         notes.append("llama.cpp skipped (--skip-llamacpp).")
@@ -101,15 +125,19 @@ def bench_model(model: str, plan: Plan, device: str, llamacpp, work: Path, notes
                 notes.append(f"{model}: llama.cpp {outtype} not measured: {e}")
                 continue
             sides.append((f"llama.cpp {outtype}", "bench.side_llamacpp", {"gguf": str(gguf)}, str(llamacpp.python)))
-    raw = {}
-    for name, module, extra, python in sides:
-        log(f"[bench] {model}: {name} ...")
-        raw[name] = run_side(module, {**base, **extra}, work / model / name.replace(" ", "-"), python, log)
-        busy = raw[name]["other_cores"]
-        if busy is not None and busy > BUSY_CORES:
-            notes.append(f"{model}: while {name} ran, other processes used {busy:.2f} cores on average: "
-                         "its times may be slow.")
-        sample_bandwidth(f"{model} {name}")
+    rounds: dict[str, list[dict]] = {name: [] for name, *_ in sides}
+    for r in range(plan.rounds):
+        for name, module, extra, python in sides:
+            log(f"[bench] {model}: {name} (round {r + 1} of {plan.rounds}) ...")
+            result = run_side(module, {**base, **extra}, work / model / name.replace(" ", "-") / f"round{r + 1}",
+                              python, log)
+            rounds[name].append(result)
+            busy = result["other_cores"]
+            if busy is not None and busy > BUSY_CORES:
+                notes.append(f"{model}: while {name} ran (round {r + 1}), other processes used {busy:.2f} cores "
+                             "on average: its times may be slow.")
+            sample_bandwidth(f"{model} {name} round {r + 1}")
+    raw = {name: merge_rounds(results) for name, results in rounds.items()}
     return cfg, raw, str(folder)
 
 

@@ -14,9 +14,10 @@ from bench.bandwidth import summarize as summarize_bandwidth
 from bench.bound import decode_bound_tokens_per_s, decode_bytes_per_token, kv_cache_bytes, weight_bytes
 from bench.gguf_convert import trim_tokenizer_files
 from bench.llamacpp_build import AMX_SWITCHES, cmake_args
-from bench.plan import prompt_ids
+from bench.plan import QUICK, prompt_ids
 from bench.protocol import measure
-from bench.run import run_side
+import bench.run as bench_run
+from bench.run import merge_rounds, run_side
 from bench.summary import HF, LLAMACPP_BF16, OURS, ratio, summarize_model
 from llama32_1b_weights import LlamaConfig, synthetic_weights
 from llama_runtime.fixtures import ensure_embedded_model, llama_tokenizer_dir
@@ -125,6 +126,36 @@ def test_the_bound_uses_the_median_bandwidth_sample():
     assert [x["after"] for x in bw["samples"]] == ["start", "a", "b"]
 
 
+def test_runtimes_take_turns_round_by_round_and_their_rounds_merge(monkeypatch, tmp_path):
+    """A drifting host must fall on every runtime alike: ours, HF, ours, HF — never ours, ours, HF, HF."""
+    ensure_embedded_model()
+    order, samples = [], []
+
+    def fake_side(module, job, workdir, python, log):
+        order.append((module, workdir.name))
+        k = len(order)
+        return {"ttft_s": {"32": [0.1 * k]}, "decode_tok_s": [float(k)], "peak_rss_bytes": 100 * k,
+                "load_s": 1.0 / k, "other_cores": 0.0, "wall_s": 2.0, "info": {"round": workdir.name}}
+
+    monkeypatch.setattr(bench_run, "run_side", fake_side)
+    _, raw, _ = bench_run.bench_model(EMBEDDED, QUICK, "sim", None, tmp_path, [], samples.append, lambda _: None)
+    assert order == [("bench.side_ours", "round1"), ("bench.side_hf", "round1"),
+                     ("bench.side_ours", "round2"), ("bench.side_hf", "round2")]
+    assert len(samples) == 4                                   # bandwidth after every child
+    ours = raw[OURS]
+    assert ours["ttft_s"] == {"32": [pytest.approx(0.1), pytest.approx(0.3)]} and ours["decode_tok_s"] == [1.0, 3.0]
+    assert ours["peak_rss_bytes"] == 300 and ours["wall_s"] == 4.0 and ours["info"] == {"round": "round1"}
+
+
+def test_a_failed_round_is_reported_and_the_others_still_count():
+    good = {"ttft_s": {"32": [0.2]}, "decode_tok_s": [5.0], "peak_rss_bytes": 7, "load_s": 3.0}
+    merged = merge_rounds([{"error": "killed by SIGKILL", "peak_rss_bytes": 9}, good])
+    assert merged["ttft_s"] == {"32": [0.2]} and merged["decode_tok_s"] == [5.0]
+    assert merged["error"] == "round 1: killed by SIGKILL" and merged["peak_rss_bytes"] == 9
+    assert "ttft_s" not in summarize_model(EMBEDDED, LLAMA_1B, True, (32,), 128,
+                                           {OURS: merge_rounds([{"error": "boom"}])}, None)["runtimes"][OURS]
+
+
 def test_llamacpp_build_turns_amx_and_native_off_and_follows_the_cpu():
     avx512 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512cd", "avx512vl",
                         "avx512dq", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"})
@@ -175,7 +206,8 @@ def test_quick_bench_on_the_embedded_model_writes_both_reports(reports, capsys):
     md = jpath.with_suffix(".md").read_text()
     data = json.loads(jpath.read_text())
     bw = data["bandwidth"]
-    assert [x["after"] for x in bw["samples"]] == ["start", f"{EMBEDDED} {OURS}", f"{EMBEDDED} {HF}"]
+    assert [x["after"] for x in bw["samples"]] == ["start"] + [f"{EMBEDDED} {side} round {r}" for r in (1, 2)
+                                                               for side in (OURS, HF)]
     assert 0 < bw["min_bytes_per_s"] <= bw["bytes_per_s"] <= bw["max_bytes_per_s"] and bw["method"] in md
     (m,) = data["models"]
     assert set(m["runtimes"]) == {OURS, HF}
