@@ -118,22 +118,22 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, dim: int, eps: 
     return True
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> bool:
-    """out = silu(gate) · up; False if the native path is unavailable."""
-    lib = _usable(gate, up, out)
+def _binary(symbol: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
+    lib = _usable(a, b, out)
     if lib is None:
         return False
-    lib.swiglu_bf16_cpu(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
+    getattr(lib, symbol)(a.data_ptr(), b.data_ptr(), out.data_ptr(), a.numel())
     return True
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> bool:
+    """out = silu(gate) · up; False if the native path is unavailable."""
+    return _binary("swiglu_bf16_cpu", gate, up, out)
 
 
 def add(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
     """out = a + b (exact in f32, rounded once); False if the native path is unavailable."""
-    lib = _usable(a, b, out)
-    if lib is None:
-        return False
-    lib.add_bf16_cpu(a.data_ptr(), b.data_ptr(), out.data_ptr(), a.numel())
-    return True
+    return _binary("add_bf16_cpu", a, b, out)
 
 
 def rope(x: torch.Tensor, lut: torch.Tensor, out: torch.Tensor, rows: int, heads: int, head_dim: int) -> bool:

@@ -67,6 +67,18 @@ void rope_row(const uint16_t *x, const uint16_t *lut, uint16_t *out, int64_t hea
   }
 }
 
+// out[i] = f(a[i], b[i]) over n elements, in spans split over the team when n is large.
+template <typename Span>
+void over_spans(const uint16_t *a, const uint16_t *b, uint16_t *out, int64_t n, Span span) {
+  constexpr int64_t kSpan = 1 << 14;
+  const int64_t spans = (n + kSpan - 1) / kSpan;
+#pragma omp parallel for schedule(static) if (n > kParallelAbove)
+  for (int64_t s = 0; s < spans; ++s) {
+    const int64_t i = s * kSpan;
+    span(a + i, b + i, out + i, n - i < kSpan ? n - i : kSpan);
+  }
+}
+
 }  // namespace
 
 extern "C" void rmsnorm_bf16_cpu(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t rows, int64_t dim,
@@ -76,23 +88,11 @@ extern "C" void rmsnorm_bf16_cpu(const uint16_t *x, const uint16_t *w, uint16_t 
 }
 
 extern "C" void swiglu_bf16_cpu(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t n) {
-  constexpr int64_t kSpan = 1 << 14;
-  const int64_t spans = (n + kSpan - 1) / kSpan;
-#pragma omp parallel for schedule(static) if (n > kParallelAbove)
-  for (int64_t s = 0; s < spans; ++s) {
-    const int64_t i = s * kSpan;
-    swiglu_span(gate + i, up + i, out + i, n - i < kSpan ? n - i : kSpan);
-  }
+  over_spans(gate, up, out, n, swiglu_span);
 }
 
 extern "C" void add_bf16_cpu(const uint16_t *a, const uint16_t *b, uint16_t *out, int64_t n) {
-  constexpr int64_t kSpan = 1 << 14;
-  const int64_t spans = (n + kSpan - 1) / kSpan;
-#pragma omp parallel for schedule(static) if (n > kParallelAbove)
-  for (int64_t s = 0; s < spans; ++s) {
-    const int64_t i = s * kSpan;
-    add_span(a + i, b + i, out + i, n - i < kSpan ? n - i : kSpan);
-  }
+  over_spans(a, b, out, n, add_span);
 }
 
 // x and out are [rows, heads, head_dim]; lut is [rows, head_dim] = cos | sin of each row's position.
