@@ -1,6 +1,6 @@
 """Native host kernels that make the simulated NPU fast where torch is slow: the bf16 GEMV
-(memory-bound instead of compute-bound) and the decode-sized elementwise launches (one pass
-instead of several dispatched ops with temporaries).
+(memory-bound instead of compute-bound), the decode-sized elementwise launches and the host's
+single-query attention (one pass instead of several dispatched ops with temporaries).
 
 Built with the system C++ compiler on first use into the cache (keyed by the source hash and
 flags), loaded with ctypes, and used only when the CPU has AVX512-BF16; otherwise the
@@ -35,8 +35,8 @@ _tried = False
 def build_shared(srcs: Path | list[Path], flags: list[str], headers: list[Path] = ()) -> Path | None:
     """The sources compiled into one shared library under the cache, or None without a working compiler.
 
-    Keyed by the sources, the headers they include and the flags, so an edit rebuilds it, and renamed into place so that a
-    concurrent process never loads a half-written file.
+    Keyed by the sources, the headers they include and the flags, so an edit rebuilds it, and
+    renamed into place so that a concurrent process never loads a half-written file.
     """
     srcs = [srcs] if isinstance(srcs, Path) else srcs
     cxx = shutil.which(os.environ.get("CXX", "g++"))

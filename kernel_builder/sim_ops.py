@@ -4,7 +4,7 @@ Each computes what the NPU kernel computes — bf16 operands, f32 accumulation a
 elementwise math — and rounds once to bf16 when it stores its result, which is where the NPU
 rounds too (at every launch boundary). They write into the output view in place, so a run
 allocates only small f32 temporaries, and they use torch's bf16 GEMM/GEMV paths (AMX and
-AVX512-BF16 on the CPUs this is developed on), which accumulate in f32.
+AVX512-BF16 on the CPUs this runs on), which accumulate in f32.
 
 Signature: `op(launch, *views)` with views in `launch.args` order (reads, then writes).
 Elementwise ops run natively (`native_cpu`) where the CPU allows: one pass, no temporaries,
