@@ -78,7 +78,8 @@ def merge_rounds(rounds: list[dict]) -> dict:
         merged["decode_tok_s"].extend(r.get("decode_tok_s", []))
     if ok:
         merged["info"] = ok[0].get("info", {})
-        merged["load_s"] = min(r["load_s"] for r in ok if "load_s" in r) if any("load_s" in r for r in ok) else None
+        loads = [r["load_s"] for r in ok if "load_s" in r]
+        merged["load_s"] = min(loads) if loads else None
     peaks = [r["peak_rss_bytes"] for r in rounds if r.get("peak_rss_bytes")]
     merged["peak_rss_bytes"] = max(peaks) if peaks else None
     busy = [r["other_cores"] for r in rounds if r.get("other_cores") is not None]

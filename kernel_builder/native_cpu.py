@@ -69,6 +69,7 @@ def _build() -> ctypes.CDLL | None:
     lib.rope_bf16_cpu.argtypes = [ptr, ptr, ptr, i64, i64, i64]
     lib.attention_bf16_cpu.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     lib.attention_bf16_cpu_max_head_dim.restype = i64
+    lib.max_head_dim = lib.attention_bf16_cpu_max_head_dim()
     return lib
 
 
@@ -152,7 +153,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, 
     """
     lib = _usable(q, k, v, out)
     kvh, stride, d = k.shape
-    if lib is None or d > lib.attention_bf16_cpu_max_head_dim() or not 0 < n <= stride:
+    if lib is None or d > lib.max_head_dim or not 0 < n <= stride:
         return False
     lib.attention_bf16_cpu(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), q.numel() // d, kvh, d, n, stride)
     return True

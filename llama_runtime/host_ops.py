@@ -17,10 +17,9 @@ from kernel_builder import native_cpu
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """f32 math, one rounding to bf16 at the end (as the device RMSNorm launch does)."""
-    if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
-        out = torch.empty_like(x)
-        if native_cpu.rmsnorm(x.contiguous(), weight.contiguous(), out, x.shape[-1], eps):
-            return out
+    out = torch.empty_like(x)
+    if native_cpu.rmsnorm(x.contiguous(), weight.contiguous(), out, x.shape[-1], eps):
+        return out
     xf = x.float()
     return F.rms_norm(xf, (xf.shape[-1],), weight.float(), eps).to(torch.bfloat16)
 
