@@ -10,23 +10,30 @@ from __future__ import annotations
 
 import torch
 
-from llama32_1b_prefill import Capture
-from llama_runtime.device_model import DeviceModel, bo_key
+from llama_runtime.device_model import Capture, DeviceModel, bo_key
 from llama_runtime.host_ops import decode_attention_cpu
 
 
 def decode_layer(model: DeviceModel, layer: int, x: torch.Tensor, pos: int,
                  capture: Capture | None = None) -> torch.Tensor:
-    kc, cfg = model.kc, model.config
-    g1, g2 = model.decode_groups["rms_gemv_rope"], model.decode_groups["o_gemv_ffn"]
-    qkv = kc.load_and_run(g1.name, {"x": x, "rope_lut": model.rope_lut[pos]}, bo_key(g1, layer))
+    g1 = model.decode_groups["rms_gemv_rope"]
+    qkv = model.kc.load_and_run(g1.name, {"x": x, "rope_lut": model.rope_lut[pos]}, bo_key(g1, layer))
     with model.profiler.host_op("kv_write"):
         model.kv.write(layer, pos, qkv["k"].view(1, -1), qkv["v"].view(1, -1))
+    return attend_and_ffn(model, layer, qkv["q"], x, pos, capture)
+
+
+def attend_and_ffn(model: DeviceModel, layer: int, q: torch.Tensor, x: torch.Tensor, pos: int,
+                   capture: Capture | None = None) -> torch.Tensor:
+    """The rest of a layer for one token whose K/V are already cached at `pos`: host attention,
+    then `o_gemv_ffn` on its residual row `x`. Prefill ends with this too, for the one row whose
+    output anything reads."""
     with model.profiler.host_op("decode_attention"):
-        attn = decode_attention_cpu(qkv["q"], model.kv, layer, pos, cfg.num_attention_heads)
+        attn = decode_attention_cpu(q, model.kv, layer, pos, model.config.num_attention_heads)
     if capture:
         capture(layer, "attn", attn)
-    out = kc.load_and_run(g2.name, {"attn": attn, "x_res": x}, bo_key(g2, layer))["out"]
+    g2 = model.decode_groups["o_gemv_ffn"]
+    out = model.kc.load_and_run(g2.name, {"attn": attn, "x_res": x}, bo_key(g2, layer))["out"]
     if capture:
         capture(layer, "out", out)
     return out

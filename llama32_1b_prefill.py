@@ -7,28 +7,37 @@ that holds it and its real length is passed explicitly: the host writes and read
 real rows, and causality guarantees the padding never reaches them. A prompt longer than the
 largest bucket, or a chat turn after earlier ones, is prefilled at an offset: its queries
 attend to the cached positions before it plus itself.
+
+The last layer's outputs feed nothing but the next token's logits, so only the prompt's last
+row goes past its K/V: that row finishes the layer the way decode does (host attention, then
+`o_gemv_ffn`), which skips 1/L of the prompt's GEMM work; earlier chunks of a long prompt stop
+at the last layer's K/V. With a capture hook (per-layer diagnosis) every row runs every layer.
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-from llama_runtime.device_model import DeviceModel, bo_key
+from llama32_1b_decode import attend_and_ffn
+from llama_runtime.device_model import Capture, DeviceModel, bo_key
 from llama_runtime.errors import PromptError
 
-# capture(layer, name, tensor): verification hooks; tensors are views, copy what you keep.
-Capture = Callable[[int, str, torch.Tensor], None]
+
+def qkv_to_cache(model: DeviceModel, layer: int, x: torch.Tensor, start: int, n: int,
+                 bucket: int) -> dict[str, torch.Tensor]:
+    """`rms_gemms_rope` on rows [0, n), their K/V written to the cache at start..; returns Q/K/V."""
+    g = model.prefill_groups[bucket].rms_gemms_rope
+    lut = model.rope_lut[start:start + n]
+    qkv = model.kc.load_and_run(g.name, {"x": x, "rope_lut": lut}, bo_key(g, layer), rows=n)
+    with model.profiler.host_op("kv_write"):
+        model.kv.write(layer, start, qkv["k"], qkv["v"])
+    return qkv
 
 
 def prefill_layer(model: DeviceModel, layer: int, x: torch.Tensor, start: int, n: int, bucket: int,
                   capture: Capture | None = None) -> torch.Tensor:
     """One transformer block on rows [0, n) of the bucket at positions start..; returns its output rows."""
     kc, g = model.kc, model.prefill_groups[bucket]
-    lut = model.rope_lut[start:start + n]
-    qkv = kc.load_and_run(g.rms_gemms_rope.name, {"x": x, "rope_lut": lut}, bo_key(g.rms_gemms_rope, layer), rows=n)
-    with model.profiler.host_op("kv_write"):
-        model.kv.write(layer, start, qkv["k"], qkv["v"])
+    qkv = qkv_to_cache(model, layer, x, start, n, bucket)
     ga = model.attention_group(bucket, start, n)
     ctx = ga.ctx_len
     att = kc.load_and_run(ga.name, {"q": qkv["q"], "k_cache": model.kv.k[layer, :, :ctx],
@@ -45,14 +54,24 @@ def prefill_layer(model: DeviceModel, layer: int, x: torch.Tensor, start: int, n
     return out
 
 
-def prefill_chunk(model: DeviceModel, tokens: list[int], start: int, capture: Capture | None = None) -> torch.Tensor:
-    """One bucket-sized chunk at positions start..; returns its last row's hidden state."""
+def prefill_chunk(model: DeviceModel, tokens: list[int], start: int, capture: Capture | None = None,
+                  final: bool = True) -> torch.Tensor | None:
+    """One bucket-sized chunk at positions start..; returns its last row's hidden state if `final`.
+
+    A chunk that is not the prompt's last only has to leave its K/V in the cache.
+    """
     n = len(tokens)
     bucket = model.bucket_for(n)
     x = model.embed_tokens(tokens)
-    for layer in range(model.config.num_hidden_layers):
+    last = model.config.num_hidden_layers - 1
+    for layer in range(last):
         x = prefill_layer(model, layer, x, start, n, bucket, capture)
-    return x[n - 1]
+    if capture:
+        return prefill_layer(model, last, x, start, n, bucket, capture)[n - 1]
+    qkv = qkv_to_cache(model, last, x, start, n, bucket)
+    if not final:
+        return None
+    return attend_and_ffn(model, last, qkv["q"][n - 1], x[n - 1], start + n - 1)
 
 
 def prefill(model: DeviceModel, tokens: list[int], start: int = 0, capture: Capture | None = None) -> torch.Tensor:
@@ -69,6 +88,7 @@ def prefill(model: DeviceModel, tokens: list[int], start: int = 0, capture: Capt
     step = model.buckets[-1]
     pos = start
     for i in range(0, n, step):
-        last = prefill_chunk(model, tokens[i:i + step], pos, capture)
-        pos += len(tokens[i:i + step])
+        chunk = tokens[i:i + step]
+        last = prefill_chunk(model, chunk, pos, capture, final=i + step >= n)
+        pos += len(chunk)
     return model.logits(last, capture)

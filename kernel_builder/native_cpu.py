@@ -1,6 +1,7 @@
 """Native host kernels that make the simulated NPU fast where torch is slow: the bf16 GEMV
-(memory-bound instead of compute-bound), the decode-sized elementwise launches and the host's
-single-query attention (one pass instead of several dispatched ops with temporaries).
+(memory-bound instead of compute-bound), the decode-sized elementwise launches, the host's
+single-query attention (one pass instead of several dispatched ops with temporaries) and
+prefill's causal attention (flash-style tiles on the launch's own layouts).
 
 Built with the system C++ compiler on first use into the cache (keyed by the source hash and
 flags), loaded with ctypes, and used only when the CPU has AVX512-BF16; otherwise the
@@ -23,7 +24,8 @@ import torch
 from llama_runtime.paths import cache_root
 
 _NATIVE = Path(__file__).resolve().parent / "native"
-_SRCS = [_NATIVE / "gemv_bf16_cpu.cc", _NATIVE / "eltwise_bf16_cpu.cc", _NATIVE / "attention_bf16_cpu.cc"]
+_SRCS = [_NATIVE / "gemv_bf16_cpu.cc", _NATIVE / "eltwise_bf16_cpu.cc", _NATIVE / "attention_bf16_cpu.cc",
+         _NATIVE / "flash_attention_bf16_cpu.cc"]
 _HEADERS = [_NATIVE / "simd_bf16.h"]
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off",
           "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
@@ -70,6 +72,9 @@ def _build() -> ctypes.CDLL | None:
     lib.attention_bf16_cpu.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     lib.attention_bf16_cpu_max_head_dim.restype = i64
     lib.max_head_dim = lib.attention_bf16_cpu_max_head_dim()
+    lib.flash_attention_bf16_cpu.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64]
+    lib.flash_attention_bf16_cpu_max_head_dim.restype = i64
+    lib.flash_max_head_dim = lib.flash_attention_bf16_cpu_max_head_dim()
     return lib
 
 
@@ -156,4 +161,24 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, 
     if lib is None or d > lib.max_head_dim or not 0 < n <= stride:
         return False
     lib.attention_bf16_cpu(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), q.numel() // d, kvh, d, n, stride)
+    return True
+
+
+_FLASH_DIM_STEP = 64    # the kernel's P·V tile covers 64 head dims
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, out: torch.Tensor) -> bool:
+    """Causal GQA attention of a chunk: query i (position start + i) over cache rows 0..start + i.
+
+    q, out: [s, heads, d] bf16; k, v: [kv_heads, c, d] bf16, rows of each head contiguous (the
+    heads may be strided, as in a slice of the cache). False if the native path is unavailable.
+    """
+    s, heads, d = q.shape
+    kvh, c, _ = k.shape
+    lib = _usable(q, out)
+    if (lib is None or d % _FLASH_DIM_STEP or d > lib.flash_max_head_dim or heads % kvh or k.stride() != v.stride()
+            or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 or k.stride()[1:] != (d, 1)):
+        return False
+    lib.flash_attention_bf16_cpu(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), s, c, heads, kvh, d,
+                                 start, k.stride(0) // d)
     return True

@@ -87,12 +87,15 @@ def add(l: Launch, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
 
 def flash_attn(l: Launch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: torch.Tensor,
                out: torch.Tensor) -> None:
-    """Causal GQA attention of the chunk over the cached context; f32 softmax in torch's fused kernel.
+    """Causal GQA attention of the chunk over the cached context, f32 softmax: natively where the
+    CPU allows, else in torch's fused kernel.
 
     Query i (absolute position q_start + i) sees keys 0..q_start + i of the [kv_heads, ctx, d] cache.
     """
     s, c, hq, hk, d = l.p("seq"), l.p("ctx"), l.p("q_heads"), l.p("kv_heads"), l.p("head_dim")
     start = int(q_start[0])
+    if native_cpu.flash_attention(q.view(s, hq, d), k, v, start, out.view(s, hq, d)):
+        return
     qh = q.view(s, hq, d).transpose(0, 1).unsqueeze(0)
     kh, vh = k.unsqueeze(0), v.unsqueeze(0)
     if start == 0 and c == s:

@@ -7,6 +7,7 @@ the host only what host ops need: the embedding table (read row by row) and the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -17,6 +18,10 @@ from kernel_builder.profiler import NULL_PROFILER, Profiler
 from llama32_1b_weights import LlamaConfig, LlamaWeights, generate_rope_lut
 from llama_runtime.errors import PromptError
 from llama_runtime.host_ops import KVCache, rms_norm
+
+
+# capture(layer, name, tensor): verification hooks; tensors are views, copy what you keep.
+Capture = Callable[[int, str, torch.Tensor], None]
 
 
 def bo_key(group: KernelGroup, layer: int | None) -> str:

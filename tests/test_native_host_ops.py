@@ -1,9 +1,10 @@
-"""The native elementwise launches and decode attention against the torch code they replace.
+"""The native elementwise launches and both attentions against the torch code they replace.
 
 RoPE and add use torch's operation order exactly, so they must match every bit. RMSNorm sums squares in
 another order and SwiGLU uses its own exp, so they may differ by one bf16 unit, rarely. Shapes
 cover decode rows, vector tails (widths not a multiple of 16) and prefill sizes large enough to
-run in parallel; SwiGLU also sees overflow, zeros and NaN.
+run in parallel; SwiGLU also sees overflow, zeros and NaN. The attentions are checked against the
+plain f32 reference, as their torch versions are.
 """
 from __future__ import annotations
 
@@ -99,3 +100,35 @@ def test_decode_attention_matches_the_reference(monkeypatch, heads, kv_heads, he
                                          torch.empty(heads * head_dim, dtype=torch.bfloat16))
     for out in (native, fallback):
         assert torch.allclose(out.float(), ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("seq,ctx,heads,kv_heads,head_dim,start", [
+    (128, 128, 32, 8, 64, 0),       # a prefill bucket from position 0
+    (37, 37, 4, 2, 64, 0),          # rows not a multiple of the 16-query tile, keys of the 64-key block
+    (32, 160, 8, 8, 128, 60),       # a chunk at an offset, context bucket past its last position
+    (16, 256, 6, 3, 64, 200),       # the last chunk of a long prompt
+])
+def test_flash_attention_matches_the_reference(monkeypatch, seq, ctx, heads, kv_heads, head_dim, start):
+    """Prefill attention, native and torch's fused kernel, against the plain f32 reference. Cache
+    rows past the chunk's last position hold stale values; masked, they must not change an output,
+    and the native kernel does not read them at all (NaN there changes nothing)."""
+    g = torch.Generator().manual_seed(seq + start)
+    end = min(ctx, start + seq)
+    k = (torch.randn(kv_heads, ctx, head_dim, generator=g) * 2).bfloat16()
+    v = (torch.randn(kv_heads, ctx, head_dim, generator=g) * 1e3).bfloat16()
+    v[:, :end] /= 1e3
+    q = (torch.randn(seq, heads * head_dim, generator=g) * 2).bfloat16()
+    l = _Launch(seq=seq, ctx=ctx, q_heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    q_start = torch.tensor([start], dtype=torch.int32)
+    rows = end - start                  # query rows whose positions are inside the cache
+    ref = reference_attention(q[:rows], k[:, :end].transpose(0, 1).reshape(end, -1),
+                              v[:, :end].transpose(0, 1).reshape(end, -1), heads, kv_heads, q_start=start).float()
+    assert native_cpu.flash_attention(q.view(seq, heads, head_dim), k, v, start, torch.empty_like(q).view(seq, heads, -1))
+    run = lambda o: sim_ops.flash_attn(l, q, k, v, q_start, o)
+    native, fallback = _native_and_torch(monkeypatch, "flash_attention", run, torch.empty_like(q))
+    for out in (native, fallback):
+        assert torch.allclose(out[:rows].float(), ref, rtol=1e-2, atol=1e-2)
+    k[:, end:], v[:, end:] = float("nan"), float("nan")
+    again = torch.empty_like(q)
+    run(again)
+    assert torch.equal(again[:rows].view(torch.int16), native[:rows].view(torch.int16))
