@@ -12,6 +12,11 @@ small enough for seconds, not minutes.
 Prompts are token ids built once by the model's own tokenizer from one fixed text (repeated,
 then cut to length), and every runtime gets exactly those ids: no runtime tokenizes, so no
 tokenizer difference can change a prompt's length or content.
+
+A TTFT of a short prompt takes about a second, so one hiccup of the host (it shares its cores as
+well as its memory) moves a single run by a fifth or more; those are timed `short_runs` times
+per round, which costs seconds and gives a median of nine. Decode is timed after the first of
+them only, as for every other length.
 """
 from __future__ import annotations
 
@@ -40,6 +45,8 @@ class Plan:
     n_decode: int = 64
     rounds: int = 3                   # runtimes take turns this many times
     runs: int = 1                     # timed runs per measurement in each round
+    short_runs: int = 3               # ... but this many TTFT runs for prompts up to short_limit tokens
+    short_limit: int = 512
     warmup: int = 1
     max_context: int = DEFAULT_MAX_CONTEXT   # our KV cache and llama.cpp's n_ctx: the same positions
     bandwidth_bytes: int = GIB
@@ -58,7 +65,8 @@ class Plan:
 
 
 FULL = Plan()
-QUICK = Plan(prompt_lengths=(32,), decode_length=32, n_decode=4, rounds=2, runs=1, warmup=1, max_context=128,
+QUICK = Plan(prompt_lengths=(32,), decode_length=32, n_decode=4, rounds=2, runs=1, short_runs=1, warmup=1,
+             max_context=128,
              bandwidth_bytes=GIB // 4, gguf_types=("bf16",), quick=True,
              notes=("quick smoke run: fewer, shorter measurements and a 256 MiB bandwidth matrix; "
                     "not a benchmark result",))

@@ -5,7 +5,8 @@ A side provides a runner with the two calls of `verify.runner.Runner` — `prefi
 this module times them the same way for all: TTFT is prompt ids in → first token chosen;
 decode is `n_decode` greedy steps after the decode-length prompt, end tokens ignored so that
 every runtime does the same number of steps. Each prompt length gets `warmup` untimed runs,
-then `runs` timed ones; the parent takes medians.
+then `runs` timed ones (`runs × short_runs` for prompts up to `short_limit` tokens, the decode
+steps following only the first `runs`); the parent takes medians.
 
 Standard library only: the llama.cpp side imports this under an interpreter that has nothing
 but llama-cpp-python.
@@ -41,17 +42,18 @@ def peak_rss_bytes() -> int:
 
 
 def measure(runner, prompts: dict[int, list[int]], decode_length: int, n_decode: int, runs: int,
-            warmup: int) -> dict:
+            warmup: int, short_runs: int = 1, short_limit: int = 0) -> dict:
     ttft: dict[str, list[float]] = {}
     decode: list[float] = []
     for length in sorted(prompts):
         ids = prompts[length]
         times = []
-        for r in range(warmup + runs):
+        timed = runs * (short_runs if length <= short_limit else 1)
+        for r in range(warmup + timed):
             t0 = time.perf_counter()
             tok = runner.prefill(ids).top1
             t1 = time.perf_counter()
-            if length == decode_length:
+            if length == decode_length and r < warmup + runs:
                 pos = len(ids)
                 for _ in range(n_decode):
                     tok = runner.decode_step(tok, pos).top1
@@ -79,7 +81,8 @@ def child_main(make_runner: Callable[[dict], tuple[object, dict]], argv: list[st
         result["load_s"] = time.perf_counter() - t0
         result["info"] = info
         prompts = {int(k): v for k, v in job["prompts"].items()}
-        result.update(measure(runner, prompts, job["decode_length"], job["n_decode"], job["runs"], job["warmup"]))
+        result.update(measure(runner, prompts, job["decode_length"], job["n_decode"], job["runs"], job["warmup"],
+                              job.get("short_runs", 1), job.get("short_limit", 0)))
     except Exception as e:  # reported by the parent as this runtime's note
         result["error"] = f"{type(e).__name__}: {e}"
         result["traceback"] = traceback.format_exc()

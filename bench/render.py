@@ -44,6 +44,14 @@ def model_table(m: dict) -> str:
     return md_table(header, rows)
 
 
+def _short_runs(plan: dict) -> str:
+    n = plan["runs"] * plan.get("short_runs", 1)
+    if n <= plan["runs"]:
+        return ""
+    return (f" (TTFT of prompts up to {plan['short_limit']} tokens {n}× per round, "
+            f"a median of {plan['rounds'] * n})")
+
+
 def markdown(data: dict) -> str:
     bw = data.get("bandwidth")
     lines = [f"# Bench {data['created']}", ""]
@@ -53,7 +61,7 @@ def markdown(data: dict) -> str:
                  f"{data['plan']['n_decode']} decode tokens after the {data['plan']['decode_length']}-token prompt, "
                  f"median of {data['plan']['rounds'] * data['plan']['runs']} timed runs: {data['plan']['rounds']} rounds "
                  f"in which the runtimes take turns, each starting afresh and running every measurement "
-                 f"{data['plan']['runs']}× after {data['plan']['warmup']} warm-up.")
+                 f"{data['plan']['runs']}× after {data['plan']['warmup']} warm-up{_short_runs(data['plan'])}.")
     lines.append("Ratios are ours ÷ peer: below 1 is better for us for TTFT and memory, above 1 for tokens/s.")
     lines.append("")
     if bw:

@@ -111,7 +111,8 @@ def bench_model(model: str, plan: Plan, device: str, llamacpp, work: Path, notes
     cfg = LlamaConfig.from_json(folder)
     prompts = prompt_ids(folder, cfg, plan.prompt_lengths)
     base = {"prompts": {str(n): ids for n, ids in prompts.items()}, "decode_length": plan.decode_length,
-            "n_decode": plan.n_decode, "runs": plan.runs, "warmup": plan.warmup, "max_context": plan.max_context}
+            "n_decode": plan.n_decode, "runs": plan.runs, "short_runs": plan.short_runs,
+            "short_limit": plan.short_limit, "warmup": plan.warmup, "max_context": plan.max_context}
     sides: list[tuple[str, str, dict, str]] = [
         (OURS, "bench.side_ours", {"model": str(folder), "device": device}, sys.executable),
         (HF, "bench.side_hf", {"folder": str(folder)}, sys.executable),

@@ -31,6 +31,12 @@ _VIEW_SETS = 256   # cached BO-list bindings per loaded group (one per layer in 
 _HUGE = 2 << 20    # buffers from this size up ask for transparent huge pages
 
 
+def _span(t: torch.Tensor, offset: int, n: int) -> torch.Tensor:
+    """Bytes [offset, offset + n) of a buffer; the buffer itself when that is all of it (a decode
+    row's sync is then one copy, not two slices and a copy)."""
+    return t if offset == 0 and n == t.numel() else t[offset:offset + n]
+
+
 def zeroed_buffer(nbytes: int) -> torch.Tensor:
     """Zeroed host memory; large buffers on huge pages.
 
@@ -129,11 +135,11 @@ class SimBO:
             if not self._mapped and offset == 0 and n == self.size:
                 self._dev, self._shared = host, True      # one storage until either side writes
             else:
-                self._dev_side()[offset:offset + n].copy_(host[offset:offset + n])
+                _span(self._dev_side(), offset, n).copy_(_span(host, offset, n))
         else:
             self._dev_counters.bytes_from_device += n
             if not self._shared:
-                self._own_host()[offset:offset + n].copy_(self._dev_side()[offset:offset + n])
+                _span(self._own_host(), offset, n).copy_(_span(self._dev_side(), offset, n))
 
     def device_view(self, for_write: bool) -> torch.Tensor:
         """What a simulated kernel sees; a kernel write first gives the host side its own copy."""

@@ -76,6 +76,15 @@ def test_protocol_runs_warmups_untimed_and_decodes_after_the_decode_prompt():
     assert r.steps[:3] == [(4, 4), (5, 5), (6, 6)]          # greedy tokens fed back at consecutive positions
 
 
+def test_protocol_times_short_prompts_more_often_and_decodes_after_the_first_run_only():
+    r = _Scripted()
+    out = measure(r, {4: [0, 1, 2, 3], 9: list(range(9))}, decode_length=4, n_decode=3, runs=1, warmup=1,
+                  short_runs=3, short_limit=4)
+    assert r.prefills == [4, 4, 4, 4, 9, 9]                 # 1 warm-up + 3 timed (short), 1 + 1 (long)
+    assert {k: len(v) for k, v in out["ttft_s"].items()} == {"4": 3, "9": 1}
+    assert len(out["decode_tok_s"]) == 1 and len(r.steps) == 2 * 3   # after the warm-up and the first timed run
+
+
 def _raw(ttft: dict[int, list[float]], decode: list[float], peak: int, **extra) -> dict:
     return {"ttft_s": {str(k): v for k, v in ttft.items()}, "decode_tok_s": decode, "peak_rss_bytes": peak, **extra}
 

@@ -132,3 +132,4 @@ def test_flash_attention_matches_the_reference(monkeypatch, seq, ctx, heads, kv_
     again = torch.empty_like(q)
     run(again)
     assert torch.equal(again[:rows].view(torch.int16), native[:rows].view(torch.int16))
+

@@ -8,6 +8,7 @@ from llama32_1b_decode import decode_step
 from llama32_1b_inference import build_session
 from llama32_1b_prefill import prefill
 from llama_runtime.errors import PromptError
+from llama_runtime.host_ops import KVCache
 from llama_runtime.sampling import SamplingParams
 
 
@@ -151,3 +152,16 @@ def test_generation_stops_at_the_context_limit(session):
     # three free positions: three tokens are fed back, and a fourth is sampled from the last one
     assert r.stop_reason in ("context_limit", "end_token") and len(r.tokens) <= 4
     assert r.stop_reason == "end_token" or (len(r.tokens) == 4 and r.cached == limit)
+
+
+def test_kv_cache_write_is_head_major_for_one_row_and_many():
+    """A decode step's single row takes a shorter path than a prompt's rows; both land head-major."""
+    kvh, d = 3, 8
+    rows = torch.arange(5 * kvh * d, dtype=torch.float32).bfloat16().view(5, kvh * d)
+    one, many = KVCache(2, kvh, 16, d), KVCache(2, kvh, 16, d)
+    for i in range(5):
+        one.write(1, 4 + i, rows[i:i + 1], -rows[i:i + 1])
+    many.write(1, 4, rows, -rows)
+    assert torch.equal(one.k, many.k) and torch.equal(one.v, many.v)
+    assert torch.equal(many.k[1, 2, 6], rows[2].view(kvh, d)[2])      # head 2 at position 6
+    assert many.k[0].abs().sum() == 0 and many.k[1, :, :4].abs().sum() == 0 and many.k[1, :, 9:].abs().sum() == 0
