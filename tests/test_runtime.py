@@ -52,6 +52,14 @@ def test_last_row_prefill_matches_every_row_through_every_layer(session):
     assert torch.nn.functional.cosine_similarity(short, full, dim=0) > 0.9999
 
 
+def test_a_built_session_is_out_of_the_collectors_way(session):
+    """Its long-lived objects sit in the permanent generation, which full collections skip."""
+    import gc
+
+    assert gc.get_freeze_count() > 0
+    assert not any(o is session.model for o in gc.get_objects())
+
+
 def test_padding_to_the_bucket_never_changes_the_logits(session):
     m = session.model
     ids = session.encode("Name three rivers in Europe.")
