@@ -280,7 +280,9 @@ class KernelCache:
             view = self._view(s, i, nbytes)
             if t.numel() != view.numel():
                 raise ValueError(f"{name}.{slot.name}: {t.numel()} elements for a {nbytes}-byte span of {slot.shape}")
-            view.view(-1).copy_(t.reshape(-1))
+            if t.shape != view.shape:        # same elements in another shape: copy them flat
+                t, view = t.reshape(-1), view.view(-1)
+            view.copy_(t)
             s.bos[i].sync(Sync.TO_DEVICE, nbytes)
         t1 = time.perf_counter() if prof else 0.0
         kernel.run(s.bos)
