@@ -10,8 +10,9 @@ attend to the cached positions before it plus itself.
 
 The last layer's outputs feed nothing but the next token's logits, so only the prompt's last
 row goes past its K/V: that row finishes the layer the way decode does (host attention, then
-`o_gemv_ffn`), which skips 1/L of the prompt's GEMM work; earlier chunks of a long prompt stop
-at the last layer's K/V. With a capture hook (per-layer diagnosis) every row runs every layer.
+`o_gemv_ffn`), which skips one layer's O projection and MLP over the prompt; earlier chunks of
+a long prompt stop at the last layer's K/V. With a capture hook (per-layer diagnosis) every row
+runs every layer.
 """
 from __future__ import annotations
 
