@@ -3,14 +3,15 @@
 Each computes what the NPU kernel computes — bf16 operands, f32 accumulation and f32
 elementwise math — and rounds once to bf16 when it stores its result, which is where the NPU
 rounds too (at every launch boundary). They write into the output view in place, so a run
-allocates only small f32 temporaries, and they use torch's bf16 GEMM/GEMV paths (AMX and
-AVX512-BF16 on the CPUs this runs on), which accumulate in f32.
+allocates only small f32 temporaries. GEMMs use torch's bf16 GEMM (oneDNN; AMX or
+AVX512-BF16 where the CPU has them), which accumulates in f32.
 
 Signature: `op(launch, *views)` with views in `launch.args` order (reads, then writes).
-Elementwise ops run natively (`native_cpu`) where the CPU allows: one pass, no temporaries,
-which matters most in decode, where torch's per-op overhead outweighs a row's arithmetic.
-The torch versions below them are the same math; they work through rows in blocks whose f32
-temporaries stay in cache, several times faster on a 2048-row prompt than widening whole tensors.
+GEMVs, elementwise ops and attention run natively (`native_cpu`) where the CPU allows: the
+GEMVs memory-bound, the rest in one pass with no temporaries, which matters most in decode,
+where torch's per-op overhead outweighs a row's arithmetic. The torch versions below them are
+the same math; they work through rows in blocks whose f32 temporaries stay in cache, several
+times faster on a 2048-row prompt than widening whole tensors.
 """
 from __future__ import annotations
 
