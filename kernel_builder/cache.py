@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from filelock import FileLock, Timeout
 
-from kernel_builder.device import Sync
+from kernel_builder.device import Sync, copy_tensor
 from kernel_builder.groups import KernelGroup, Role
 from kernel_builder.profiler import NULL_PROFILER, Profiler
 from llama_runtime.errors import KernelCacheError
@@ -280,9 +280,10 @@ class KernelCache:
             view = self._view(s, i, nbytes)
             if t.numel() != view.numel():
                 raise ValueError(f"{name}.{slot.name}: {t.numel()} elements for a {nbytes}-byte span of {slot.shape}")
-            if t.shape != view.shape:        # same elements in another shape: copy them flat
-                t, view = t.reshape(-1), view.view(-1)
-            view.copy_(t)
+            if t.dtype == view.dtype and t.is_contiguous():
+                copy_tensor(view, t)
+            else:
+                view.view(-1).copy_(t.reshape(-1))
             s.bos[i].sync(Sync.TO_DEVICE, nbytes)
         t1 = time.perf_counter() if prof else 0.0
         kernel.run(s.bos)

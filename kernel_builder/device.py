@@ -14,6 +14,7 @@ between its host and device sides after a full sync until either side is written
 """
 from __future__ import annotations
 
+import ctypes
 import enum
 import json
 import mmap
@@ -29,12 +30,25 @@ from kernel_builder.groups import KernelGroup
 
 _VIEW_SETS = 256   # cached BO-list bindings per loaded group (one per layer in practice)
 _HUGE = 2 << 20    # buffers from this size up ask for transparent huge pages
+_MEMMOVE_MAX = 256 << 10   # copies up to this size go by memmove
 
 
 def _span(t: torch.Tensor, offset: int, n: int) -> torch.Tensor:
     """Bytes [offset, offset + n) of a buffer; the buffer itself when that is all of it (a decode
     row's sync is then one copy, not two slices and a copy)."""
     return t if offset == 0 and n == t.numel() else t[offset:offset + n]
+
+
+def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst ← src, both contiguous with one dtype and element count. A decode row (a few KiB)
+    goes by one memmove: right after a GEMV has streamed its weights, a torch copy's dispatch
+    costs tens of microseconds, mostly cache misses on the interpreter's side. Large tensors
+    keep torch's copy, which uses every core."""
+    n = dst.numel() * dst.element_size()
+    if n <= _MEMMOVE_MAX:
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
+    else:
+        dst.copy_(src)
 
 
 def zeroed_buffer(nbytes: int) -> torch.Tensor:
@@ -135,11 +149,11 @@ class SimBO:
             if not self._mapped and offset == 0 and n == self.size:
                 self._dev, self._shared = host, True      # one storage until either side writes
             else:
-                _span(self._dev_side(), offset, n).copy_(_span(host, offset, n))
+                copy_tensor(_span(self._dev_side(), offset, n), _span(host, offset, n))
         else:
             self._dev_counters.bytes_from_device += n
             if not self._shared:
-                _span(self._own_host(), offset, n).copy_(_span(self._dev_side(), offset, n))
+                copy_tensor(_span(self._own_host(), offset, n), _span(self._dev_side(), offset, n))
 
     def device_view(self, for_write: bool) -> torch.Tensor:
         """What a simulated kernel sees; a kernel write first gives the host side its own copy."""
@@ -150,49 +164,49 @@ class SimBO:
 
 
 class SimKernel:
-    """Runs a group's launches in order on the device side of its BOs with reference kernels."""
+    """Runs a group's launches in order on the device side of its BOs with reference kernels.
+
+    The launch plan is bound to each BO list once (`sim_ops.bind`: pointers and sizes fixed),
+    so a run replays it. On one decode token the group calls run 33 times; re-deriving every
+    launch's operands on each of them cost about as much as the elementwise kernels themselves.
+    """
 
     def __init__(self, device: "SimDevice", group: KernelGroup):
         from kernel_builder import sim_ops
 
         self.device = device
         self.group = group
-        self._steps = [(step, None) if isinstance(step, list) else (step, sim_ops.OPS[step.op])
-                       for step in sim_ops.plan(group.launches)]
-        self._batch = sim_ops.gemv_batch
+        self._plan = sim_ops.plan(group.launches)
+        self._bind_step = sim_ops.bind
         self._written = {w for l in group.launches for w in l.writes}
-        self._views: OrderedDict[tuple, dict[str, torch.Tensor]] = OrderedDict()
+        self._programs: OrderedDict[tuple, tuple] = OrderedDict()
 
-    def _bind(self, bos: list[SimBO]) -> dict[str, torch.Tensor]:
-        """Typed views of the BO list, cached per list: a group runs on one BO set per layer.
+    def _program(self, bos: list[SimBO]) -> tuple:
+        """The plan bound to this BO list, cached per list: a group runs on one BO set per layer.
 
-        Keyed on storage addresses; a cached entry keeps its storages alive, so an address
-        cannot be reused by another buffer while the entry exists.
+        Keyed on storage addresses; a cached entry keeps its storages alive (through its views),
+        so an address cannot be reused by another buffer while the entry exists.
         """
         key = tuple(b._dev_side().data_ptr() for b in bos)
-        views = self._views.get(key)
-        if views is None:
+        program = self._programs.get(key)
+        if program is None:
+            if len(bos) != len(self.group.slots):
+                raise DeviceError(f"{self.group.name}: {len(bos)} buffers for {len(self.group.slots)} arguments")
             views = {}
             for slot, bo in zip(self.group.slots, bos):
+                if bo.size < slot.nbytes:
+                    raise DeviceError(f"{self.group.name}: buffer for {slot.name} has {bo.size} bytes, "
+                                      f"needs {slot.nbytes}")
                 raw = bo.device_view(for_write=slot.name in self._written)
                 views[slot.name] = raw[: slot.nbytes].view(slot.torch_dtype).view(slot.shape)
-            self._views[key] = views
-            if len(self._views) > _VIEW_SETS:
-                self._views.popitem(last=False)
-        return views
+            program = self._programs[key] = (views, tuple(self._bind_step(step, views) for step in self._plan))
+            if len(self._programs) > _VIEW_SETS:
+                self._programs.popitem(last=False)
+        return program[1]
 
     def run(self, bos: list[SimBO]) -> None:
-        if len(bos) != len(self.group.slots):
-            raise DeviceError(f"{self.group.name}: {len(bos)} buffers for {len(self.group.slots)} arguments")
-        for slot, bo in zip(self.group.slots, bos):
-            if bo.size < slot.nbytes:
-                raise DeviceError(f"{self.group.name}: buffer for {slot.name} has {bo.size} bytes, needs {slot.nbytes}")
-        views = self._bind(bos)
-        for step, fn in self._steps:
-            if fn is None:
-                self._batch(step, views)
-            else:
-                fn(step, *(views[a] for a in step.args))
+        for call in self._program(bos):
+            call()
         self.device.counters.runs += 1
 
 

@@ -17,7 +17,9 @@ import os
 import shutil
 import subprocess
 import threading
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -71,6 +73,7 @@ def _build() -> ctypes.CDLL | None:
     lib.rope_bf16_cpu.argtypes = [ptr, ptr, ptr, i64, i64, i64]
     lib.attention_bf16_cpu.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     lib.attention_bf16_cpu_max_head_dim.restype = i64
+    lib.kv_store_row_bf16_cpu.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
     lib.max_head_dim = lib.attention_bf16_cpu_max_head_dim()
     lib.flash_attention_bf16_cpu.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64]
     lib.flash_attention_bf16_cpu_max_head_dim.restype = i64
@@ -92,16 +95,29 @@ def _library() -> ctypes.CDLL | None:
     return _lib
 
 
-def gemv_batch(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> bool:
-    """out = w @ x for each (w, x, out), natively in one dispatch; False if the native path is unavailable."""
+def _now(call: Callable[[], None] | None) -> bool:
+    if call is None:
+        return False
+    call()
+    return True
+
+
+def gemv_batch_call(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> Callable[[], None] | None:
+    """out = w @ x for each (w, x, out) in one native dispatch, bound to these tensors; None if
+    the native path is unavailable. The `*_call` forms fix pointers and sizes once, so the
+    simulated device can replay a launch program without re-deriving them on every call."""
     lib = _library()
     if lib is None or not all(w.is_contiguous() and x.is_contiguous() and y.is_contiguous() for w, x, y in jobs):
-        return False
+        return None
     desc = (ctypes.c_int64 * (5 * len(jobs)))()
     for i, (w, x, y) in enumerate(jobs):
         desc[5 * i:5 * i + 5] = [w.data_ptr(), x.data_ptr(), y.data_ptr(), w.shape[0], w.shape[1]]
-    lib.gemv_bf16_cpu_batch(desc, len(jobs))
-    return True
+    return partial(lib.gemv_bf16_cpu_batch, desc, len(jobs))     # the partial keeps desc alive
+
+
+def gemv_batch(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> bool:
+    """out = w @ x for each (w, x, out), natively in one dispatch; False if the native path is unavailable."""
+    return _now(gemv_batch_call(jobs))
 
 
 def gemv(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> bool:
@@ -115,40 +131,42 @@ def _usable(*ts: torch.Tensor) -> ctypes.CDLL | None:
     return lib
 
 
-def rmsnorm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, dim: int, eps: float) -> bool:
-    """out = x / rms(x) · w over rows of `dim`; False if the native path is unavailable."""
+def rmsnorm_call(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, dim: int, eps: float) -> Callable[[], None] | None:
+    """out = x / rms(x) · w over rows of `dim`, bound; None if the native path is unavailable."""
     lib = _usable(x, w, out)
     if lib is None:
-        return False
-    lib.rmsnorm_bf16_cpu(x.data_ptr(), w.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps)
-    return True
+        return None
+    return partial(lib.rmsnorm_bf16_cpu, x.data_ptr(), w.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps)
 
 
-def _binary(symbol: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, dim: int, eps: float) -> bool:
+    return _now(rmsnorm_call(x, w, out, dim, eps))
+
+
+def _binary(symbol: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> Callable[[], None] | None:
     lib = _usable(a, b, out)
     if lib is None:
-        return False
-    getattr(lib, symbol)(a.data_ptr(), b.data_ptr(), out.data_ptr(), a.numel())
-    return True
+        return None
+    return partial(getattr(lib, symbol), a.data_ptr(), b.data_ptr(), out.data_ptr(), a.numel())
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> bool:
-    """out = silu(gate) · up; False if the native path is unavailable."""
+def swiglu_call(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> Callable[[], None] | None:
+    """out = silu(gate) · up, bound; None if the native path is unavailable."""
     return _binary("swiglu_bf16_cpu", gate, up, out)
 
 
-def add(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
-    """out = a + b (exact in f32, rounded once); False if the native path is unavailable."""
+def add_call(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> Callable[[], None] | None:
+    """out = a + b (exact in f32, rounded once), bound; None if the native path is unavailable."""
     return _binary("add_bf16_cpu", a, b, out)
 
 
-def rope(x: torch.Tensor, lut: torch.Tensor, out: torch.Tensor, rows: int, heads: int, head_dim: int) -> bool:
-    """Half-split rotation of [rows, heads, head_dim] by each row's cos | sin; False if unavailable."""
+def rope_call(x: torch.Tensor, lut: torch.Tensor, out: torch.Tensor, rows: int, heads: int,
+              head_dim: int) -> Callable[[], None] | None:
+    """Half-split rotation of [rows, heads, head_dim] by each row's cos | sin, bound; None if unavailable."""
     lib = _usable(x, lut, out)
     if lib is None or head_dim % 2:
-        return False
-    lib.rope_bf16_cpu(x.data_ptr(), lut.data_ptr(), out.data_ptr(), rows, heads, head_dim)
-    return True
+        return None
+    return partial(lib.rope_bf16_cpu, x.data_ptr(), lut.data_ptr(), out.data_ptr(), rows, heads, head_dim)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, out: torch.Tensor) -> bool:
@@ -161,6 +179,20 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, 
     if lib is None or d > lib.max_head_dim or not 0 < n <= stride:
         return False
     lib.attention_bf16_cpu(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), q.numel() // d, kvh, d, n, stride)
+    return True
+
+
+def kv_store_row(k_row: torch.Tensor, v_row: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                 pos: int) -> bool:
+    """One token's K/V rows [kv_heads·d] into the [layers, kv_heads, max_seq, d] caches at `pos`,
+    by pointer arithmetic: a decode step stores a row per layer, and indexing the caches for it
+    costs more than the 2 KiB it moves. False if the native path is unavailable."""
+    lib = _usable(k_row, v_row, k, v)
+    if lib is None:
+        return False
+    _, kvh, stride, d = k.shape
+    at = ((layer * kvh) * stride + pos) * d * k.element_size()
+    lib.kv_store_row_bf16_cpu(k_row.data_ptr(), v_row.data_ptr(), k.data_ptr() + at, v.data_ptr() + at, kvh, d, stride)
     return True
 
 

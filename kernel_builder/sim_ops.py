@@ -9,11 +9,16 @@ AVX512-BF16 where the CPU has them), which accumulates in f32.
 Signature: `op(launch, *views)` with views in `launch.args` order (reads, then writes).
 GEMVs, elementwise ops and attention run natively (`native_cpu`) where the CPU allows: the
 GEMVs memory-bound, the rest in one pass with no temporaries, which matters most in decode,
-where torch's per-op overhead outweighs a row's arithmetic. The torch versions below them are
-the same math; they work through rows in blocks whose f32 temporaries stay in cache, several
-times faster on a 2048-row prompt than widening whole tensors.
+where torch's per-op overhead outweighs a row's arithmetic. The torch bodies are the same
+math; they work through rows in blocks whose f32 temporaries stay in cache, several times
+faster on a 2048-row prompt than widening whole tensors. `bind` fixes a plan step to one BO
+set's views, so the device replays a decode call as a list of native calls.
 """
 from __future__ import annotations
+
+import functools
+from functools import partial
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,10 +40,28 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
     return t.view(-1, width)
 
 
+def _native(binder: Callable[..., Callable[[], None] | None]):
+    """Make an op run `binder`'s native kernel where the CPU has it, else the torch body below it.
+
+    `op.native` stays reachable, so the simulated device can bind the kernel to a BO set's
+    views once (`bind`) and replay it, instead of re-checking operands on every call.
+    """
+    def wrap(reference):
+        @functools.wraps(reference)
+        def op(l: Launch, *views: torch.Tensor) -> None:
+            call = binder(l, *views)
+            if call is None:
+                reference(l, *views)
+            else:
+                call()
+        op.native = binder
+        return op
+    return wrap
+
+
+@_native(lambda l, x, w, out: native_cpu.rmsnorm_call(x, w, out, l.p("dim"), l.p("eps")))
 def rmsnorm(l: Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     d = l.p("dim")
-    if native_cpu.rmsnorm(x, w, out, d, l.p("eps")):
-        return
     xs, os = _rows(x, d), _rows(out, d)
     for b in _row_blocks(xs.shape[0], d):
         torch.mul(F.rms_norm(xs[b].float(), (d,), eps=l.p("eps")), w, out=os[b])   # w widened in-kernel
@@ -49,18 +72,17 @@ def gemm(l: Launch, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None
     torch.mm(a, w.t(), out=out)
 
 
+@_native(lambda l, x, w, out: native_cpu.gemv_batch_call([(w, x, out)]))
 def gemv(l: Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    """y[M] = W[M,K] · x[K]: the native AVX512-BF16 kernel when the CPU has it (memory-bound,
-    as on the NPU), else torch (compute-bound in bf16 on CPUs without AMX)."""
-    if not native_cpu.gemv(w, x, out):
-        torch.mv(w, x, out=out)
+    """y[M] = W[M,K] · x[K]: natively memory-bound, as on the NPU; torch's bf16 product (the
+    fallback) is compute-bound on CPUs without AMX."""
+    torch.mv(w, x, out=out)
 
 
+@_native(lambda l, x, lut, out: native_cpu.rope_call(x, lut, out, l.p("rows"), l.p("heads"), l.p("head_dim")))
 def rope(l: Launch, x: torch.Tensor, lut: torch.Tensor, out: torch.Tensor) -> None:
     """Half-split rotation of every head by its position's angles (LUT row = cos | sin)."""
     rows, heads, d = l.p("rows"), l.p("heads"), l.p("head_dim")
-    if native_cpu.rope(x, lut, out, rows, heads, d):
-        return
     h = d // 2
     xs, ls, os = x.view(rows, heads, d), lut.view(rows, 1, d), out.view(rows, heads, d)
     for b in _row_blocks(rows, heads * d):
@@ -71,19 +93,18 @@ def rope(l: Launch, x: torch.Tensor, lut: torch.Tensor, out: torch.Tensor) -> No
         os[b, :, h:].copy_(x2 * cos + x1 * sin)
 
 
+@_native(lambda l, gate, up, out: native_cpu.swiglu_call(gate, up, out))
 def swiglu(l: Launch, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
-    if native_cpu.swiglu(gate, up, out):
-        return
     width = gate.shape[-1]
     gs, us, os = _rows(gate, width), _rows(up, width), _rows(out, width)
     for b in _row_blocks(gs.shape[0], width):
         torch.mul(F.silu(gs[b].float()), us[b], out=os[b])
 
 
+@_native(lambda l, a, b, out: native_cpu.add_call(a, b, out))
 def add(l: Launch, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     # bf16 + bf16 is computed exactly in f32 and rounded once, as the NPU's vector add does.
-    if not native_cpu.add(a, b, out):
-        torch.add(a, b, out=out)
+    torch.add(a, b, out=out)
 
 
 def flash_attn(l: Launch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: torch.Tensor,
@@ -107,12 +128,35 @@ def flash_attn(l: Launch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_s
     out.view(s, hq, d).copy_(o.squeeze(0).transpose(0, 1))
 
 
+def _gemv_jobs(launches: list[Launch], views: dict[str, torch.Tensor]):
+    return [(views[l.reads[1]], views[l.reads[0]], views[l.writes[0]]) for l in launches]
+
+
+def _torch_gemvs(jobs) -> None:
+    for w, x, y in jobs:
+        torch.mv(w, x, out=y)
+
+
 def gemv_batch(launches: list[Launch], views: dict[str, torch.Tensor]) -> None:
     """Independent GEMV launches (no launch reads another's output) as one native dispatch."""
-    jobs = [(views[l.reads[1]], views[l.reads[0]], views[l.writes[0]]) for l in launches]
+    jobs = _gemv_jobs(launches, views)
     if not native_cpu.gemv_batch(jobs):
-        for w, x, y in jobs:
-            torch.mv(w, x, out=y)
+        _torch_gemvs(jobs)
+
+
+def bind(step: Launch | list[Launch], views: dict[str, torch.Tensor]) -> Callable[[], None]:
+    """A plan step fixed to one BO set's views: its native kernel with pointers and sizes bound
+    where the op has one (the same kernel a call of the op would pick), else a call of the op.
+
+    Ops are looked up in `OPS` when binding, so an op replaced there is what runs.
+    """
+    if isinstance(step, list):
+        jobs = _gemv_jobs(step, views)
+        return native_cpu.gemv_batch_call(jobs) or partial(_torch_gemvs, jobs)
+    op = OPS[step.op]
+    args = tuple(views[a] for a in step.args)
+    native = getattr(op, "native", None)
+    return (native(step, *args) if native else None) or partial(op, step, *args)
 
 
 def plan(launches: tuple[Launch, ...]) -> list[Launch | list[Launch]]:

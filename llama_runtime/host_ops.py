@@ -72,6 +72,8 @@ class KVCache:
             raise IndexError(f"KV cache holds {self.max_seq} positions; writing {start}..{start + n}")
         kvh, d = self.k.shape[1], self.k.shape[3]
         if n == 1:      # a decode step: fewer tensor ops, which cost more than the 2 KiB they move
+            if native_cpu.kv_store_row(k_rows, v_rows, self.k, self.v, layer, start):
+                return
             self.k[layer, :, start].copy_(k_rows.view(kvh, d))
             self.v[layer, :, start].copy_(v_rows.view(kvh, d))
             return

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernel_builder import device
 from kernel_builder.device import SimDevice, Sync, open_device
 from kernel_builder.groups import build_group
 from kernel_builder import xrt_device
@@ -68,13 +69,49 @@ def test_shared_storage_splits_on_host_write():
     assert torch.equal(bo.device_view(False), torch.full((8,), 9, dtype=torch.uint8))
 
 
-def test_partial_sync_moves_only_that_range():
+@pytest.mark.parametrize("size", [8, 4 * device._MEMMOVE_MAX])   # a decode row's copy and a prompt's
+def test_partial_sync_moves_only_that_range(size):
     dev = SimDevice()
-    bo = dev.bo(8)
+    bo = dev.bo(size)
+    q = size // 4
     bo.map().fill_(7)
-    bo.sync(Sync.TO_DEVICE, 4)
-    assert bo.device_view(False).tolist() == [7] * 4 + [0] * 4
-    assert dev.counters.bytes_to_device == 4
+    bo.sync(Sync.TO_DEVICE, 2 * q, offset=q)
+    assert bo.device_view(False).tolist() == [0] * q + [7] * (2 * q) + [0] * q
+    assert dev.counters.bytes_to_device == 2 * q
+    bo.device_view(True).fill_(5)
+    bo.sync(Sync.FROM_DEVICE, q, offset=2 * q)
+    assert bo.map().tolist() == [7] * (2 * q) + [5] * q + [7] * q
+
+
+def test_a_rewritten_weight_reaches_the_next_run(tiny_config, tiny_weights, tmp_path):
+    """A run replays launches bound to its BOs' device memory; a weight written and synced again
+    (which gives that BO new device storage) must still be what the next run reads."""
+    dev, g, kernel = _program(tiny_config, tmp_path)
+    bos = _bos(dev, g, tiny_weights)
+    x, out, w = bos[g.index("x_res")], bos[g.index("out")], bos[g.index("w_down")]
+    x.map().view(torch.bfloat16).fill_(0.5)
+    x.sync(Sync.TO_DEVICE)
+
+    def result():
+        kernel.run(bos)
+        out.sync(Sync.FROM_DEVICE)
+        return out.map().view(torch.bfloat16).clone()
+
+    before = result()
+    w.write(tiny_weights.layers[0].w_down * 2)
+    w.sync(Sync.TO_DEVICE)
+    after = result()
+    (tmp_path / "fresh").mkdir()
+    fresh_dev, _, fresh_kernel = _program(tiny_config, tmp_path / "fresh")
+    fresh = _bos(fresh_dev, g, tiny_weights)
+    fresh[g.index("w_down")].write(tiny_weights.layers[0].w_down * 2)
+    fresh[g.index("w_down")].sync(Sync.TO_DEVICE)
+    fresh[g.index("x_res")].write(x.map())
+    fresh[g.index("x_res")].sync(Sync.TO_DEVICE)
+    fresh_kernel.run(fresh)
+    fresh[g.index("out")].sync(Sync.FROM_DEVICE)
+    assert not torch.equal(after, before)
+    assert torch.equal(after, fresh[g.index("out")].map().view(torch.bfloat16))
 
 
 def test_loading_a_program_that_disagrees_with_the_declaration_fails(tiny_config, tmp_path):

@@ -8,10 +8,15 @@ plain f32 reference, as their torch versions are.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import pytest
 import torch
 
 from kernel_builder import native_cpu, sim_ops
+from kernel_builder.device import SimDevice
+from kernel_builder.groups import build_group
 from llama_runtime.host_ops import KVCache, decode_attention_cpu, reference_attention
 
 pytestmark = pytest.mark.skipif(native_cpu._library() is None,
@@ -27,10 +32,16 @@ class _Launch:
 
 
 def _native_and_torch(monkeypatch, name: str, run, out: torch.Tensor):
-    run(out)
+    """`run` with native_cpu.<name> as it is (which must take the native path), then without it."""
+    taken = []
+    real = getattr(native_cpu, name)
+    with monkeypatch.context() as m:
+        m.setattr(native_cpu, name, lambda *a, **k: taken.append(real(*a, **k)) or taken[-1])
+        run(out)
+    assert taken and all(taken), f"native_cpu.{name} was not used"
     native = out.clone()
     with monkeypatch.context() as m:
-        m.setattr(native_cpu, name, lambda *a, **k: False)
+        m.setattr(native_cpu, name, lambda *a, **k: None)   # "no native kernel"
         out.fill_(0)
         run(out)
     return native, out.clone()
@@ -46,7 +57,7 @@ def test_rmsnorm(monkeypatch, rows, dim):
     x = (torch.randn(rows, dim, generator=g) * 3).bfloat16()
     w = torch.randn(dim, generator=g).bfloat16()
     l = _Launch(dim=dim, eps=1e-5)
-    native, ref = _native_and_torch(monkeypatch, "rmsnorm", lambda o: sim_ops.rmsnorm(l, x, w, o),
+    native, ref = _native_and_torch(monkeypatch, "rmsnorm_call", lambda o: sim_ops.rmsnorm(l, x, w, o),
                                     torch.empty_like(x))
     d = _ulps(native, ref)
     assert d.max() <= 1 and (d > 0).float().mean() < 1e-3
@@ -58,7 +69,7 @@ def test_swiglu(monkeypatch, n):
     gate = (torch.randn(n, generator=g) * 4).bfloat16()
     gate[:7] = torch.tensor([-100.0, -1e30, 1e30, 90.0, float("nan"), 0.0, -0.0])
     up = torch.randn(n, generator=g).bfloat16()
-    native, ref = _native_and_torch(monkeypatch, "swiglu", lambda o: sim_ops.swiglu(None, gate, up, o),
+    native, ref = _native_and_torch(monkeypatch, "swiglu_call", lambda o: sim_ops.swiglu(None, gate, up, o),
                                     torch.empty_like(gate))
     assert torch.equal(torch.isnan(native), torch.isnan(ref))
     ok = ~torch.isnan(ref)
@@ -70,7 +81,7 @@ def test_swiglu(monkeypatch, n):
 def test_add_is_bit_exact(monkeypatch, n):
     g = torch.Generator().manual_seed(n)
     a, b = (torch.randn(n, generator=g) * 100).bfloat16(), torch.randn(n, generator=g).bfloat16()
-    native, ref = _native_and_torch(monkeypatch, "add", lambda o: sim_ops.add(None, a, b, o), torch.empty_like(a))
+    native, ref = _native_and_torch(monkeypatch, "add_call", lambda o: sim_ops.add(None, a, b, o), torch.empty_like(a))
     assert torch.equal(native.view(torch.int16), ref.view(torch.int16))
 
 
@@ -80,7 +91,7 @@ def test_rope_is_bit_exact(monkeypatch, rows, heads, head_dim):
     x = torch.randn(rows, heads * head_dim, generator=g).bfloat16()
     lut = torch.randn(rows, head_dim, generator=g).bfloat16()
     l = _Launch(rows=rows, heads=heads, head_dim=head_dim)
-    native, ref = _native_and_torch(monkeypatch, "rope", lambda o: sim_ops.rope(l, x, lut, o), torch.empty_like(x))
+    native, ref = _native_and_torch(monkeypatch, "rope_call", lambda o: sim_ops.rope(l, x, lut, o), torch.empty_like(x))
     assert torch.equal(native.view(torch.int16), ref.view(torch.int16))
 
 
@@ -133,3 +144,18 @@ def test_flash_attention_matches_the_reference(monkeypatch, seq, ctx, heads, kv_
     run(again)
     assert torch.equal(again[:rows].view(torch.int16), native[:rows].view(torch.int16))
 
+
+
+@pytest.mark.parametrize("kind", ["rms_gemv_rope", "o_gemv_ffn", "lm_head_gemv"])
+def test_decode_groups_replay_only_native_kernels(tiny_config, tiny_weights, tmp_path, kind):
+    """What makes a decode call cheap: once bound to a BO set, every step of the group's plan is a
+    native kernel with its pointers fixed, with no Python op left between them."""
+    dev = SimDevice()
+    g = build_group(kind, tiny_config)
+    dev.compile(g, tmp_path, "")
+    kernel = dev.load(tmp_path, g)
+    bos = [dev.bo(s.nbytes) for s in g.slots]
+    kernel.run(bos)
+    program = kernel._program(bos)
+    assert len(program) == len(sim_ops.plan(g.launches))
+    assert all(isinstance(c, functools.partial) and isinstance(c.func, ctypes._CFuncPtr) for c in program)

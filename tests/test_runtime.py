@@ -7,6 +7,7 @@ import torch
 from llama32_1b_decode import decode_step
 from llama32_1b_inference import build_session
 from llama32_1b_prefill import prefill
+from kernel_builder import native_cpu
 from llama_runtime.errors import PromptError
 from llama_runtime.host_ops import KVCache
 from llama_runtime.sampling import SamplingParams
@@ -162,8 +163,14 @@ def test_generation_stops_at_the_context_limit(session):
     assert r.stop_reason == "end_token" or (len(r.tokens) == 4 and r.cached == limit)
 
 
-def test_kv_cache_write_is_head_major_for_one_row_and_many():
-    """A decode step's single row takes a shorter path than a prompt's rows; both land head-major."""
+@pytest.mark.parametrize("native", [True, False])
+def test_kv_cache_write_is_head_major_for_one_row_and_many(monkeypatch, native):
+    """A decode step's single row takes a shorter path (native where the CPU allows) than a
+    prompt's rows; both land head-major."""
+    if not native:
+        monkeypatch.setattr(native_cpu, "kv_store_row", lambda *a: False)
+    elif native_cpu._library() is None:
+        pytest.skip("no native library on this CPU")
     kvh, d = 3, 8
     rows = torch.arange(5 * kvh * d, dtype=torch.float32).bfloat16().view(5, kvh * d)
     one, many = KVCache(2, kvh, 16, d), KVCache(2, kvh, 16, d)

@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "simd_bf16.h"
@@ -73,5 +74,15 @@ extern "C" void attention_bf16_cpu(const uint16_t *q, const uint16_t *k, const u
       const int64_t g = h / group;
       one_head(q + h * d, k + g * stride * d, v + g * stride * d, out + h * d, n, d, scale, scores.data());
     }
+  }
+}
+
+// One token's K and V, token-major [kv_heads, d], stored at their position in a head-major
+// cache: k_at / v_at point at head 0 of that position, heads are `stride` positions apart.
+extern "C" void kv_store_row_bf16_cpu(const uint16_t *k_row, const uint16_t *v_row, uint16_t *k_at, uint16_t *v_at,
+                                      int64_t kv_heads, int64_t d, int64_t stride) {
+  for (int64_t g = 0; g < kv_heads; ++g) {
+    std::memcpy(k_at + g * stride * d, k_row + g * d, d * sizeof(uint16_t));
+    std::memcpy(v_at + g * stride * d, v_row + g * d, d * sizeof(uint16_t));
   }
 }
