@@ -167,8 +167,8 @@ class SimKernel:
     """Runs a group's launches in order on the device side of its BOs with reference kernels.
 
     The launch plan is bound to each BO list once (`sim_ops.bind`: pointers and sizes fixed),
-    so a run replays it. On one decode token the group calls run 33 times; re-deriving every
-    launch's operands on each of them cost about as much as the elementwise kernels themselves.
+    so a run replays it. A decode token makes 33 runs; re-deriving every launch's operands in
+    each of them cost about as much time as the elementwise kernels themselves.
     """
 
     def __init__(self, device: "SimDevice", group: KernelGroup):

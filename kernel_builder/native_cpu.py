@@ -188,9 +188,10 @@ def kv_store_row(k_row: torch.Tensor, v_row: torch.Tensor, k: torch.Tensor, v: t
     by pointer arithmetic: a decode step stores a row per layer, and indexing the caches for it
     costs more than the 2 KiB it moves. False if the native path is unavailable."""
     lib = _usable(k_row, v_row, k, v)
-    if lib is None:
-        return False
-    _, kvh, stride, d = k.shape
+    layers, kvh, stride, d = k.shape
+    if (lib is None or v.shape != k.shape or not 0 <= layer < layers or not 0 <= pos < stride
+            or k_row.numel() != kvh * d or v_row.numel() != kvh * d):
+        return False          # the torch path then raises for what is out of range
     at = ((layer * kvh) * stride + pos) * d * k.element_size()
     lib.kv_store_row_bf16_cpu(k_row.data_ptr(), v_row.data_ptr(), k.data_ptr() + at, v.data_ptr() + at, kvh, d, stride)
     return True

@@ -180,3 +180,18 @@ def test_kv_cache_write_is_head_major_for_one_row_and_many(monkeypatch, native):
     assert torch.equal(one.k, many.k) and torch.equal(one.v, many.v)
     assert torch.equal(many.k[1, 2, 6], rows[2].view(kvh, d)[2])      # head 2 at position 6
     assert many.k[0].abs().sum() == 0 and many.k[1, :, :4].abs().sum() == 0 and many.k[1, :, 9:].abs().sum() == 0
+def test_kv_cache_row_outside_the_cache_is_refused_not_written():
+    """The native row store writes by pointer arithmetic, so what is out of range must fall to
+    the indexed path, which raises, instead of landing in other memory."""
+    kvh, d = 2, 8
+    cache = KVCache(2, kvh, 4, d)
+    row = torch.ones(1, kvh * d, dtype=torch.bfloat16)
+    with pytest.raises(IndexError):
+        cache.write(2, 0, row, row)                   # no layer 2
+    with pytest.raises(IndexError):
+        cache.write(0, 4, row, row)                   # past the last position
+    with pytest.raises(RuntimeError):
+        cache.write(0, 0, row[:, :-1], row[:, :-1])   # a row of the wrong width
+    assert cache.k.abs().sum() == 0 and cache.v.abs().sum() == 0
+
+
