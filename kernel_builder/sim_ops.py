@@ -137,16 +137,10 @@ def _torch_gemvs(jobs) -> None:
         torch.mv(w, x, out=y)
 
 
-def gemv_batch(launches: list[Launch], views: dict[str, torch.Tensor]) -> None:
-    """Independent GEMV launches (no launch reads another's output) as one native dispatch."""
-    jobs = _gemv_jobs(launches, views)
-    if not native_cpu.gemv_batch(jobs):
-        _torch_gemvs(jobs)
-
-
 def bind(step: Launch | list[Launch], views: dict[str, torch.Tensor]) -> Callable[[], None]:
     """A plan step fixed to one BO set's views: its native kernel with pointers and sizes bound
     where the op has one (the same kernel a call of the op would pick), else a call of the op.
+    A batch of independent GEMVs (see `plan`) becomes one native dispatch.
 
     Ops are looked up in `OPS` when binding, so an op replaced there is what runs.
     """
