@@ -16,8 +16,7 @@ set's views, so the device replays a decode call as a list of native calls.
 """
 from __future__ import annotations
 
-import functools
-from functools import partial
+from functools import partial, wraps
 from typing import Callable
 
 import torch
@@ -47,7 +46,7 @@ def _native(binder: Callable[..., Callable[[], None] | None]):
     views once (`bind`) and replay it, instead of re-checking operands on every call.
     """
     def wrap(reference):
-        @functools.wraps(reference)
+        @wraps(reference)
         def op(l: Launch, *views: torch.Tensor) -> None:
             call = binder(l, *views)
             if call is None:
@@ -128,10 +127,6 @@ def flash_attn(l: Launch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_s
     out.view(s, hq, d).copy_(o.squeeze(0).transpose(0, 1))
 
 
-def _gemv_jobs(launches: list[Launch], views: dict[str, torch.Tensor]):
-    return [(views[l.reads[1]], views[l.reads[0]], views[l.writes[0]]) for l in launches]
-
-
 def _torch_gemvs(jobs) -> None:
     for w, x, y in jobs:
         torch.mv(w, x, out=y)
@@ -145,7 +140,7 @@ def bind(step: Launch | list[Launch], views: dict[str, torch.Tensor]) -> Callabl
     Ops are looked up in `OPS` when binding, so an op replaced there is what runs.
     """
     if isinstance(step, list):
-        jobs = _gemv_jobs(step, views)
+        jobs = [(views[l.reads[1]], views[l.reads[0]], views[l.writes[0]]) for l in step]
         return native_cpu.gemv_batch_call(jobs) or partial(_torch_gemvs, jobs)
     op = OPS[step.op]
     args = tuple(views[a] for a in step.args)

@@ -71,11 +71,8 @@ class KVCache:
         if start + n > self.max_seq:
             raise IndexError(f"KV cache holds {self.max_seq} positions; writing {start}..{start + n}")
         kvh, d = self.k.shape[1], self.k.shape[3]
-        if n == 1:      # a decode step: fewer tensor ops, which cost more than the 2 KiB they move
-            if native_cpu.kv_store_row(k_rows, v_rows, self.k, self.v, layer, start):
-                return
-            self.k[layer, :, start].copy_(k_rows.view(kvh, d))
-            self.v[layer, :, start].copy_(v_rows.view(kvh, d))
+        # A decode step's one row: by pointer where the CPU allows, as indexing costs more than the 2 KiB.
+        if n == 1 and native_cpu.kv_store_row(k_rows, v_rows, self.k, self.v, layer, start):
             return
         self.k[layer, :, start:start + n].copy_(k_rows.view(n, kvh, d).transpose(0, 1))
         self.v[layer, :, start:start + n].copy_(v_rows.view(n, kvh, d).transpose(0, 1))

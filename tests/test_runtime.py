@@ -165,8 +165,8 @@ def test_generation_stops_at_the_context_limit(session):
 
 @pytest.mark.parametrize("native", [True, False])
 def test_kv_cache_write_is_head_major_for_one_row_and_many(monkeypatch, native):
-    """A decode step's single row takes a shorter path (native where the CPU allows) than a
-    prompt's rows; both land head-major."""
+    """A decode step's single row is stored natively where the CPU allows, else as a prompt's
+    rows are; every way lands head-major."""
     if not native:
         monkeypatch.setattr(native_cpu, "kv_store_row", lambda *a: False)
     elif native_cpu._library() is None:
