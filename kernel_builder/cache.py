@@ -247,7 +247,7 @@ class KernelCache:
                 if tuple(t.shape) != slot.shape or t.dtype != slot.torch_dtype:
                     raise ValueError(f"{name}.{slot.name}: got {tuple(t.shape)} {t.dtype}, "
                                      f"declared {slot.shape} {slot.dtype}")
-                bo = self.device.bo(slot.nbytes)
+                bo = self.device.bo(slot.nbytes, self._kernel(name), i)
                 bo.write(t)
                 bo.sync(Sync.TO_DEVICE)
                 self._statics[pool_key] = bo

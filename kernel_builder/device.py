@@ -10,7 +10,9 @@ flush would on hardware: a host write is invisible to a kernel until `sync(TO_DE
 kernel's result is invisible to the host until `sync(FROM_DEVICE)`. To keep large weights
 resident once, a BO that was written through `write()` (never mapped) shares one storage
 between its host and device sides after a full sync until either side is written again
-(copy-on-write); the visible semantics are unchanged.
+(copy-on-write); the visible semantics are unchanged. A weight BO allocated for a GEMM or GEMV
+argument is held on the device side in tiles (`weight_tiles`) and its host side is dropped
+while equal, so that weight is still resident once.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from pathlib import Path
 import torch
 
 from kernel_builder.groups import KernelGroup
+from kernel_builder.weight_tiles import Tiling, TiledWeight, tiling_for
 
 
 _VIEW_SETS = 256   # cached BO-list bindings per loaded group (one per layer in practice)
@@ -96,15 +99,18 @@ class SimBO:
 
     Both sides are allocated on first use (a fresh BO reads as zeros, as XRT's do), so a
     weight buffer costs one copy of the weight: written on the host, then shared with the
-    device side by a full sync until either side is written again.
+    device side by a full sync until either side is written again. With a `tiling`, the device
+    side holds the tiled form, and "shared" means the host side is dropped and rebuilt from it
+    when the host next needs it.
     """
 
-    def __init__(self, device: "SimDevice", nbytes: int):
+    def __init__(self, device: "SimDevice", nbytes: int, tiling: Tiling | None = None):
         self.size = nbytes
+        self.tiling = tiling
         self._dev_counters = device.counters
         self._host: torch.Tensor | None = None
         self._dev: torch.Tensor | None = None
-        self._shared = False       # host and device sides are one storage (equal contents)
+        self._shared = False       # the host side equals the device side (one storage, or derived)
         self._mapped = False       # a mapped BO may be written behind our back: never shared
 
     def _zeros(self) -> torch.Tensor:
@@ -115,9 +121,15 @@ class SimBO:
             self._dev = self._zeros()
         return self._dev
 
+    def _host_form(self) -> torch.Tensor:
+        """The device contents as the host lays them out (a copy when tiled, else the storage)."""
+        dev = self._dev_side()
+        return self.tiling.untile(dev, self._zeros()) if self.tiling else dev
+
     def _split(self) -> None:
         """End sharing: the host side gets its own copy of the (equal) contents."""
-        self._host, self._shared = self._zeros().copy_(self._dev), False
+        host = self._host_form()
+        self._host, self._shared = (host if self.tiling else self._zeros().copy_(host)), False
 
     def _own_host(self) -> torch.Tensor:
         if self._shared:
@@ -146,17 +158,27 @@ class SimBO:
             if self._shared:
                 return
             host = self._own_host()
-            if not self._mapped and offset == 0 and n == self.size:
+            whole = not self._mapped and offset == 0 and n == self.size
+            if self.tiling:
+                if whole:      # the host's storage becomes the tiles; rebuilt from them when needed
+                    self._dev, self._host, self._shared = self.tiling.tile(host), None, True
+                else:          # a range's tiles are scattered: merge it into the contents, retile
+                    merged = self._host_form()
+                    _span(merged, offset, n).copy_(_span(host, offset, n))
+                    self._dev = self.tiling.tile(merged)
+            elif whole:
                 self._dev, self._shared = host, True      # one storage until either side writes
             else:
                 copy_tensor(_span(self._dev_side(), offset, n), _span(host, offset, n))
         else:
             self._dev_counters.bytes_from_device += n
             if not self._shared:
-                copy_tensor(_span(self._own_host(), offset, n), _span(self._dev_side(), offset, n))
+                copy_tensor(_span(self._own_host(), offset, n), _span(self._host_form(), offset, n))
 
     def device_view(self, for_write: bool) -> torch.Tensor:
         """What a simulated kernel sees; a kernel write first gives the host side its own copy."""
+        if for_write and self.tiling:
+            raise DeviceError("a kernel may not write a tiled weight buffer")
         dev = self._dev_side()
         if for_write and self._shared:
             self._split()
@@ -179,6 +201,7 @@ class SimKernel:
         self._plan = sim_ops.plan(group.launches)
         self._bind_step = sim_ops.bind
         self._written = {w for l in group.launches for w in l.writes}
+        self.tilings = [tiling_for(group, i) for i in range(len(group.slots))]
         self._programs: OrderedDict[tuple, tuple] = OrderedDict()
 
     def _program(self, bos: list[SimBO]) -> tuple:
@@ -193,12 +216,18 @@ class SimKernel:
             if len(bos) != len(self.group.slots):
                 raise DeviceError(f"{self.group.name}: {len(bos)} buffers for {len(self.group.slots)} arguments")
             views = {}
-            for slot, bo in zip(self.group.slots, bos):
+            for slot, bo, tiling in zip(self.group.slots, bos, self.tilings):
                 if bo.size < slot.nbytes:
                     raise DeviceError(f"{self.group.name}: buffer for {slot.name} has {bo.size} bytes, "
                                       f"needs {slot.nbytes}")
                 raw = bo.device_view(for_write=slot.name in self._written)
-                views[slot.name] = raw[: slot.nbytes].view(slot.torch_dtype).view(slot.shape)
+                if bo.tiling is None:
+                    views[slot.name] = raw[: slot.nbytes].view(slot.torch_dtype).view(slot.shape)
+                elif bo.tiling == tiling:
+                    views[slot.name] = TiledWeight(raw, bo.tiling.n, bo.tiling.k)
+                else:
+                    raise DeviceError(f"{self.group.name}: buffer for {slot.name} holds a tiled weight "
+                                      f"this argument does not read")
             program = self._programs[key] = (views, tuple(self._bind_step(step, views) for step in self._plan))
             if len(self._programs) > _VIEW_SETS:
                 self._programs.popitem(last=False)
@@ -222,10 +251,15 @@ class SimDevice:
     def toolchain_stamp(self) -> str:
         return f"sim-ops-v1/torch-{torch.__version__}"
 
-    def bo(self, nbytes: int) -> SimBO:
+    def bo(self, nbytes: int, kernel: SimKernel | None = None, arg: int | None = None) -> SimBO:
+        """A BO, laid out on the device for `kernel`'s argument `arg` when given (as XRT allocates
+        a BO in the memory group of a kernel argument)."""
         self.counters.bos_allocated += 1
         self.counters.bytes_allocated += nbytes
-        return SimBO(self, nbytes)
+        tiling = kernel.tilings[arg] if kernel is not None else None
+        if tiling is not None and nbytes != tiling.n * tiling.k * 2:
+            tiling = None
+        return SimBO(self, nbytes, tiling)
 
     def compile(self, group: KernelGroup, out_dir: Path, mlir_text: str) -> list[str]:
         """The simulated artifact is the launch program itself (plus the stitched MLIR, for study)."""

@@ -9,7 +9,9 @@ static tensors from it and the simulated device executes it. Shapes come only fr
 Layout conventions (shared by every consumer):
 - activations are row-major [rows, features]; decode activations are vectors [features];
 - linear weights keep the checkpoint layout [out_features, in_features], for GEMM and GEMV
-  alike, so one uploaded weight buffer serves the prefill and the decode groups of a layer;
+  alike, so one uploaded weight buffer serves the prefill and the decode groups of a layer
+  (what a device does with it behind its BOs is its own: the simulated one tiles it, see
+  `weight_tiles`);
 - RoPE tables are cos | sin halves per position (see `generate_rope_lut`), one row per token.
 """
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Native host kernels that make the simulated NPU fast where torch is slow: the bf16 GEMV
-(memory-bound instead of compute-bound), the decode-sized elementwise launches, the host's
-single-query attention (one pass instead of several dispatched ops with temporaries) and
-prefill's causal attention (flash-style tiles on the launch's own layouts).
+(memory-bound instead of compute-bound) and GEMM, both on weights in the device's tiled layout
+(`weight_tiles`), the decode-sized elementwise launches, the host's single-query attention
+(one pass instead of several dispatched ops with temporaries) and prefill's causal attention
+(flash-style tiles on the launch's own layouts).
 
 Built with the system C++ compiler on first use into the cache (keyed by the source hash and
 flags), loaded with ctypes, and used only when the CPU has AVX512-BF16; otherwise the
@@ -26,7 +27,7 @@ import torch
 from llama_runtime.paths import cache_root
 
 _NATIVE = Path(__file__).resolve().parent / "native"
-_SRCS = [_NATIVE / "gemv_bf16_cpu.cc", _NATIVE / "eltwise_bf16_cpu.cc", _NATIVE / "attention_bf16_cpu.cc",
+_SRCS = [_NATIVE / "matmul_bf16_cpu.cc", _NATIVE / "eltwise_bf16_cpu.cc", _NATIVE / "attention_bf16_cpu.cc",
          _NATIVE / "flash_attention_bf16_cpu.cc"]
 _HEADERS = [_NATIVE / "simd_bf16.h"]
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off",
@@ -63,10 +64,14 @@ def _build() -> ctypes.CDLL | None:
     if out is None:
         return None
     lib = ctypes.CDLL(str(out))
-    if not lib.gemv_bf16_cpu_supported():
+    if not lib.matmul_bf16_cpu_supported():
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.gemv_bf16_cpu_batch.argtypes = [ptr, ctypes.c_int]
+    lib.tile_weight_bf16_cpu.argtypes = [ptr, ptr, i64, i64]
+    lib.gemv_tiled_bf16_cpu_batch.argtypes = [ptr, ctypes.c_int]
+    lib.gemm_tiled_bf16_cpu.argtypes = [ptr, ptr, ptr, i64, i64, i64]
+    lib.matmul_bf16_cpu_tile_rows.restype = i64
+    lib.tile_rows = lib.matmul_bf16_cpu_tile_rows()
     lib.rmsnorm_bf16_cpu.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
     lib.swiglu_bf16_cpu.argtypes = [ptr, ptr, ptr, i64]
     lib.add_bf16_cpu.argtypes = [ptr, ptr, ptr, i64]
@@ -102,26 +107,8 @@ def _now(call: Callable[[], None] | None) -> bool:
     return True
 
 
-def gemv_batch_call(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> Callable[[], None] | None:
-    """out = w @ x for each (w, x, out) in one native dispatch, bound to these tensors; None if
-    the native path is unavailable. The `*_call` forms fix pointers and sizes once, so the
-    simulated device can replay a launch program without re-deriving them on every call."""
-    lib = _library()
-    if lib is None or not all(w.is_contiguous() and x.is_contiguous() and y.is_contiguous() for w, x, y in jobs):
-        return None
-    desc = (ctypes.c_int64 * (5 * len(jobs)))()
-    for i, (w, x, y) in enumerate(jobs):
-        desc[5 * i:5 * i + 5] = [w.data_ptr(), x.data_ptr(), y.data_ptr(), w.shape[0], w.shape[1]]
-    return partial(lib.gemv_bf16_cpu_batch, desc, len(jobs))     # the partial keeps desc alive
-
-
-def gemv_batch(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> bool:
-    """out = w @ x for each (w, x, out), natively in one dispatch; False if the native path is unavailable."""
-    return _now(gemv_batch_call(jobs))
-
-
-def gemv(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> bool:
-    return gemv_batch([(w, x, out)])
+def available() -> bool:
+    return _library() is not None
 
 
 def _usable(*ts: torch.Tensor) -> ctypes.CDLL | None:
@@ -129,6 +116,46 @@ def _usable(*ts: torch.Tensor) -> ctypes.CDLL | None:
     if lib is None or not all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in ts):
         return None
     return lib
+
+
+def _tiled(lib: ctypes.CDLL, tiles: torch.Tensor, n: int, k: int) -> bool:
+    return n % lib.tile_rows == 0 and k % 2 == 0 and tiles.numel() == n * k
+
+
+def tile_weight(w: torch.Tensor, out: torch.Tensor) -> bool:
+    """out ← the row-major [N, K] weight w in the tiled layout (`weight_tiles`); out may be w
+    itself. False if unavailable."""
+    lib = _usable(w, out)
+    if lib is None or w.dim() != 2 or not _tiled(lib, out, *w.shape):
+        return False
+    lib.tile_weight_bf16_cpu(w.data_ptr(), out.data_ptr(), *w.shape)
+    return True
+
+
+def gemv_batch_call(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> Callable[[], None] | None:
+    """y = W x for each (tiled W, x, y) in one native dispatch, bound to these tensors; None if
+    the native path is unavailable. W holds y.numel() × x.numel() weights in tiles.
+
+    The `*_call` forms fix pointers and sizes once, so the simulated device can replay a launch
+    program without re-deriving them on every call."""
+    lib = _usable(*(t for job in jobs for t in job))
+    if lib is None or not all(_tiled(lib, w, y.numel(), x.numel()) for w, x, y in jobs):
+        return None
+    desc = (ctypes.c_int64 * (5 * len(jobs)))()
+    for i, (w, x, y) in enumerate(jobs):
+        desc[5 * i:5 * i + 5] = [w.data_ptr(), x.data_ptr(), y.data_ptr(), y.numel(), x.numel()]
+    return partial(lib.gemv_tiled_bf16_cpu_batch, desc, len(jobs))     # the partial keeps desc alive
+
+
+def gemm_call(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> Callable[[], None] | None:
+    """out[M, N] = a[M, K] · Wᵀ with W [N, K] in tiles, bound; None if the native path is unavailable."""
+    lib = _usable(a, w, out)
+    if lib is None or a.dim() != 2 or out.dim() != 2 or a.shape[0] != out.shape[0]:
+        return None
+    (m, k), n = a.shape, out.shape[1]
+    if not _tiled(lib, w, n, k):
+        return None
+    return partial(lib.gemm_tiled_bf16_cpu, a.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k)
 
 
 def rmsnorm_call(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, dim: int, eps: float) -> Callable[[], None] | None:

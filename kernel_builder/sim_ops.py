@@ -3,13 +3,13 @@
 Each computes what the NPU kernel computes — bf16 operands, f32 accumulation and f32
 elementwise math — and rounds once to bf16 when it stores its result, which is where the NPU
 rounds too (at every launch boundary). They write into the output view in place, so a run
-allocates only small f32 temporaries. GEMMs use torch's bf16 GEMM (oneDNN; AMX or
-AVX512-BF16 where the CPU has them), which accumulates in f32.
+allocates only small f32 temporaries.
 
-Signature: `op(launch, *views)` with views in `launch.args` order (reads, then writes).
-GEMVs, elementwise ops and attention run natively (`native_cpu`) where the CPU allows: the
-GEMVs memory-bound, the rest in one pass with no temporaries, which matters most in decode,
-where torch's per-op overhead outweighs a row's arithmetic. The torch bodies are the same
+Signature: `op(launch, *views)` with views in `launch.args` order (reads, then writes). A
+weight the device holds in tiles (`weight_tiles`) arrives as a `TiledWeight`.
+GEMMs, GEMVs, elementwise ops and attention run natively (`native_cpu`) where the CPU allows:
+the GEMMs and GEMVs on tiled weights, the rest in one pass with no temporaries, which matters
+most in decode, where torch's per-op overhead outweighs a row's arithmetic. The torch bodies are the same
 math; they work through rows in blocks whose f32 temporaries stay in cache, several times
 faster on a 2048-row prompt than widening whole tensors. `bind` fixes a plan step to one BO
 set's views, so the device replays a decode call as a list of native calls.
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from kernel_builder import native_cpu
 from kernel_builder.groups import Launch
+from kernel_builder.weight_tiles import TiledWeight, dense
 
 
 _BLOCK_ELEMS = 1 << 19        # f32 temporaries of 2 MiB: resident in L2/L3 while used
@@ -66,16 +67,26 @@ def rmsnorm(l: Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> N
         torch.mul(F.rms_norm(xs[b].float(), (d,), eps=l.p("eps")), w, out=os[b])   # w widened in-kernel
 
 
-def gemm(l: Launch, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    """C[M,N] = A[M,K] · W[N,K]ᵀ (weights in checkpoint layout)."""
-    torch.mm(a, w.t(), out=out)
+def _tiles(w: torch.Tensor | TiledWeight) -> torch.Tensor | None:
+    return w.data if isinstance(w, TiledWeight) else None
 
 
-@_native(lambda l, x, w, out: native_cpu.gemv_batch_call([(w, x, out)]))
-def gemv(l: Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+def _gemv_call(jobs) -> Callable[[], None] | None:
+    tiled = [(_tiles(w), x, y) for w, x, y in jobs]
+    return None if any(t is None for t, _, _ in tiled) else native_cpu.gemv_batch_call(tiled)
+
+
+@_native(lambda l, a, w, out: None if _tiles(w) is None else native_cpu.gemm_call(a, _tiles(w), out))
+def gemm(l: Launch, a: torch.Tensor, w: torch.Tensor | TiledWeight, out: torch.Tensor) -> None:
+    """C[M,N] = A[M,K] · W[N,K]ᵀ: natively on tiled weights, else torch's bf16 GEMM (f32 accumulation)."""
+    torch.mm(a, dense(w).t(), out=out)
+
+
+@_native(lambda l, x, w, out: _gemv_call([(w, x, out)]))
+def gemv(l: Launch, x: torch.Tensor, w: torch.Tensor | TiledWeight, out: torch.Tensor) -> None:
     """y[M] = W[M,K] · x[K]: natively memory-bound, as on the NPU; torch's bf16 product (the
     fallback) is compute-bound on CPUs without AMX."""
-    torch.mv(w, x, out=out)
+    torch.mv(dense(w), x, out=out)
 
 
 @_native(lambda l, x, lut, out: native_cpu.rope_call(x, lut, out, l.p("rows"), l.p("heads"), l.p("head_dim")))
@@ -129,7 +140,7 @@ def flash_attn(l: Launch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_s
 
 def _torch_gemvs(jobs) -> None:
     for w, x, y in jobs:
-        torch.mv(w, x, out=y)
+        torch.mv(dense(w), x, out=y)
 
 
 def bind(step: Launch | list[Launch], views: dict[str, torch.Tensor]) -> Callable[[], None]:
@@ -141,7 +152,7 @@ def bind(step: Launch | list[Launch], views: dict[str, torch.Tensor]) -> Callabl
     """
     if isinstance(step, list):
         jobs = [(views[l.reads[1]], views[l.reads[0]], views[l.writes[0]]) for l in step]
-        return native_cpu.gemv_batch_call(jobs) or partial(_torch_gemvs, jobs)
+        return _gemv_call(jobs) or partial(_torch_gemvs, jobs)
     op = OPS[step.op]
     args = tuple(views[a] for a in step.args)
     native = getattr(op, "native", None)

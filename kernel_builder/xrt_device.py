@@ -135,7 +135,9 @@ class XrtDevice(NpuTarget):
         self.name = f"NPU2 via XRT ({self.handle.get_info(pyxrt.xrt_info_device.name)})"
         self.counters = Counters()
 
-    def bo(self, nbytes: int) -> XrtBO:
+    def bo(self, nbytes: int, kernel: XrtKernel | None = None, arg: int | None = None) -> XrtBO:
+        """A host-visible BO. `pyxrt.ext.bo` places it for the NPU itself, so the kernel argument
+        it is for (which the simulated device uses to choose a layout) changes nothing here."""
         self.counters.bos_allocated += 1
         self.counters.bytes_allocated += nbytes
         return XrtBO(self, nbytes)

@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_builder import device
+from kernel_builder import device, native_cpu
 from kernel_builder.device import SimDevice, Sync, open_device
 from kernel_builder.groups import build_group
+from kernel_builder import weight_tiles
 from kernel_builder import xrt_device
 
 
@@ -17,8 +18,11 @@ def _program(tiny_config, tmp_path):
     return dev, g, dev.load(tmp_path, g)
 
 
-def _bos(dev, g, weights):
-    bos = [dev.bo(s.nbytes) for s in g.slots]
+def _bos(dev, g, weights, kernel=None):
+    """The group's BOs with layer 0's weights; allocated for `kernel`'s arguments, the weights are
+    held in tiles on the device, else row-major."""
+    bos = [dev.bo(s.nbytes, kernel, i) if kernel else dev.bo(s.nbytes) for i, s in enumerate(g.slots)]
+    assert any(b.tiling for b in bos) == (kernel is not None and native_cpu.available())
     for i, s in enumerate(g.slots):
         if s.role.value == "static":
             bos[i].write(getattr(weights.layers[0], s.name))
@@ -26,9 +30,13 @@ def _bos(dev, g, weights):
     return bos
 
 
-def test_host_write_without_sync_is_invisible_to_the_kernel(tiny_config, tiny_weights, tmp_path):
+LAYOUTS = pytest.mark.parametrize("tiled", [False, True], ids=["row-major", "tiled"])
+
+
+@LAYOUTS
+def test_host_write_without_sync_is_invisible_to_the_kernel(tiny_config, tiny_weights, tmp_path, tiled):
     dev, g, kernel = _program(tiny_config, tmp_path)
-    bos = _bos(dev, g, tiny_weights)
+    bos = _bos(dev, g, tiny_weights, kernel if tiled else None)
     out = bos[g.index("out")]
     kernel.run(bos)                                  # all activations zero on the device
     out.sync(Sync.FROM_DEVICE)
@@ -83,11 +91,12 @@ def test_partial_sync_moves_only_that_range(size):
     assert bo.map().tolist() == [7] * (2 * q) + [5] * q + [7] * q
 
 
-def test_a_rewritten_weight_reaches_the_next_run(tiny_config, tiny_weights, tmp_path):
+@LAYOUTS
+def test_a_rewritten_weight_reaches_the_next_run(tiny_config, tiny_weights, tmp_path, tiled):
     """A run replays launches bound to its BOs' device memory; a weight written and synced again
     (which gives that BO new device storage) must still be what the next run reads."""
     dev, g, kernel = _program(tiny_config, tmp_path)
-    bos = _bos(dev, g, tiny_weights)
+    bos = _bos(dev, g, tiny_weights, kernel if tiled else None)
     x, out, w = bos[g.index("x_res")], bos[g.index("out")], bos[g.index("w_down")]
     x.map().view(torch.bfloat16).fill_(0.5)
     x.sync(Sync.TO_DEVICE)
@@ -103,7 +112,7 @@ def test_a_rewritten_weight_reaches_the_next_run(tiny_config, tiny_weights, tmp_
     after = result()
     (tmp_path / "fresh").mkdir()
     fresh_dev, _, fresh_kernel = _program(tiny_config, tmp_path / "fresh")
-    fresh = _bos(fresh_dev, g, tiny_weights)
+    fresh = _bos(fresh_dev, g, tiny_weights, fresh_kernel if tiled else None)
     fresh[g.index("w_down")].write(tiny_weights.layers[0].w_down * 2)
     fresh[g.index("w_down")].sync(Sync.TO_DEVICE)
     fresh[g.index("x_res")].write(x.map())
@@ -112,6 +121,55 @@ def test_a_rewritten_weight_reaches_the_next_run(tiny_config, tiny_weights, tmp_
     fresh[g.index("out")].sync(Sync.FROM_DEVICE)
     assert not torch.equal(after, before)
     assert torch.equal(after, fresh[g.index("out")].map().view(torch.bfloat16))
+
+
+def _run(kernel, bos, g, x):
+    bos[g.index("x_res")].write(x)
+    bos[g.index("x_res")].sync(Sync.TO_DEVICE)
+    kernel.run(bos)
+    bos[g.index("out")].sync(Sync.FROM_DEVICE)
+    return bos[g.index("out")].read().view(torch.bfloat16)
+
+
+@pytest.mark.skipif(not native_cpu.available(), reason="weights are tiled only where the native kernels run")
+def test_tiled_weights_are_invisible_to_the_host(tiny_config, tiny_weights, tmp_path):
+    """The device's tiles are its own business: the weight reads back as written, occupies no
+    second copy, and a partial sync reaches the device for that range only, as for any BO."""
+    dev, g, kernel = _program(tiny_config, tmp_path)
+    bos = _bos(dev, g, tiny_weights, kernel)
+    i = g.index("w_gate")
+    w, bo = tiny_weights.layers[0].w_gate, bos[i]
+    assert bo.tiling == weight_tiles.Tiling(*w.shape) and bo._host is None     # resident once
+    assert torch.equal(bo.device_view(False).view(torch.bfloat16), weight_tiles.to_tiles(w).view(-1))
+    assert torch.equal(bo.read().view(torch.bfloat16).view(w.shape), w)
+
+    row = w.shape[1] * 2                                   # bytes per weight row
+    host = bo.map().view(torch.bfloat16).view(w.shape)
+    host[:3] = 1.0                                         # rows 0-2 written, only 1-2 synced
+    bo.sync(Sync.TO_DEVICE, 2 * row, offset=row)
+    want = w.clone()
+    want[1:3] = 1.0
+    assert torch.equal(weight_tiles.from_tiles(bo.device_view(False).view(torch.bfloat16), *w.shape), want)
+
+    # and a kernel on tiles computes what it computes on the row-major weights
+    (tmp_path / "dense").mkdir()
+    dense_dev, _, dense_kernel = _program(tiny_config, tmp_path / "dense")
+    dense = _bos(dense_dev, g, tiny_weights)
+    dense[i].write(want)
+    dense[i].sync(Sync.TO_DEVICE)
+    x = torch.randn(tiny_config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    got, ref = _run(kernel, bos, g, x), _run(dense_kernel, dense, g, x)
+    assert torch.allclose(got.float(), ref.float(), rtol=2 ** -6, atol=2 ** -6)
+
+
+@pytest.mark.skipif(not native_cpu.available(), reason="weights are tiled only where the native kernels run")
+def test_a_kernel_may_not_write_a_tiled_weight(tiny_config, tiny_weights, tmp_path):
+    from kernel_builder.device import DeviceError
+
+    dev, g, kernel = _program(tiny_config, tmp_path)
+    bo = next(b for b in _bos(dev, g, tiny_weights, kernel) if b.tiling)
+    with pytest.raises(DeviceError, match="tiled"):
+        bo.device_view(for_write=True)
 
 
 def test_loading_a_program_that_disagrees_with_the_declaration_fails(tiny_config, tmp_path):
