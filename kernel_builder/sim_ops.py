@@ -6,12 +6,12 @@ rounds too (at every launch boundary). They write into the output view in place,
 allocates only small f32 temporaries.
 
 Signature: `op(launch, *views)` with views in `launch.args` order (reads, then writes). A
-weight the device holds in tiles (`weight_tiles`) arrives as a `TiledWeight`.
-GEMMs, GEMVs, elementwise ops and attention run natively (`native_cpu`) where the CPU allows:
-the GEMMs and GEMVs on tiled weights, the rest in one pass with no temporaries, which matters
-most in decode, where torch's per-op overhead outweighs a row's arithmetic. The torch bodies are the same
-math; they work through rows in blocks whose f32 temporaries stay in cache, several times
-faster on a 2048-row prompt than widening whole tensors. `bind` fixes a plan step to one BO
+weight the device holds in tiles (`weight_tiles`) arrives as a `TiledWeight`. GEMMs, GEMVs,
+elementwise ops and attention run natively (`native_cpu`) where the CPU allows: the GEMMs and
+GEMVs on tiled weights, the rest in one pass with no temporaries, which matters most in decode,
+where torch's per-op overhead outweighs a row's arithmetic. The torch bodies are the same math;
+they work through rows in blocks whose f32 temporaries stay in cache, several times faster on
+a 2048-row prompt than widening whole tensors. `bind` fixes a plan step to one BO
 set's views, so the device replays a decode call as a list of native calls.
 """
 from __future__ import annotations
