@@ -111,6 +111,12 @@ def available() -> bool:
     return _library() is not None
 
 
+def tile_rows() -> int:
+    """Outputs per tile block in the layout the native GEMM and GEMV read (0 if unavailable)."""
+    lib = _library()
+    return lib.tile_rows if lib is not None else 0
+
+
 def _usable(*ts: torch.Tensor) -> ctypes.CDLL | None:
     lib = _library()
     if lib is None or not all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in ts):

@@ -23,7 +23,7 @@ import torch
 from kernel_builder import native_cpu
 from kernel_builder.groups import KernelGroup, Role
 
-LANES = 16
+LANES = 16                       # outputs per block: one vector of 16 f32 sums
 _WEIGHT_OPS = {"gemm", "gemv"}   # ops whose second operand is a [N, K] weight; both read tiles
 
 
@@ -80,11 +80,12 @@ def tiling_for(group: KernelGroup, index: int) -> Tiling | None:
     """The layout a BO for the group's argument `index` should have on the simulated device.
 
     Tiles only a static bf16 matrix that every launch using it reads as a GEMM or GEMV weight,
-    with N a multiple of 16 and K even, and only where the native kernels run.
+    with N a multiple of 16 and K even, and only where the native kernels run and read this
+    layout.
     """
     slot = group.slots[index]
     if (slot.role is not Role.STATIC or slot.dtype != "bf16" or len(slot.shape) != 2
-            or slot.shape[0] % LANES or slot.shape[1] % 2 or not native_cpu.available()):
+            or slot.shape[0] % LANES or slot.shape[1] % 2 or native_cpu.tile_rows() != LANES):
         return None
     uses = [l for l in group.launches if slot.name in l.args]
     if not uses or any(l.op not in _WEIGHT_OPS or l.args.index(slot.name) != 1 or slot.name in l.writes

@@ -35,6 +35,7 @@ def _close_to_reference(exact: torch.Tensor, magnitude: torch.Tensor, y: torch.T
 
 @pytest.mark.parametrize("n,k", [(16, 2), (32, 64), (48, 578)])
 def test_native_tiling_is_the_layout_definition(n, k):
+    assert native_cpu.tile_rows() == LANES                # the kernels read the layout defined here
     w = _rand(n, k, seed=n + k)
     t = _tiled(w)
     assert torch.equal(t.view(-1), to_tiles(w).view(-1))
