@@ -100,13 +100,6 @@ def _library() -> ctypes.CDLL | None:
     return _lib
 
 
-def _now(call: Callable[[], None] | None) -> bool:
-    if call is None:
-        return False
-    call()
-    return True
-
-
 def available() -> bool:
     return _library() is not None
 
@@ -124,15 +117,21 @@ def _usable(*ts: torch.Tensor) -> ctypes.CDLL | None:
     return lib
 
 
-def _tiled(lib: ctypes.CDLL, tiles: torch.Tensor, n: int, k: int) -> bool:
-    return n % lib.tile_rows == 0 and k % 2 == 0 and tiles.numel() == n * k
+def tileable(n: int, k: int) -> bool:
+    """Whether an [n, k] weight fits the tiled layout the native GEMM and GEMV read."""
+    lib = _library()
+    return lib is not None and n % lib.tile_rows == 0 and k % 2 == 0
+
+
+def _tiled(tiles: torch.Tensor, n: int, k: int) -> bool:
+    return tileable(n, k) and tiles.numel() == n * k
 
 
 def tile_weight(w: torch.Tensor, out: torch.Tensor) -> bool:
     """out ← the row-major [N, K] weight w in the tiled layout (`weight_tiles`); out may be w
     itself. False if unavailable."""
     lib = _usable(w, out)
-    if lib is None or w.dim() != 2 or not _tiled(lib, out, *w.shape):
+    if lib is None or w.dim() != 2 or not _tiled(out, *w.shape):
         return False
     lib.tile_weight_bf16_cpu(w.data_ptr(), out.data_ptr(), *w.shape)
     return True
@@ -145,7 +144,7 @@ def gemv_batch_call(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]])
     The `*_call` forms fix pointers and sizes once, so the simulated device can replay a launch
     program without re-deriving them on every call."""
     lib = _usable(*(t for job in jobs for t in job))
-    if lib is None or not all(_tiled(lib, w, y.numel(), x.numel()) for w, x, y in jobs):
+    if lib is None or not all(_tiled(w, y.numel(), x.numel()) for w, x, y in jobs):
         return None
     desc = (ctypes.c_int64 * (5 * len(jobs)))()
     for i, (w, x, y) in enumerate(jobs):
@@ -159,7 +158,7 @@ def gemm_call(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> Callable[[
     if lib is None or a.dim() != 2 or out.dim() != 2 or a.shape[0] != out.shape[0]:
         return None
     (m, k), n = a.shape, out.shape[1]
-    if not _tiled(lib, w, n, k):
+    if not _tiled(w, n, k):
         return None
     return partial(lib.gemm_tiled_bf16_cpu, a.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k)
 
@@ -173,7 +172,10 @@ def rmsnorm_call(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, dim: int, 
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, dim: int, eps: float) -> bool:
-    return _now(rmsnorm_call(x, w, out, dim, eps))
+    call = rmsnorm_call(x, w, out, dim, eps)
+    if call is not None:
+        call()
+    return call is not None
 
 
 def _binary(symbol: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> Callable[[], None] | None:

@@ -11,8 +11,8 @@ elementwise ops and attention run natively (`native_cpu`) where the CPU allows: 
 GEMVs on tiled weights, the rest in one pass with no temporaries, which matters most in decode,
 where torch's per-op overhead outweighs a row's arithmetic. The torch bodies are the same math;
 they work through rows in blocks whose f32 temporaries stay in cache, several times faster on
-a 2048-row prompt than widening whole tensors. `bind` fixes a plan step to one BO
-set's views, so the device replays a decode call as a list of native calls.
+a 2048-row prompt than widening whole tensors. `bind` fixes a plan step to one BO set's views,
+so the device replays a decode call as a list of native calls.
 """
 from __future__ import annotations
 

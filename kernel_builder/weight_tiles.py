@@ -85,7 +85,7 @@ def tiling_for(group: KernelGroup, index: int) -> Tiling | None:
     """
     slot = group.slots[index]
     if (slot.role is not Role.STATIC or slot.dtype != "bf16" or len(slot.shape) != 2
-            or slot.shape[0] % LANES or slot.shape[1] % 2 or native_cpu.tile_rows() != LANES):
+            or not native_cpu.tileable(*slot.shape) or native_cpu.tile_rows() != LANES):
         return None
     uses = [l for l in group.launches if slot.name in l.args]
     if not uses or any(l.op not in _WEIGHT_OPS or l.args.index(slot.name) != 1 or slot.name in l.writes
