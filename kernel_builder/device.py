@@ -11,8 +11,8 @@ kernel's result is invisible to the host until `sync(FROM_DEVICE)`. To keep larg
 resident once, a BO that was written through `write()` (never mapped) shares one storage
 between its host and device sides after a full sync until either side is written again
 (copy-on-write); the visible semantics are unchanged. A weight BO allocated for a GEMM or GEMV
-argument is held on the device side in tiles (`weight_tiles`) and its host side is dropped
-while equal, so that weight is still resident once.
+argument is held on the device side in packed tiles (`weight_tiles`) and its host side is
+dropped while equal, so that weight is still resident once, in 3/4 of its bf16 bytes.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from kernel_builder.groups import KernelGroup
-from kernel_builder.weight_tiles import Tiling, TiledWeight, tiling_for
+from kernel_builder.weight_tiles import Packing, PackedWeight, packing_for
 
 
 _VIEW_SETS = 256   # cached BO-list bindings per loaded group (one per layer in practice)
@@ -99,14 +99,14 @@ class SimBO:
 
     Both sides are allocated on first use (a fresh BO reads as zeros, as XRT's do), so a
     weight buffer costs one copy of the weight: written on the host, then shared with the
-    device side by a full sync until either side is written again. With a `tiling`, the device
-    side holds the tiled form, and "shared" means the host side is dropped and rebuilt from it
+    device side by a full sync until either side is written again. With a `packing`, the device
+    side holds the packed form, and "shared" means the host side is dropped and rebuilt from it
     when the host next needs it.
     """
 
-    def __init__(self, device: "SimDevice", nbytes: int, tiling: Tiling | None = None):
+    def __init__(self, device: "SimDevice", nbytes: int, packing: Packing | None = None):
         self.size = nbytes
-        self.tiling = tiling
+        self.packing = packing
         self._dev_counters = device.counters
         self._host: torch.Tensor | None = None
         self._dev: torch.Tensor | None = None
@@ -118,18 +118,18 @@ class SimBO:
 
     def _dev_side(self) -> torch.Tensor:
         if self._dev is None:
-            self._dev = self._zeros()
+            self._dev = self.packing.pack(self._zeros(), zeroed_buffer) if self.packing else self._zeros()
         return self._dev
 
     def _host_form(self) -> torch.Tensor:
-        """The device contents as the host lays them out (a copy when tiled, else the storage)."""
+        """The device contents as the host lays them out (a copy when packed, else the storage)."""
         dev = self._dev_side()
-        return self.tiling.untile(dev, self._zeros()) if self.tiling else dev
+        return self.packing.unpack(dev, self._zeros()) if self.packing else dev
 
     def _split(self) -> None:
         """End sharing: the host side gets its own copy of the (equal) contents."""
         host = self._host_form()
-        self._host, self._shared = (host if self.tiling else self._zeros().copy_(host)), False
+        self._host, self._shared = (host if self.packing else self._zeros().copy_(host)), False
 
     def _own_host(self) -> torch.Tensor:
         if self._shared:
@@ -159,13 +159,13 @@ class SimBO:
                 return
             host = self._own_host()
             whole = not self._mapped and offset == 0 and n == self.size
-            if self.tiling:
-                if whole:      # the host's storage becomes the tiles; rebuilt from them when needed
-                    self._dev, self._host, self._shared = self.tiling.tile(host), None, True
-                else:          # a range's tiles are scattered: merge it into the contents, retile
+            if self.packing:
+                if whole:      # packed, the host side is dropped; rebuilt from the device when needed
+                    self._dev, self._host, self._shared = self.packing.pack(host, zeroed_buffer), None, True
+                else:          # a range's values are scattered: merge it into the contents, repack
                     merged = self._host_form()
                     _span(merged, offset, n).copy_(_span(host, offset, n))
-                    self._dev = self.tiling.tile(merged)
+                    self._dev = self.packing.pack(merged, zeroed_buffer)
             elif whole:
                 self._dev, self._shared = host, True      # one storage until either side writes
             else:
@@ -177,8 +177,8 @@ class SimBO:
 
     def device_view(self, for_write: bool) -> torch.Tensor:
         """What a simulated kernel sees; a kernel write first gives the host side its own copy."""
-        if for_write and self.tiling:
-            raise DeviceError("a kernel may not write a tiled weight buffer")
+        if for_write and self.packing:
+            raise DeviceError("a kernel may not write a packed weight buffer")
         dev = self._dev_side()
         if for_write and self._shared:
             self._split()
@@ -201,7 +201,7 @@ class SimKernel:
         self._plan = sim_ops.plan(group.launches)
         self._bind_step = sim_ops.bind
         self._written = {w for l in group.launches for w in l.writes}
-        self.tilings = [tiling_for(group, i) for i in range(len(group.slots))]
+        self.packings = [packing_for(group, i) for i in range(len(group.slots))]
         self._programs: OrderedDict[tuple, tuple] = OrderedDict()
 
     def _program(self, bos: list[SimBO]) -> tuple:
@@ -216,17 +216,17 @@ class SimKernel:
             if len(bos) != len(self.group.slots):
                 raise DeviceError(f"{self.group.name}: {len(bos)} buffers for {len(self.group.slots)} arguments")
             views = {}
-            for slot, bo, tiling in zip(self.group.slots, bos, self.tilings):
+            for slot, bo, packing in zip(self.group.slots, bos, self.packings):
                 if bo.size < slot.nbytes:
                     raise DeviceError(f"{self.group.name}: buffer for {slot.name} has {bo.size} bytes, "
                                       f"needs {slot.nbytes}")
                 raw = bo.device_view(for_write=slot.name in self._written)
-                if bo.tiling is None:
+                if bo.packing is None:
                     views[slot.name] = raw[: slot.nbytes].view(slot.torch_dtype).view(slot.shape)
-                elif bo.tiling == tiling:
-                    views[slot.name] = TiledWeight(raw, bo.tiling.n, bo.tiling.k)
+                elif bo.packing == packing:
+                    views[slot.name] = PackedWeight(raw, bo.packing.n, bo.packing.k)
                 else:
-                    raise DeviceError(f"{self.group.name}: buffer for {slot.name} holds a tiled weight "
+                    raise DeviceError(f"{self.group.name}: buffer for {slot.name} holds a packed weight "
                                       f"this argument does not read")
             program = self._programs[key] = (views, tuple(self._bind_step(step, views) for step in self._plan))
             if len(self._programs) > _VIEW_SETS:
@@ -256,10 +256,10 @@ class SimDevice:
         a BO in the memory group of a kernel argument)."""
         self.counters.bos_allocated += 1
         self.counters.bytes_allocated += nbytes
-        tiling = kernel.tilings[arg] if kernel is not None else None
-        if tiling is not None and nbytes != tiling.n * tiling.k * 2:
-            tiling = None
-        return SimBO(self, nbytes, tiling)
+        packing = kernel.packings[arg] if kernel is not None else None
+        if packing is not None and nbytes != packing.n * packing.k * 2:
+            packing = None
+        return SimBO(self, nbytes, packing)
 
     def compile(self, group: KernelGroup, out_dir: Path, mlir_text: str) -> list[str]:
         """The simulated artifact is the launch program itself (plus the stitched MLIR, for study)."""

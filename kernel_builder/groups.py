@@ -10,7 +10,7 @@ Layout conventions (shared by every consumer):
 - activations are row-major [rows, features]; decode activations are vectors [features];
 - linear weights keep the checkpoint layout [out_features, in_features], for GEMM and GEMV
   alike, so one uploaded weight buffer serves the prefill and the decode groups of a layer
-  (what a device does with it behind its BOs is its own: the simulated one tiles it, see
+  (what a device does with it behind its BOs is its own: the simulated one packs it, see
   `weight_tiles`);
 - RoPE tables are cos | sin halves per position (see `generate_rope_lut`), one row per token.
 """

@@ -1,5 +1,5 @@
 """Native host kernels that make the simulated NPU fast where torch is slow: the bf16 GEMV
-(memory-bound instead of compute-bound) and GEMM, both on weights in the device's tiled layout
+(memory-bound instead of compute-bound) and GEMM, both on weights in the device's packed tiles
 (`weight_tiles`), the decode-sized elementwise launches, the host's single-query attention
 (one pass instead of several dispatched ops with temporaries) and prefill's causal attention
 (flash-style tiles on the launch's own layouts).
@@ -27,9 +27,10 @@ import torch
 from llama_runtime.paths import cache_root
 
 _NATIVE = Path(__file__).resolve().parent / "native"
-_SRCS = [_NATIVE / "matmul_bf16_cpu.cc", _NATIVE / "eltwise_bf16_cpu.cc", _NATIVE / "attention_bf16_cpu.cc",
+_SRCS = [_NATIVE / "matmul_bf16_cpu.cc", _NATIVE / "pack_bf16_cpu.cc", _NATIVE / "eltwise_bf16_cpu.cc",
+         _NATIVE / "attention_bf16_cpu.cc",
          _NATIVE / "flash_attention_bf16_cpu.cc"]
-_HEADERS = [_NATIVE / "simd_bf16.h"]
+_HEADERS = [_NATIVE / "simd_bf16.h", _NATIVE / "packed_tiles.h"]
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off",
           "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
 _lock = threading.Lock()
@@ -67,11 +68,15 @@ def _build() -> ctypes.CDLL | None:
     if not lib.matmul_bf16_cpu_supported():
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.tile_weight_bf16_cpu.argtypes = [ptr, ptr, i64, i64]
-    lib.gemv_tiled_bf16_cpu_batch.argtypes = [ptr, ctypes.c_int]
-    lib.gemm_tiled_bf16_cpu.argtypes = [ptr, ptr, ptr, i64, i64, i64]
+    lib.pack_weight_bf16_cpu_plan.argtypes = [ptr, i64, i64, ctypes.POINTER(i64)]
+    lib.pack_weight_bf16_cpu_plan.restype = i64
+    lib.pack_weight_bf16_cpu.argtypes = [ptr, i64, i64, i64, ptr]
+    lib.gemv_packed_bf16_cpu_batch.argtypes = [ptr, ctypes.c_int]
+    lib.gemm_packed_bf16_cpu.argtypes = [ptr, ptr, ptr, i64, i64, i64]
     lib.matmul_bf16_cpu_tile_rows.restype = i64
     lib.tile_rows = lib.matmul_bf16_cpu_tile_rows()
+    lib.matmul_bf16_cpu_packed_header.restype = i64
+    lib.packed_header = lib.matmul_bf16_cpu_packed_header()
     lib.rmsnorm_bf16_cpu.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
     lib.swiglu_bf16_cpu.argtypes = [ptr, ptr, ptr, i64]
     lib.add_bf16_cpu.argtypes = [ptr, ptr, ptr, i64]
@@ -110,6 +115,12 @@ def tile_rows() -> int:
     return lib.tile_rows if lib is not None else 0
 
 
+def packed_header() -> int:
+    """Bytes of a packed weight's header in the layout the native kernels read (0 if unavailable)."""
+    lib = _library()
+    return lib.packed_header if lib is not None else 0
+
+
 def _usable(*ts: torch.Tensor) -> ctypes.CDLL | None:
     lib = _library()
     if lib is None or not all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in ts):
@@ -118,49 +129,56 @@ def _usable(*ts: torch.Tensor) -> ctypes.CDLL | None:
 
 
 def tileable(n: int, k: int) -> bool:
-    """Whether an [n, k] weight fits the tiled layout the native GEMM and GEMV read."""
+    """Whether an [n, k] weight fits the packed tiles the native GEMM and GEMV read: whole
+    blocks of rows and whole units of two K-pairs."""
     lib = _library()
-    return lib is not None and n % lib.tile_rows == 0 and k % 2 == 0
+    return lib is not None and n % lib.tile_rows == 0 and k % 4 == 0
 
 
-def _tiled(tiles: torch.Tensor, n: int, k: int) -> bool:
-    return tileable(n, k) and tiles.numel() == n * k
-
-
-def tile_weight(w: torch.Tensor, out: torch.Tensor) -> bool:
-    """out ← the row-major [N, K] weight w in the tiled layout (`weight_tiles`); out may be w
-    itself. False if unavailable."""
-    lib = _usable(w, out)
-    if lib is None or w.dim() != 2 or not _tiled(out, *w.shape):
+def _packed(w: torch.Tensor, n: int, k: int) -> bool:
+    """w is a packed [n, k] weight (its header says so)."""
+    if not (w.dtype == torch.uint8 and w.is_contiguous() and tileable(n, k)):
         return False
-    lib.tile_weight_bf16_cpu(w.data_ptr(), out.data_ptr(), *w.shape)
-    return True
+    header = _library().packed_header
+    return w.numel() >= header and w[:header].view(torch.int64)[2:4].tolist() == [n, k]
+
+
+def pack_weight(w: torch.Tensor, alloc: Callable[[int], torch.Tensor]) -> torch.Tensor | None:
+    """The row-major [N, K] bf16 weight w in packed tiles (`weight_tiles`), in a uint8 buffer
+    from `alloc(nbytes)`; None if unavailable or the shape does not fit."""
+    lib = _usable(w)
+    if lib is None or w.dim() != 2 or not tileable(*w.shape):
+        return None
+    base = ctypes.c_int64()
+    out = alloc(lib.pack_weight_bf16_cpu_plan(w.data_ptr(), *w.shape, ctypes.byref(base)))
+    lib.pack_weight_bf16_cpu(w.data_ptr(), *w.shape, base.value, out.data_ptr())
+    return out
 
 
 def gemv_batch_call(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> Callable[[], None] | None:
-    """y = W x for each (tiled W, x, y) in one native dispatch, bound to these tensors; None if
-    the native path is unavailable. W holds y.numel() × x.numel() weights in tiles.
+    """y = W x for each (packed W, x, y) in one native dispatch, bound to these tensors; None if
+    the native path is unavailable. W holds y.numel() × x.numel() weights.
 
     The `*_call` forms fix pointers and sizes once, so the simulated device can replay a launch
     program without re-deriving them on every call."""
-    lib = _usable(*(t for job in jobs for t in job))
-    if lib is None or not all(_tiled(w, y.numel(), x.numel()) for w, x, y in jobs):
+    lib = _usable(*(t for _, x, y in jobs for t in (x, y)))
+    if lib is None or not all(_packed(w, y.numel(), x.numel()) for w, x, y in jobs):
         return None
     desc = (ctypes.c_int64 * (5 * len(jobs)))()
     for i, (w, x, y) in enumerate(jobs):
         desc[5 * i:5 * i + 5] = [w.data_ptr(), x.data_ptr(), y.data_ptr(), y.numel(), x.numel()]
-    return partial(lib.gemv_tiled_bf16_cpu_batch, desc, len(jobs))     # the partial keeps desc alive
+    return partial(lib.gemv_packed_bf16_cpu_batch, desc, len(jobs))     # the partial keeps desc alive
 
 
 def gemm_call(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> Callable[[], None] | None:
-    """out[M, N] = a[M, K] · Wᵀ with W [N, K] in tiles, bound; None if the native path is unavailable."""
-    lib = _usable(a, w, out)
+    """out[M, N] = a[M, K] · Wᵀ with W [N, K] packed, bound; None if the native path is unavailable."""
+    lib = _usable(a, out)
     if lib is None or a.dim() != 2 or out.dim() != 2 or a.shape[0] != out.shape[0]:
         return None
     (m, k), n = a.shape, out.shape[1]
-    if not _tiled(w, n, k):
+    if not _packed(w, n, k):
         return None
-    return partial(lib.gemm_tiled_bf16_cpu, a.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k)
+    return partial(lib.gemm_packed_bf16_cpu, a.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k)
 
 
 def rmsnorm_call(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, dim: int, eps: float) -> Callable[[], None] | None:

@@ -6,9 +6,9 @@ rounds too (at every launch boundary). They write into the output view in place,
 allocates only small f32 temporaries.
 
 Signature: `op(launch, *views)` with views in `launch.args` order (reads, then writes). A
-weight the device holds in tiles (`weight_tiles`) arrives as a `TiledWeight`. GEMMs, GEMVs,
+weight the device holds packed (`weight_tiles`) arrives as a `PackedWeight`. GEMMs, GEMVs,
 elementwise ops and attention run natively (`native_cpu`) where the CPU allows: the GEMMs and
-GEMVs on tiled weights, the rest in one pass with no temporaries, which matters most in decode,
+GEMVs on packed weights, the rest in one pass with no temporaries, which matters most in decode,
 where torch's per-op overhead outweighs a row's arithmetic. The torch bodies are the same math;
 they work through rows in blocks whose f32 temporaries stay in cache, several times faster on
 a 2048-row prompt than widening whole tensors. `bind` fixes a plan step to one BO set's views,
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from kernel_builder import native_cpu
 from kernel_builder.groups import Launch
-from kernel_builder.weight_tiles import TiledWeight, dense
+from kernel_builder.weight_tiles import PackedWeight, dense
 
 
 _BLOCK_ELEMS = 1 << 19        # f32 temporaries of 2 MiB: resident in L2/L3 while used
@@ -67,23 +67,23 @@ def rmsnorm(l: Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> N
         torch.mul(F.rms_norm(xs[b].float(), (d,), eps=l.p("eps")), w, out=os[b])   # w widened in-kernel
 
 
-def _tiles(w: torch.Tensor | TiledWeight) -> torch.Tensor | None:
-    return w.data if isinstance(w, TiledWeight) else None
+def _packed(w: torch.Tensor | PackedWeight) -> torch.Tensor | None:
+    return w.data if isinstance(w, PackedWeight) else None
 
 
 def _gemv_call(jobs) -> Callable[[], None] | None:
-    tiled = [(_tiles(w), x, y) for w, x, y in jobs]
-    return None if any(t is None for t, _, _ in tiled) else native_cpu.gemv_batch_call(tiled)
+    packed = [(_packed(w), x, y) for w, x, y in jobs]
+    return None if any(p is None for p, _, _ in packed) else native_cpu.gemv_batch_call(packed)
 
 
-@_native(lambda l, a, w, out: None if _tiles(w) is None else native_cpu.gemm_call(a, _tiles(w), out))
-def gemm(l: Launch, a: torch.Tensor, w: torch.Tensor | TiledWeight, out: torch.Tensor) -> None:
-    """C[M,N] = A[M,K] · W[N,K]ᵀ: natively on tiled weights, else torch's bf16 GEMM (f32 accumulation)."""
+@_native(lambda l, a, w, out: None if _packed(w) is None else native_cpu.gemm_call(a, _packed(w), out))
+def gemm(l: Launch, a: torch.Tensor, w: torch.Tensor | PackedWeight, out: torch.Tensor) -> None:
+    """C[M,N] = A[M,K] · W[N,K]ᵀ: natively on packed weights, else torch's bf16 GEMM (f32 accumulation)."""
     torch.mm(a, dense(w).t(), out=out)
 
 
 @_native(lambda l, x, w, out: _gemv_call([(w, x, out)]))
-def gemv(l: Launch, x: torch.Tensor, w: torch.Tensor | TiledWeight, out: torch.Tensor) -> None:
+def gemv(l: Launch, x: torch.Tensor, w: torch.Tensor | PackedWeight, out: torch.Tensor) -> None:
     """y[M] = W[M,K] · x[K]: natively memory-bound, as on the NPU; torch's bf16 product (the
     fallback) is compute-bound on CPUs without AMX."""
     torch.mv(dense(w), x, out=out)

@@ -1,21 +1,31 @@
-"""How the simulated device holds a weight matrix: in 16×2 tiles that its GEMM and GEMV both stream.
+"""How the simulated device holds a weight matrix: in 16×2 tiles, each bf16 packed losslessly in 12 bits.
 
-W[N][K] (bf16, row-major on the host) lives on the simulated device as [N/16][K/2][16][2]:
-element (n, k) at block n // 16, pair k // 2, lane n % 16, half k % 2. One 64-byte vector then
-holds a K-pair of 16 outputs, which is what the CPU's bf16 dot-product instruction consumes.
+Tiles: W[N][K] (bf16, row-major on the host) is ordered [N/16][K/2][16][2], element (n, k) at
+block n // 16, pair k // 2, lane n % 16, half k % 2. One 64-byte tile vector then holds a
+K-pair of 16 outputs, which is what the CPU's bf16 dot-product instruction consumes.
+
+Packing: decode reads every weight once per token and waits on memory for almost all of it, so
+a weight's bytes set the token rate. A matrix's values use few exponents (15 consecutive ones
+hold all but about 1e-4 of them), so each value keeps its sign and mantissa in a byte and its
+exponent as a 4-bit code into that window; a unit of 64 values with any other exponent is kept
+whole. The native kernels decode a vector in three instructions while its bytes arrive, and the
+products are those of the bf16 values: what the device computes does not change, it reads 3/4
+of the bytes. `kernel_builder/native/packed_tiles.h` has the byte layout; `from_packed` below
+reads it independently of the C++.
 
 Why the device and not the host: prefill's GEMM is compute-bound and wants the weights in a
 layout its register tile streams; decode's GEMV is memory-bound and wants each weight read
-once, in order. The row-major layout serves the GEMV only, and a second, packed copy for the
-GEMM would cost the memory of every weight again. So the simulated device keeps one copy, in
-this layout, converting when a BO is synced, much as an NPU's DMA re-tiles what it moves. The
-host never sees it: BOs are written and read row-major, and the NPU path does not change.
+once, in order, in as few bytes as possible. A second copy for either would cost the memory of
+every weight again, so the simulated device keeps one, packed, converting when a BO is synced,
+much as an NPU's DMA re-tiles what it moves. The host never sees it: BOs are written and read
+row-major, and the NPU path does not change.
 
-A weight is tiled when the kernel it is allocated for only reads it, as the weight of GEMMs and
-GEMVs, and when the native kernels are there to read tiles (`tiling_for`).
+A weight is packed when the kernel it is allocated for only reads it, as the weight of GEMMs
+and GEMVs, and when the native kernels are there to read it (`packing_for`).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,11 +34,14 @@ from kernel_builder import native_cpu
 from kernel_builder.groups import KernelGroup, Role
 
 LANES = 16                       # outputs per block: one vector of 16 f32 sums
-_WEIGHT_OPS = {"gemm", "gemv"}   # ops whose second operand is a [N, K] weight; both read tiles
+HEADER = 64                      # bytes: int64 base exponent, escaped units, n, k
+UNIT_BYTES = 96                  # two tile vectors: 32 bytes of exponent codes, 64 of sign|mantissa
+UNIT_VALUES = 64
+_WEIGHT_OPS = {"gemm", "gemv"}   # ops whose second operand is a [N, K] weight; both read it packed
 
 
 def to_tiles(w: torch.Tensor) -> torch.Tensor:
-    """The tiled form of a row-major [N, K] matrix (the layout's definition), as [N/16, K/2, 16, 2]."""
+    """The tiled order of a row-major [N, K] matrix, as [N/16, K/2, 16, 2]."""
     n, k = w.shape
     return w.reshape(n // LANES, LANES, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
@@ -38,57 +51,81 @@ def from_tiles(t: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return t.view(n // LANES, k // 2, LANES, 2).permute(0, 2, 1, 3).reshape(n, k)
 
 
+def from_packed(buf: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The row-major [N, K] bf16 matrix a packed buffer (uint8) holds."""
+    base, escapes, hn, hk = buf[:32].view(torch.int64).tolist()
+    if (hn, hk) != (n, k):
+        raise ValueError(f"packed weight holds [{hn}, {hk}], not [{n}, {k}]")
+    blocks, units = n // LANES, k // 4
+    words = (units + 63) // 64
+    at = HEADER + blocks * units * UNIT_BYTES
+    unit = buf[HEADER:at].view(blocks, units, UNIT_BYTES).to(torch.int32)
+    bitmap = buf[at:at + blocks * words * 8].view(torch.int64).view(blocks, words)
+    at += blocks * words * 8 + (blocks + 1) * 8       # past the per-block starts: order suffices here
+    raw = buf[at:at + escapes * UNIT_VALUES * 2].view(torch.int16).view(escapes, 2, 32)
+
+    codes = torch.stack([unit[..., :32] & 15, unit[..., :32] >> 4], dim=2)       # [blocks, units, A|B, 32]
+    sm = unit[..., 32:].view(blocks, units, 4, 2, 8).permute(0, 1, 3, 2, 4).reshape(blocks, units, 2, 32)
+    exponent = torch.where(codes == 0, 0, codes + (base - 1))
+    bits = ((sm & 0x80) << 8) | (exponent << 7) | (sm & 0x7F)
+    values = (bits - ((bits & 0x8000) << 1)).to(torch.int16)
+    u = torch.arange(units)
+    escaped = ((bitmap[:, u // 64] >> (u % 64)) & 1).bool()
+    values[escaped] = raw                      # escaped units are stored in block, then unit order
+    return from_tiles(values.view(torch.bfloat16), n, k)
+
+
 @dataclass(frozen=True)
-class Tiling:
-    """A BO's device-side layout: a bf16 [n, k] weight in tiles."""
+class Packing:
+    """A BO's device-side layout: a bf16 [n, k] weight in packed tiles."""
 
     n: int
     k: int
 
-    def tile(self, buf: torch.Tensor) -> torch.Tensor:
-        """A BO's row-major bytes (uint8) turned into tiles in place: a 16-row block occupies the
-        same bytes in both layouts, so no second copy of the weight is needed."""
-        dense = buf.view(torch.bfloat16).view(self.n, self.k)
-        if not native_cpu.tile_weight(dense, dense):
-            dense.view(-1).copy_(to_tiles(dense).view(-1))
-        return buf
+    def pack(self, buf: torch.Tensor, alloc: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        """A BO's row-major bytes (uint8) packed into a buffer from `alloc(nbytes)`."""
+        out = native_cpu.pack_weight(buf.view(torch.bfloat16).view(self.n, self.k), alloc)
+        if out is None:      # packing_for chose this layout only where the native kernels run
+            raise RuntimeError("packed weights need the native kernels")
+        return out
 
-    def untile(self, dev: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def unpack(self, dev: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The BO's row-major bytes from its device copy, written into `out`."""
-        out.view(torch.bfloat16).view(self.n, self.k).copy_(from_tiles(dev.view(torch.bfloat16), self.n, self.k))
+        out.view(torch.bfloat16).view(self.n, self.k).copy_(from_packed(dev, self.n, self.k))
         return out
 
 
-class TiledWeight:
-    """A tiled weight as a kernel sees it: the device bytes and the matrix they hold."""
+class PackedWeight:
+    """A packed weight as a kernel sees it: the device bytes and the matrix they hold."""
 
     __slots__ = ("data", "n", "k")
 
     def __init__(self, data: torch.Tensor, n: int, k: int):
-        self.data, self.n, self.k = data.view(torch.bfloat16), n, k
+        self.data, self.n, self.k = data, n, k
 
     def dense(self) -> torch.Tensor:
-        """Row-major, for kernels without a tiled form (a copy)."""
-        return from_tiles(self.data, self.n, self.k)
+        """Row-major, for kernels without a packed form (a copy)."""
+        return from_packed(self.data, self.n, self.k)
 
 
-def dense(w: torch.Tensor | TiledWeight) -> torch.Tensor:
-    return w.dense() if isinstance(w, TiledWeight) else w
+def dense(w: torch.Tensor | PackedWeight) -> torch.Tensor:
+    return w.dense() if isinstance(w, PackedWeight) else w
 
 
-def tiling_for(group: KernelGroup, index: int) -> Tiling | None:
+def packing_for(group: KernelGroup, index: int) -> Packing | None:
     """The layout a BO for the group's argument `index` should have on the simulated device.
 
-    Tiles only a static bf16 matrix that every launch using it reads as a GEMM or GEMV weight,
-    with N a multiple of 16 and K even, and only where the native kernels run and read this
+    Packs only a static bf16 matrix that every launch using it reads as a GEMM or GEMV weight,
+    with N a multiple of 16 and K of 4, and only where the native kernels run and read this
     layout.
     """
     slot = group.slots[index]
     if (slot.role is not Role.STATIC or slot.dtype != "bf16" or len(slot.shape) != 2
-            or not native_cpu.tileable(*slot.shape) or native_cpu.tile_rows() != LANES):
+            or not native_cpu.tileable(*slot.shape) or native_cpu.tile_rows() != LANES
+            or native_cpu.packed_header() != HEADER):
         return None
     uses = [l for l in group.launches if slot.name in l.args]
     if not uses or any(l.op not in _WEIGHT_OPS or l.args.index(slot.name) != 1 or slot.name in l.writes
                        for l in uses):
         return None
-    return Tiling(*slot.shape)
+    return Packing(*slot.shape)

@@ -20,9 +20,9 @@ def _program(tiny_config, tmp_path):
 
 def _bos(dev, g, weights, kernel=None):
     """The group's BOs with layer 0's weights; allocated for `kernel`'s arguments, the weights are
-    held in tiles on the device, else row-major."""
+    held packed on the device, else row-major."""
     bos = [dev.bo(s.nbytes, kernel, i) if kernel else dev.bo(s.nbytes) for i, s in enumerate(g.slots)]
-    assert any(b.tiling for b in bos) == (kernel is not None and native_cpu.available())
+    assert any(b.packing for b in bos) == (kernel is not None and native_cpu.available())
     for i, s in enumerate(g.slots):
         if s.role.value == "static":
             bos[i].write(getattr(weights.layers[0], s.name))
@@ -30,13 +30,13 @@ def _bos(dev, g, weights, kernel=None):
     return bos
 
 
-LAYOUTS = pytest.mark.parametrize("tiled", [False, True], ids=["row-major", "tiled"])
+LAYOUTS = pytest.mark.parametrize("packed", [False, True], ids=["row-major", "packed"])
 
 
 @LAYOUTS
-def test_host_write_without_sync_is_invisible_to_the_kernel(tiny_config, tiny_weights, tmp_path, tiled):
+def test_host_write_without_sync_is_invisible_to_the_kernel(tiny_config, tiny_weights, tmp_path, packed):
     dev, g, kernel = _program(tiny_config, tmp_path)
-    bos = _bos(dev, g, tiny_weights, kernel if tiled else None)
+    bos = _bos(dev, g, tiny_weights, kernel if packed else None)
     out = bos[g.index("out")]
     kernel.run(bos)                                  # all activations zero on the device
     out.sync(Sync.FROM_DEVICE)
@@ -92,11 +92,11 @@ def test_partial_sync_moves_only_that_range(size):
 
 
 @LAYOUTS
-def test_a_rewritten_weight_reaches_the_next_run(tiny_config, tiny_weights, tmp_path, tiled):
+def test_a_rewritten_weight_reaches_the_next_run(tiny_config, tiny_weights, tmp_path, packed):
     """A run replays launches bound to its BOs' device memory; a weight written and synced again
     (which gives that BO new device storage) must still be what the next run reads."""
     dev, g, kernel = _program(tiny_config, tmp_path)
-    bos = _bos(dev, g, tiny_weights, kernel if tiled else None)
+    bos = _bos(dev, g, tiny_weights, kernel if packed else None)
     x, out, w = bos[g.index("x_res")], bos[g.index("out")], bos[g.index("w_down")]
     x.map().view(torch.bfloat16).fill_(0.5)
     x.sync(Sync.TO_DEVICE)
@@ -112,7 +112,7 @@ def test_a_rewritten_weight_reaches_the_next_run(tiny_config, tiny_weights, tmp_
     after = result()
     (tmp_path / "fresh").mkdir()
     fresh_dev, _, fresh_kernel = _program(tiny_config, tmp_path / "fresh")
-    fresh = _bos(fresh_dev, g, tiny_weights, fresh_kernel if tiled else None)
+    fresh = _bos(fresh_dev, g, tiny_weights, fresh_kernel if packed else None)
     fresh[g.index("w_down")].write(tiny_weights.layers[0].w_down * 2)
     fresh[g.index("w_down")].sync(Sync.TO_DEVICE)
     fresh[g.index("x_res")].write(x.map())
@@ -131,16 +131,17 @@ def _run(kernel, bos, g, x):
     return bos[g.index("out")].read().view(torch.bfloat16)
 
 
-@pytest.mark.skipif(not native_cpu.available(), reason="weights are tiled only where the native kernels run")
-def test_tiled_weights_are_invisible_to_the_host(tiny_config, tiny_weights, tmp_path):
-    """The device's tiles are its own business: the weight reads back as written, occupies no
+@pytest.mark.skipif(not native_cpu.available(), reason="weights are packed only where the native kernels run")
+def test_packed_weights_are_invisible_to_the_host(tiny_config, tiny_weights, tmp_path):
+    """The device's packing is its own business: the weight reads back as written, occupies no
     second copy, and a partial sync reaches the device for that range only, as for any BO."""
     dev, g, kernel = _program(tiny_config, tmp_path)
     bos = _bos(dev, g, tiny_weights, kernel)
     i = g.index("w_gate")
     w, bo = tiny_weights.layers[0].w_gate, bos[i]
-    assert bo.tiling == weight_tiles.Tiling(*w.shape) and bo._host is None     # resident once
-    assert torch.equal(bo.device_view(False).view(torch.bfloat16), weight_tiles.to_tiles(w).view(-1))
+    assert bo.packing == weight_tiles.Packing(*w.shape) and bo._host is None     # resident once,
+    assert bo.device_view(False).numel() < w.numel() * w.element_size()          # in fewer bytes
+    assert torch.equal(weight_tiles.from_packed(bo.device_view(False), *w.shape), w)
     assert torch.equal(bo.read().view(torch.bfloat16).view(w.shape), w)
 
     row = w.shape[1] * 2                                   # bytes per weight row
@@ -149,9 +150,9 @@ def test_tiled_weights_are_invisible_to_the_host(tiny_config, tiny_weights, tmp_
     bo.sync(Sync.TO_DEVICE, 2 * row, offset=row)
     want = w.clone()
     want[1:3] = 1.0
-    assert torch.equal(weight_tiles.from_tiles(bo.device_view(False).view(torch.bfloat16), *w.shape), want)
+    assert torch.equal(weight_tiles.from_packed(bo.device_view(False), *w.shape), want)
 
-    # and a kernel on tiles computes what it computes on the row-major weights
+    # and a kernel on packed weights computes what it computes on the row-major weights
     (tmp_path / "dense").mkdir()
     dense_dev, _, dense_kernel = _program(tiny_config, tmp_path / "dense")
     dense = _bos(dense_dev, g, tiny_weights)
@@ -162,13 +163,13 @@ def test_tiled_weights_are_invisible_to_the_host(tiny_config, tiny_weights, tmp_
     assert torch.allclose(got.float(), ref.float(), rtol=2 ** -6, atol=2 ** -6)
 
 
-@pytest.mark.skipif(not native_cpu.available(), reason="weights are tiled only where the native kernels run")
-def test_a_kernel_may_not_write_a_tiled_weight(tiny_config, tiny_weights, tmp_path):
+@pytest.mark.skipif(not native_cpu.available(), reason="weights are packed only where the native kernels run")
+def test_a_kernel_may_not_write_a_packed_weight(tiny_config, tiny_weights, tmp_path):
     from kernel_builder.device import DeviceError
 
     dev, g, kernel = _program(tiny_config, tmp_path)
-    bo = next(b for b in _bos(dev, g, tiny_weights, kernel) if b.tiling)
-    with pytest.raises(DeviceError, match="tiled"):
+    bo = next(b for b in _bos(dev, g, tiny_weights, kernel) if b.packing)
+    with pytest.raises(DeviceError, match="packed"):
         bo.device_view(for_write=True)
 
 

@@ -150,13 +150,13 @@ def test_flash_attention_matches_the_reference(monkeypatch, seq, ctx, heads, kv_
 def test_decode_groups_replay_only_native_kernels(tiny_config, tiny_weights, tmp_path, kind):
     """What makes a decode call cheap: once bound to a BO set, every step of the group's plan is a
     native kernel with its pointers fixed, with no Python op left between them. (Its weights
-    are allocated for their arguments, so the device holds them in the tiles the GEMVs read.)"""
+    are allocated for their arguments, so the device holds them packed, as the GEMVs read them.)"""
     dev = SimDevice()
     g = build_group(kind, tiny_config)
     dev.compile(g, tmp_path, "")
     kernel = dev.load(tmp_path, g)
     bos = [dev.bo(s.nbytes, kernel, i) for i, s in enumerate(g.slots)]
-    assert any(bo.tiling for bo in bos)
+    assert any(bo.packing for bo in bos)
     kernel.run(bos)
     program = kernel._program(bos)
     assert len(program) == len(sim_ops.plan(g.launches))

@@ -1,8 +1,9 @@
-"""The native GEMV and GEMM on tiled weights against a float64 reference, and the tiled layout itself.
+"""The native GEMV and GEMM on packed weights against a float64 reference, and the packed layout itself.
 
-Shapes cover the code paths the kernels split on: the GEMV's four-pair main loop and its single
-pairs after it; the GEMM's 8-row tile and every row count left over after it (1-7), a last
-16-column block that has no partner, and K from one pair up to the down projection's 8192.
+Shapes cover the code paths the kernels split on: the GEMM's 8-row tile that unpacks a panel
+and the row counts after it (1-7 left over), a last 16-column block that has no partner, units
+kept whole because they hold an exponent outside the window, and K from one unit up to the down
+projection's 8192.
 """
 from __future__ import annotations
 
@@ -10,20 +11,29 @@ import pytest
 import torch
 
 from kernel_builder import native_cpu, sim_ops
-from kernel_builder.weight_tiles import LANES, TiledWeight, from_tiles, to_tiles
+from kernel_builder.weight_tiles import HEADER, LANES, UNIT_BYTES, PackedWeight, from_packed, to_tiles
 
 pytestmark = pytest.mark.skipif(native_cpu._library() is None,
                                 reason="no C++ compiler or no AVX512-BF16 on this CPU: the simulator uses torch")
 
 
 def _rand(*shape, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 0.02).to(torch.bfloat16)
 
 
-def _tiled(w: torch.Tensor) -> torch.Tensor:
-    t = torch.empty_like(w)
-    assert native_cpu.tile_weight(w, t)
-    return t
+def _packed(w: torch.Tensor) -> torch.Tensor:
+    out = native_cpu.pack_weight(w, lambda nbytes: torch.full((nbytes,), 0xAB, dtype=torch.uint8))
+    assert out is not None
+    return out
+
+
+def _with_outliers(w: torch.Tensor) -> torch.Tensor:
+    """Values no exponent window holds with the rest: zeros, a subnormal, huge, inf, NaN."""
+    w = w.clone()
+    specials = [0.0, -0.0, 1e-40, -3e38, float("inf"), float("-inf"), float("nan"), 1e-30, 7.0]
+    for i, v in enumerate(specials):
+        w.view(-1)[(i * 7919) % w.numel()] = v
+    return w
 
 
 def _close_to_reference(exact: torch.Tensor, magnitude: torch.Tensor, y: torch.Tensor) -> None:
@@ -33,57 +43,74 @@ def _close_to_reference(exact: torch.Tensor, magnitude: torch.Tensor, y: torch.T
     assert ((y.double() - exact).abs() <= magnitude * 2 ** -20 + exact.abs() * 2 ** -8).all()
 
 
-@pytest.mark.parametrize("n,k", [(16, 2), (32, 64), (48, 578)])
-def test_native_tiling_is_the_layout_definition(n, k):
-    assert native_cpu.tile_rows() == LANES                # the kernels read the layout defined here
-    w = _rand(n, k, seed=n + k)
-    t = _tiled(w)
-    assert torch.equal(t.view(-1), to_tiles(w).view(-1))
-    in_place = w.clone()
-    assert native_cpu.tile_weight(in_place, in_place) and torch.equal(in_place, t)
-    assert torch.equal(from_tiles(t, n, k), w)
-    # element (r, c) at block r // 16, pair c // 2, lane r % 16, half c % 2
-    r, c = n - 1, k - 1
-    assert t.view(n // LANES, k // 2, LANES, 2)[r // LANES, c // 2, r % LANES, c % 2] == w[r, c]
+@pytest.mark.parametrize("n,k", [(32, 64), (64, 128), (48, 580), (16, 8192)])
+def test_packing_is_lossless_and_laid_out_as_documented(n, k):
+    assert native_cpu.tile_rows() == LANES and native_cpu.packed_header() == HEADER   # the kernels read this layout
+    w = _with_outliers(_rand(n, k, seed=n + k))
+    p = _packed(w)
+    assert torch.equal(from_packed(p, n, k).view(torch.int16), w.view(torch.int16))     # every bit, NaN included
+    base, escapes, hn, hk = p[:32].view(torch.int64).tolist()
+    assert (hn, hk) == (n, k) and 0 < escapes < n * k // 64    # some units kept whole, not all
+    # a unit without outliers: value e of tile vector A is code nibble e and sign|mantissa byte e
+    # of 16-byte lane e // 8; value (r, c) is element r % 16 * 2 + c % 2 of K-pair c // 2
+    tiles = to_tiles(w).view(n // LANES, k // 4, 2, 32).view(torch.int16).int() & 0xFFFF
+    exps = (tiles >> 7) & 0xFF
+    clean = ((exps == 0) | ((exps >= base) & (exps < base + 15))).all(-1).all(-1)
+    blk, u = map(int, clean.nonzero()[-1])
+    unit = p[HEADER + (blk * (k // 4) + u) * UNIT_BYTES:][:UNIT_BYTES].int()
+    for e in (0, 9, 31):
+        v = int(tiles[blk, u, 0, e])
+        e_code = 0 if (v >> 7) & 0xFF == 0 else ((v >> 7) & 0xFF) - base + 1
+        assert int(unit[e]) & 15 == e_code
+        assert int(unit[32 + e // 8 * 16 + e % 8]) == (v >> 8 & 0x80) | (v & 0x7F)
 
 
-@pytest.mark.parametrize("n,k", [(16, 8), (32, 6), (48, 10), (64, 576), (16, 8192), (32, 8194)])
-def test_tiled_gemv_matches_float64(n, k):
+def test_packing_reads_three_quarters_of_the_bytes():
+    w = _rand(512, 2048, seed=5)
+    assert _packed(w).numel() < 0.78 * w.numel() * w.element_size()
+
+
+@pytest.mark.parametrize("n,k", [(16, 4), (32, 8), (48, 12), (64, 576), (16, 8192), (32, 8196)])
+def test_packed_gemv_matches_float64(n, k):
     w, x = _rand(n, k, seed=n * 7 + k), _rand(k, seed=k)
-    y, t = torch.full((n,), float("nan"), dtype=torch.bfloat16), _tiled(w)
-    native_cpu.gemv_batch_call([(t, x, y)])()      # a bound call holds pointers: keep t alive
+    w.view(-1)[:: 97] = 1e-30              # units kept whole, spread over blocks
+    y, p = torch.full((n,), float("nan"), dtype=torch.bfloat16), _packed(w)
+    native_cpu.gemv_batch_call([(p, x, y)])()      # a bound call holds pointers: keep p alive
     _close_to_reference(w.double() @ x.double(), w.double().abs() @ x.double().abs(), y)
 
 
 def test_a_batch_of_unlike_gemvs_fills_every_output_row():
-    shapes = [(608, 64), (16, 8192), (128, 102), (512, 2048)]
+    shapes = [(608, 64), (16, 8192), (128, 100), (512, 2048)]
     jobs = [(_rand(n, k, seed=i), _rand(k, seed=-i), torch.full((n,), float("nan"), dtype=torch.bfloat16))
             for i, (n, k) in enumerate(shapes)]
-    tiles = [_tiled(w) for w, _, _ in jobs]
-    native_cpu.gemv_batch_call([(t, x, y) for t, (_, x, y) in zip(tiles, jobs)])()
+    packed = [_packed(w) for w, _, _ in jobs]
+    native_cpu.gemv_batch_call([(p, x, y) for p, (_, x, y) in zip(packed, jobs)])()
     for w, x, y in jobs:
         _close_to_reference(w.double() @ x.double(), w.double().abs() @ x.double().abs(), y)
 
 
-_GEMMS = [(m, n, k) for m in (1, 7, 8, 9, 15, 33) for n, k in [(16, 2), (48, 64), (80, 576)]]
+_GEMMS = [(m, n, k) for m in (1, 7, 8, 9, 15, 33) for n, k in [(16, 4), (48, 64), (80, 576)]]
 _GEMMS += [(128, 512, 2048), (9, 32, 8192), (13, 48, 8192)]
 
 
 @pytest.mark.parametrize("m,n,k", _GEMMS)
-def test_tiled_gemm_matches_float64(m, n, k):
+def test_packed_gemm_matches_float64(m, n, k):
     a, w = _rand(m, k, seed=m), _rand(n, k, seed=n * 31 + k)
-    c, t = torch.full((m, n), float("nan"), dtype=torch.bfloat16), _tiled(w)
-    native_cpu.gemm_call(a, t, c)()
+    w.view(-1)[:: 89] = 1e-30
+    c, p = torch.full((m, n), float("nan"), dtype=torch.bfloat16), _packed(w)
+    native_cpu.gemm_call(a, p, c)()
     _close_to_reference(a.double() @ w.double().t(), a.double().abs() @ w.double().abs().t(), c)
 
 
-def test_shapes_outside_the_tiling_are_left_to_torch():
+def test_shapes_outside_the_packing_are_left_to_torch():
     a, w, c = _rand(4, 64, seed=1), _rand(24, 64, seed=2), torch.empty(4, 24, dtype=torch.bfloat16)
-    assert native_cpu.gemm_call(a, w, c) is None                     # 24 rows: not whole blocks
-    assert not native_cpu.tile_weight(w, torch.empty_like(w))
-    assert native_cpu.gemm_call(a.t().contiguous().t(), _rand(16, 64, seed=3), c[:, :16].contiguous()) is None
-    x = _rand(63, seed=4)
-    assert native_cpu.gemv_batch_call([(_rand(16, 63, seed=5), x, torch.empty(16, dtype=torch.bfloat16))]) is None
+    assert native_cpu.pack_weight(w, torch.empty) is None                  # 24 rows: not whole blocks
+    assert native_cpu.pack_weight(_rand(16, 66, seed=3), torch.empty) is None   # K: not whole units
+    p = _packed(_rand(16, 64, seed=3))
+    assert native_cpu.gemm_call(a.t().contiguous().t(), p, c[:, :16].contiguous()) is None   # A not row-major
+    assert native_cpu.gemm_call(a, _rand(16, 64, seed=3), c[:, :16].contiguous()) is None    # W not packed
+    x = _rand(32, seed=4)
+    assert native_cpu.gemv_batch_call([(p, x, torch.empty(16, dtype=torch.bfloat16))]) is None   # [16, 64] is not [16, 32]
 
 
 class _Launch:
@@ -91,14 +118,14 @@ class _Launch:
 
 
 @pytest.mark.parametrize("op", ["gemm", "gemv"])
-def test_ops_on_tiled_and_row_major_weights_agree(op):
+def test_ops_on_packed_and_row_major_weights_agree(op):
     """What the simulated device computes does not depend on how it holds a weight: the native
-    kernel on tiles against torch on the row-major matrix (f32 accumulation in both)."""
+    kernel on packed tiles against torch on the row-major matrix (f32 accumulation in both)."""
     n, k = 64, 576
     w = _rand(n, k, seed=9)
     a = _rand(5, k, seed=10) if op == "gemm" else _rand(k, seed=10)
     shape = (5, n) if op == "gemm" else (n,)
-    tiled, dense = torch.empty(shape, dtype=torch.bfloat16), torch.empty(shape, dtype=torch.bfloat16)
-    sim_ops.OPS[op](_Launch(), a, TiledWeight(_tiled(w), n, k), tiled)
+    packed, dense = torch.empty(shape, dtype=torch.bfloat16), torch.empty(shape, dtype=torch.bfloat16)
+    sim_ops.OPS[op](_Launch(), a, PackedWeight(_packed(w), n, k), packed)
     sim_ops.OPS[op](_Launch(), a, w, dense)
-    assert (tiled.float() - dense.float()).abs().max() <= dense.float().abs().max() * 2 ** -7
+    assert (packed.float() - dense.float()).abs().max() <= dense.float().abs().max() * 2 ** -7

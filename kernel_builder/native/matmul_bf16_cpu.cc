@@ -1,35 +1,38 @@
 // The simulated NPU's matrix products on the host CPU: prefill's GEMMs and decode's GEMVs, bf16
 // operands, f32 accumulation, each output rounded to bf16 once (nearest-even).
 //
-// Both read weights in one tiled layout, which the simulated device keeps for every weight
-// matrix W[N][K] it holds: [N/16][K/2][16][2]. Element (n, k) sits in block n/16, pair k/2,
-// lane n%16, half k%2. AVX512-BF16's dot-product instruction multiplies 16 bf16 pairs by 16
-// others and adds each product pair to its own f32 sum, so one 64-byte load of a block's pair
-// and one broadcast pair of the activation advance 16 outputs at once: no horizontal sums,
-// and the weights of 16 outputs are one sequential stream.
+// Both read weights in the packed tiles of packed_tiles.h, which the simulated device keeps for
+// every weight matrix W[N][K] it holds. Decoded, a unit is two tile vectors of the layout
+// [N/16][K/2][16][2]: element (n, k) in block n/16, pair k/2, lane n%16, half k%2. AVX512-BF16's
+// dot-product instruction multiplies 16 bf16 pairs by 16 others and adds each product pair to
+// its own f32 sum, so one tile vector and one broadcast pair of the activation advance 16
+// outputs at once: no horizontal sums, and the weights of 16 outputs are one sequential stream.
 //
-// - GEMV (decode, memory-bound): each thread streams whole blocks, in chunks of about 1 MiB
-//   scheduled dynamically, so a batch (Q/K/V, gate and up, the LM head's partitions) ends
-//   balanced. It reads as fast as the row-major kernel it replaced, or slightly faster.
-// - GEMM (prefill, compute-bound): an 8-row by 32-column register tile, 16 f32 accumulators
-//   fed by 2 weight loads and 8 activation broadcasts per pair. On the checkpoint's row-major
-//   layout a GEMM has to repack weights on every call (oneDNN does) or broadcast from 8 strided
-//   rows; here the tile streams them as stored, which measured 5-15 % faster than oneDNN's
-//   GEMM on 128-2048 rows, and up to 35 % on 32.
+// - GEMV (decode, memory-bound): each thread decodes whole blocks as they stream in, in chunks
+//   of about 1 MiB scheduled dynamically, so a batch (Q/K/V, gate and up, the LM head's
+//   partitions) ends balanced. It reads 3/4 of the bytes a bf16 GEMV reads, and decoding keeps
+//   pace with memory, so it runs about 4/3 as fast where memory is the limit.
+// - GEMM (prefill, compute-bound): an 8-row by 32-column register tile, 16 f32 accumulators fed
+//   by 2 weight vectors and 8 activation broadcasts per pair. A panel of 32 outputs is decoded
+//   by its first row tile, as it streams in, into a thread's buffer (at most 512 KiB, within
+//   its L2) that the panel's other row tiles read. On the
+//   checkpoint's row-major layout a GEMM has to repack weights on every call (oneDNN does) or
+//   broadcast from 8 strided rows; the tile streams them as stored, which measured 5-15 %
+//   faster than oneDNN's GEMM on 128-2048 rows, and up to 35 % on 32.
 // Built with -fopenmp: the library binds to the libgomp torch has loaded, one thread team.
 #include <immintrin.h>
 
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
+#include "packed_tiles.h"
 #include "simd_bf16.h"
 
 namespace {
 
-constexpr int64_t kLanes = 16;   // outputs per tile block
-constexpr int kRows = 8;         // GEMM tile: activation rows
-constexpr int kVecs = 2;         // GEMM tile: blocks of 16 outputs
+constexpr int64_t kLanes = packed::kLanes;   // outputs per tile block
+constexpr int kRows = 8;                     // GEMM tile: activation rows
+constexpr int kVecs = 2;                     // GEMM tile: blocks of 16 outputs
 
 inline __m512bh pair(const uint32_t *p) { return (__m512bh)_mm512_loadu_si512(p); }
 inline __m512bh bcast(uint32_t v) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(v)); }
@@ -37,23 +40,32 @@ inline __m512bh bcast(uint32_t v) { return (__m512bh)_mm512_set1_epi32(static_ca
 // ---- GEMV -----------------------------------------------------------------------------------
 
 struct Job {
-  const uint32_t *w;   // tiled
+  packed::View w;
   const uint32_t *x;   // K/2 pairs
   uint16_t *y;
   int64_t n, k;
 };
 
-// One block: 16 outputs over all K, four sums in flight to cover the instruction's latency.
-void gemv_block(const uint32_t *w, const uint32_t *x, int64_t kp, uint16_t *y) {
+// One block: 16 outputs over all K, four sums in flight (K-pair p into sum p % 4, a last odd
+// unit into the first) to cover the instruction's latency.
+void gemv_block(const packed::View &w, int64_t blk, const uint32_t *x, uint16_t *y) {
   __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-  int64_t p = 0;
-  for (; p + 4 <= kp; p += 4) {
-    s0 = _mm512_dpbf16_ps(s0, pair(w + (p + 0) * kLanes), bcast(x[p + 0]));
-    s1 = _mm512_dpbf16_ps(s1, pair(w + (p + 1) * kLanes), bcast(x[p + 1]));
-    s2 = _mm512_dpbf16_ps(s2, pair(w + (p + 2) * kLanes), bcast(x[p + 2]));
-    s3 = _mm512_dpbf16_ps(s3, pair(w + (p + 3) * kLanes), bcast(x[p + 3]));
+  packed::Cursor cur(w, blk);
+  __m512i a, b;
+  int64_t u = 0;
+  for (; u + 2 <= w.u; u += 2) {
+    cur.unit(u, a, b);
+    s0 = _mm512_dpbf16_ps(s0, (__m512bh)a, bcast(x[2 * u]));
+    s1 = _mm512_dpbf16_ps(s1, (__m512bh)b, bcast(x[2 * u + 1]));
+    cur.unit(u + 1, a, b);
+    s2 = _mm512_dpbf16_ps(s2, (__m512bh)a, bcast(x[2 * u + 2]));
+    s3 = _mm512_dpbf16_ps(s3, (__m512bh)b, bcast(x[2 * u + 3]));
   }
-  for (; p < kp; ++p) s0 = _mm512_dpbf16_ps(s0, pair(w + p * kLanes), bcast(x[p]));
+  if (u < w.u) {
+    cur.unit(u, a, b);
+    s0 = _mm512_dpbf16_ps(s0, (__m512bh)a, bcast(x[2 * u]));
+    s0 = _mm512_dpbf16_ps(s0, (__m512bh)b, bcast(x[2 * u + 1]));
+  }
   native::store_bf16(y, _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)), 0xffff);
 }
 
@@ -86,20 +98,64 @@ void gemm_tile(const uint32_t *a, int64_t kp, const uint32_t *w, uint16_t *c, in
     for (int j = 0; j < V; ++j) native::store_bf16(c + i * ldc + j * kLanes, acc[i][j], 0xffff);
 }
 
+// The first tile of rows over a panel of V packed blocks: the same sums as gemm_tile, reading
+// the weights as they stream in from memory, and leaving them decoded in `panel` for the
+// panel's other rows. Streaming stays behind the tile's arithmetic, as with unpacked weights.
+template <int R, int V>
+void gemm_tile_unpacking(const uint32_t *a, int64_t kp, const packed::View &w, int64_t blk, uint32_t *panel,
+                         uint16_t *c, int64_t ldc) {
+  __m512 acc[R][V];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < V; ++j) acc[i][j] = _mm512_setzero_ps();
+  packed::Cursor cur[V];
+  for (int j = 0; j < V; ++j) cur[j] = packed::Cursor(w, blk + j);
+  for (int64_t u = 0; u < w.u; ++u) {
+    __m512i lo[V], hi[V];
+    for (int j = 0; j < V; ++j) {
+      cur[j].unit(u, lo[j], hi[j]);
+      _mm512_storeu_si512(panel + (j * kp + 2 * u) * kLanes, lo[j]);
+      _mm512_storeu_si512(panel + (j * kp + 2 * u + 1) * kLanes, hi[j]);
+    }
+    for (int i = 0; i < R; ++i) {
+      const __m512bh x0 = bcast(a[i * kp + 2 * u]), x1 = bcast(a[i * kp + 2 * u + 1]);
+      for (int j = 0; j < V; ++j) {
+        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)lo[j], x0);
+        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)hi[j], x1);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < V; ++j) native::store_bf16(c + i * ldc + j * kLanes, acc[i][j], 0xffff);
+}
+
+// Rows of A against a panel of V blocks: the first tile unpacks the panel into `panel`, the
+// rest read it from there (a thread's L2).
 template <int V>
-void gemm_rows(const uint32_t *a, int64_t m, int64_t kp, const uint32_t *w, uint16_t *c, int64_t ldc) {
-  int64_t r = 0;
-  for (; r + kRows <= m; r += kRows) gemm_tile<kRows, V>(a + r * kp, kp, w, c + r * ldc, ldc);
+void gemm_rows(const uint32_t *a, int64_t m, int64_t kp, const packed::View &w, int64_t blk, uint32_t *panel,
+               uint16_t *c, int64_t ldc) {
+  switch (m < kRows ? m : kRows) {
+    case 8: gemm_tile_unpacking<8, V>(a, kp, w, blk, panel, c, ldc); break;
+    case 7: gemm_tile_unpacking<7, V>(a, kp, w, blk, panel, c, ldc); break;
+    case 6: gemm_tile_unpacking<6, V>(a, kp, w, blk, panel, c, ldc); break;
+    case 5: gemm_tile_unpacking<5, V>(a, kp, w, blk, panel, c, ldc); break;
+    case 4: gemm_tile_unpacking<4, V>(a, kp, w, blk, panel, c, ldc); break;
+    case 3: gemm_tile_unpacking<3, V>(a, kp, w, blk, panel, c, ldc); break;
+    case 2: gemm_tile_unpacking<2, V>(a, kp, w, blk, panel, c, ldc); break;
+    case 1: gemm_tile_unpacking<1, V>(a, kp, w, blk, panel, c, ldc); break;
+    default: return;
+  }
+  int64_t r = kRows;
+  for (; r + kRows <= m; r += kRows) gemm_tile<kRows, V>(a + r * kp, kp, panel, c + r * ldc, ldc);
   const uint32_t *ar = a + r * kp;
   uint16_t *cr = c + r * ldc;
-  switch (m - r) {   // the last rows of a prompt that is not a multiple of the tile
-    case 7: gemm_tile<7, V>(ar, kp, w, cr, ldc); break;
-    case 6: gemm_tile<6, V>(ar, kp, w, cr, ldc); break;
-    case 5: gemm_tile<5, V>(ar, kp, w, cr, ldc); break;
-    case 4: gemm_tile<4, V>(ar, kp, w, cr, ldc); break;
-    case 3: gemm_tile<3, V>(ar, kp, w, cr, ldc); break;
-    case 2: gemm_tile<2, V>(ar, kp, w, cr, ldc); break;
-    case 1: gemm_tile<1, V>(ar, kp, w, cr, ldc); break;
+  switch (m > r ? m - r : 0) {   // the last rows of a prompt that is not a multiple of the tile
+    case 7: gemm_tile<7, V>(ar, kp, panel, cr, ldc); break;
+    case 6: gemm_tile<6, V>(ar, kp, panel, cr, ldc); break;
+    case 5: gemm_tile<5, V>(ar, kp, panel, cr, ldc); break;
+    case 4: gemm_tile<4, V>(ar, kp, panel, cr, ldc); break;
+    case 3: gemm_tile<3, V>(ar, kp, panel, cr, ldc); break;
+    case 2: gemm_tile<2, V>(ar, kp, panel, cr, ldc); break;
+    case 1: gemm_tile<1, V>(ar, kp, panel, cr, ldc); break;
     default: break;
   }
 }
@@ -113,34 +169,17 @@ extern "C" int matmul_bf16_cpu_supported() {
 
 extern "C" int64_t matmul_bf16_cpu_tile_rows() { return kLanes; }
 
-// Row-major W[n][k] into the tiled layout (n a multiple of 16, k even); t may be w itself. A block
-// of 16 rows occupies the same bytes in both layouts, so each is staged through a small buffer
-// and written back in place: a weight is tiled without a second copy of it.
-extern "C" void tile_weight_bf16_cpu(const uint16_t *w, uint16_t *t, int64_t n, int64_t k) {
-  const int64_t kp = k / 2, block = kLanes * kp;
-  const uint32_t *src = reinterpret_cast<const uint32_t *>(w);
-  uint32_t *dst = reinterpret_cast<uint32_t *>(t);
-#pragma omp parallel
-  {
-    std::vector<uint32_t> rows(block);
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < n / kLanes; ++b) {
-      std::memcpy(rows.data(), src + b * block, block * sizeof(uint32_t));
-      uint32_t *out = dst + b * block;
-      for (int64_t p = 0; p < kp; ++p)
-        for (int64_t l = 0; l < kLanes; ++l) out[p * kLanes + l] = rows[l * kp + p];
-    }
-  }
-}
+extern "C" int64_t matmul_bf16_cpu_packed_header() { return packed::kHeader; }
 
-// n independent GEMVs on tiled weights, each described by 5 int64 slots: w, x, y (addresses), n (rows), k.
-extern "C" void gemv_tiled_bf16_cpu_batch(const int64_t *desc, int count) {
-  std::vector<Job> jobs(count);
+// Independent GEMVs on packed weights, each described by 5 int64 slots: w, x, y (addresses), n (rows), k.
+extern "C" void gemv_packed_bf16_cpu_batch(const int64_t *desc, int count) {
+  std::vector<Job> jobs;
+  jobs.reserve(count);
   std::vector<Chunk> chunks;
   for (int i = 0; i < count; ++i) {
     const int64_t *d = desc + 5 * i;
-    jobs[i] = {reinterpret_cast<const uint32_t *>(d[0]), reinterpret_cast<const uint32_t *>(d[1]),
-               reinterpret_cast<uint16_t *>(d[2]), d[3], d[4]};
+    jobs.push_back({packed::View(reinterpret_cast<const uint8_t *>(d[0])), reinterpret_cast<const uint32_t *>(d[1]),
+                    reinterpret_cast<uint16_t *>(d[2]), d[3], d[4]});
     const int64_t blocks = d[3] / kLanes;
     int64_t step = kChunkBytes / (kLanes * d[4] * 2);
     step = step < 1 ? 1 : step;
@@ -150,24 +189,27 @@ extern "C" void gemv_tiled_bf16_cpu_batch(const int64_t *desc, int count) {
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t c = 0; c < total; ++c) {
     const Job &j = jobs[chunks[c].job];
-    const int64_t kp = j.k / 2;
-    for (int64_t b = chunks[c].b0; b < chunks[c].b1; ++b) gemv_block(j.w + b * kp * kLanes, j.x, kp, j.y + b * kLanes);
+    for (int64_t b = chunks[c].b0; b < chunks[c].b1; ++b) gemv_block(j.w, b, j.x, j.y + b * kLanes);
   }
 }
 
-// C[m][n] = A[m][k] · Wᵀ with W tiled; A and C row-major. Threads split the columns.
-extern "C" void gemm_tiled_bf16_cpu(const uint16_t *a, const uint16_t *w, uint16_t *c, int64_t m, int64_t n,
-                                    int64_t k) {
+// C[m][n] = A[m][k] · Wᵀ with W packed; A and C row-major. Threads split the columns into
+// panels of kVecs blocks, each unpacked once into the thread's buffer by its first row tile.
+extern "C" void gemm_packed_bf16_cpu(const uint16_t *a, const uint8_t *w, uint16_t *c, int64_t m, int64_t n,
+                                     int64_t k) {
   const int64_t kp = k / 2, blocks = n / kLanes, panels = (blocks + kVecs - 1) / kVecs;
   const uint32_t *a32 = reinterpret_cast<const uint32_t *>(a);
-  const uint32_t *w32 = reinterpret_cast<const uint32_t *>(w);
-#pragma omp parallel for schedule(static)
-  for (int64_t pn = 0; pn < panels; ++pn) {
-    const int64_t b = pn * kVecs;
-    const uint32_t *wp = w32 + b * kp * kLanes;
-    if (blocks - b >= kVecs)
-      gemm_rows<kVecs>(a32, m, kp, wp, c + b * kLanes, n);
-    else
-      gemm_rows<1>(a32, m, kp, wp, c + b * kLanes, n);
+  const packed::View view(w);
+#pragma omp parallel
+  {
+    std::vector<uint32_t> panel(kVecs * kp * kLanes);   // kVecs blocks of plain tiles
+#pragma omp for schedule(static)
+    for (int64_t pn = 0; pn < panels; ++pn) {
+      const int64_t b = pn * kVecs;
+      if (blocks - b >= kVecs)
+        gemm_rows<kVecs>(a32, m, kp, view, b, panel.data(), c + b * kLanes, n);
+      else
+        gemm_rows<1>(a32, m, kp, view, b, panel.data(), c + b * kLanes, n);
+    }
   }
 }

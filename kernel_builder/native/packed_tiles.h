@@ -1,0 +1,110 @@
+// The simulated device's weight format: 16x2 tiles, each bf16 held losslessly in 12 bits.
+//
+// Decode reads every weight once per token and waits on memory for nearly all of it, so the
+// bytes a weight occupies set the token rate. A bf16 weight spends 8 bits on its exponent,
+// yet a trained (or initialised) matrix uses few exponents: 15 consecutive ones hold all but
+// about 1e-4 of its values. Here each weight keeps its sign and 7 mantissa bits in a byte and
+// its exponent as a 4-bit code (0: exponent 0, i.e. zero or subnormal; c in 1..15: base + c - 1),
+// and the few 64-value units holding any other exponent are kept whole beside the rest. A
+// vector of 32 weights decodes in three instructions, fewer than the cycles its bytes take to
+// arrive, and the products are bit for bit those of bf16: nothing about the arithmetic changes.
+//
+// Layout of W[n][k] (n a multiple of 16, k of 4), all offsets in bytes from the buffer's start:
+//   header   64 bytes: int64 base, escapes, n, k
+//   units    [n/16 blocks][k/4 units][96]: a unit is two K-pairs of a block's 16 rows, i.e.
+//            two 64-byte tile vectors A and B of 32 values each (element e = row % 16 * 2 + k % 2):
+//              32 bytes of codes: byte e = code(A[e]) | code(B[e]) << 4
+//              64 bytes of sign|mantissa (s << 7 | m): 16-byte lane L = A[8L..8L+7], B[8L..8L+7]
+//            (the byte order a lane-local shuffle widens to 16 bits without crossing lanes)
+//   bitmap   [blocks][ceil(units/64)] uint64: bit u set = unit u is escaped (its 96 bytes unused)
+//   starts   [blocks + 1] int64: index of each block's first escaped unit
+//   escapes  [escapes][64] bf16: A then B, as plain tile vectors
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace packed {
+
+constexpr int64_t kLanes = 16;       // outputs per block
+constexpr int64_t kHeader = 64;
+constexpr int64_t kUnitBytes = 96;
+constexpr int64_t kUnitValues = 64;
+constexpr int kCodes = 15;           // exponents a code can stand for
+
+struct Header {
+  int64_t base, escapes, n, k;
+};
+
+inline int64_t units(int64_t k) { return k / 4; }
+inline int64_t words(int64_t k) { return (units(k) + 63) / 64; }
+
+inline int64_t nbytes(int64_t n, int64_t k, int64_t escapes) {
+  const int64_t blocks = n / kLanes;
+  return kHeader + blocks * units(k) * kUnitBytes + blocks * words(k) * 8 + (blocks + 1) * 8 +
+         escapes * kUnitValues * 2;
+}
+
+// A packed buffer as its readers walk it.
+struct View {
+  const uint8_t *unit;
+  const uint64_t *bitmap;
+  const int64_t *starts;
+  const uint16_t *escaped;
+  int64_t u, w;
+  __m512i table;   // code -> exponent << 7, for 16-bit lanes; entries 16-31 repeat 0-15
+
+  explicit View(const uint8_t *p) {
+    const Header &h = *reinterpret_cast<const Header *>(p);
+    const int64_t blocks = h.n / kLanes;
+    u = units(h.k);
+    w = words(h.k);
+    unit = p + kHeader;
+    bitmap = reinterpret_cast<const uint64_t *>(unit + blocks * u * kUnitBytes);
+    starts = reinterpret_cast<const int64_t *>(bitmap + blocks * w);
+    escaped = reinterpret_cast<const uint16_t *>(starts + blocks + 1);
+    alignas(64) uint16_t t[32];
+    for (int i = 0; i < 32; ++i) t[i] = (i & 15) ? static_cast<uint16_t>((h.base + (i & 15) - 1) << 7) : 0;
+    table = _mm512_load_si512(t);
+  }
+};
+
+// One unit's two tile vectors, as bf16 bits.
+inline void decode_unit(const uint8_t *c, __m512i table, __m512i &a, __m512i &b) {
+  const __m512i dup_a = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
+  const __m512i dup_b = _mm512_broadcast_i32x4(_mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15));
+  const __m512i keep = _mm512_set1_epi16(static_cast<short>(0x807F));   // sign and mantissa of s|m s|m
+  const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(c)));
+  const __m512i sm = _mm512_loadu_si512(c + 32);
+  // (dup & keep) | exponent: 0xEA is the truth table of (x & y) | z.
+  a = _mm512_ternarylogic_epi32(_mm512_shuffle_epi8(sm, dup_a), keep, _mm512_permutexvar_epi16(codes, table), 0xEA);
+  b = _mm512_ternarylogic_epi32(_mm512_shuffle_epi8(sm, dup_b), keep,
+                                _mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), table), 0xEA);
+}
+
+// Reads one block's units in order: unit(u, a, b) gives its two tile vectors (K-pairs 2u, 2u + 1).
+struct Cursor {
+  const uint8_t *c;
+  const uint64_t *bits;
+  const uint16_t *raw;
+  __m512i table;
+
+  Cursor() = default;
+  Cursor(const View &v, int64_t blk)
+      : c(v.unit + blk * v.u * kUnitBytes), bits(v.bitmap + blk * v.w), raw(v.escaped + v.starts[blk] * kUnitValues),
+        table(v.table) {}
+
+  inline void unit(int64_t u, __m512i &a, __m512i &b) {
+    if (bits[u >> 6] >> (u & 63) & 1) {
+      a = _mm512_loadu_si512(raw);
+      b = _mm512_loadu_si512(raw + 32);
+      raw += kUnitValues;
+    } else {
+      decode_unit(c + u * kUnitBytes, table, a, b);
+    }
+  }
+};
+
+}  // namespace packed
