@@ -28,8 +28,7 @@ from llama_runtime.paths import cache_root
 
 _NATIVE = Path(__file__).resolve().parent / "native"
 _SRCS = [_NATIVE / "matmul_bf16_cpu.cc", _NATIVE / "pack_bf16_cpu.cc", _NATIVE / "eltwise_bf16_cpu.cc",
-         _NATIVE / "attention_bf16_cpu.cc",
-         _NATIVE / "flash_attention_bf16_cpu.cc"]
+         _NATIVE / "attention_bf16_cpu.cc", _NATIVE / "flash_attention_bf16_cpu.cc"]
 _HEADERS = [_NATIVE / "simd_bf16.h", _NATIVE / "packed_tiles.h"]
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off",
           "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]

@@ -8,9 +8,9 @@ Packing: decode reads every weight once per token and waits on memory for almost
 a weight's bytes set the token rate. A matrix's values use few exponents (15 consecutive ones
 hold all but about 1e-4 of them), so each value keeps its sign and mantissa in a byte and its
 exponent as a 4-bit code into that window; a unit of 64 values with any other exponent is kept
-whole. The native kernels decode a vector in three instructions while its bytes arrive, and the
-products are those of the bf16 values: what the device computes does not change, it reads 3/4
-of the bytes. `kernel_builder/native/packed_tiles.h` has the byte layout; `from_packed` below
+whole. The native kernels decode a vector in about four instructions while its bytes arrive,
+and the products are those of the bf16 values: what the device computes does not change, it
+reads 3/4 of the bytes. `kernel_builder/native/packed_tiles.h` has the byte layout; `from_packed` below
 reads it independently of the C++.
 
 Why the device and not the host: prefill's GEMM is compute-bound and wants the weights in a

@@ -6,7 +6,7 @@
 // about 1e-4 of its values. Here each weight keeps its sign and 7 mantissa bits in a byte and
 // its exponent as a 4-bit code (0: exponent 0, i.e. zero or subnormal; c in 1..15: base + c - 1),
 // and the few 64-value units holding any other exponent are kept whole beside the rest. A
-// vector of 32 weights decodes in three instructions, fewer than the cycles its bytes take to
+// vector of 32 weights decodes in about four instructions, fewer than the cycles its bytes take to
 // arrive, and the products are bit for bit those of bf16: nothing about the arithmetic changes.
 //
 // Layout of W[n][k] (n a multiple of 16, k of 4), all offsets in bytes from the buffer's start:
