@@ -43,7 +43,6 @@ struct Job {
   packed::View w;
   const uint32_t *x;   // K/2 pairs
   uint16_t *y;
-  int64_t n, k;
 };
 
 // One block: 16 outputs over all K, four sums in flight (K-pair p into sum p % 4, a last odd
@@ -179,7 +178,7 @@ extern "C" void gemv_packed_bf16_cpu_batch(const int64_t *desc, int count) {
   for (int i = 0; i < count; ++i) {
     const int64_t *d = desc + 5 * i;
     jobs.push_back({packed::View(reinterpret_cast<const uint8_t *>(d[0])), reinterpret_cast<const uint32_t *>(d[1]),
-                    reinterpret_cast<uint16_t *>(d[2]), d[3], d[4]});
+                    reinterpret_cast<uint16_t *>(d[2])});
     const int64_t blocks = d[3] / kLanes;
     int64_t step = kChunkBytes / (kLanes * d[4] * 2);
     step = step < 1 ? 1 : step;

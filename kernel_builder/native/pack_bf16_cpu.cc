@@ -90,21 +90,22 @@ extern "C" int64_t pack_weight_bf16_cpu_plan(const uint16_t *w, int64_t n, int64
   *base = best;
   int64_t escapes = 0;
   for (int64_t c : escapes_per_block(w, n, k, best)) escapes += c;
-  return packed::nbytes(n, k, escapes);
+  return packed::Layout(n, k).nbytes(escapes);
 }
 
 // W[n][k] packed into out, which holds pack_weight_bf16_cpu_plan's bytes for this base.
 extern "C" void pack_weight_bf16_cpu(const uint16_t *w, int64_t n, int64_t k, int64_t base, uint8_t *out) {
-  const int64_t blocks = n / kLanes, units = packed::units(k), words = packed::words(k), kp = k / 2;
+  const packed::Layout at(n, k);
+  const int64_t blocks = at.blocks, units = at.units, words = at.words, kp = k / 2;
   const std::vector<int64_t> count = escapes_per_block(w, n, k, base);
   std::vector<int64_t> starts(blocks + 1, 0);
   for (int64_t b = 0; b < blocks; ++b) starts[b + 1] = starts[b] + count[b];
   const packed::Header header{base, starts[blocks], n, k};
   std::memcpy(out, &header, sizeof header);
   uint8_t *unit = out + packed::kHeader;
-  uint64_t *bitmap = reinterpret_cast<uint64_t *>(unit + blocks * units * packed::kUnitBytes);
-  int64_t *start_out = reinterpret_cast<int64_t *>(bitmap + blocks * words);
-  uint16_t *raw = reinterpret_cast<uint16_t *>(start_out + blocks + 1);
+  uint64_t *bitmap = reinterpret_cast<uint64_t *>(out + at.bitmap);
+  int64_t *start_out = reinterpret_cast<int64_t *>(out + at.starts);
+  uint16_t *raw = reinterpret_cast<uint16_t *>(out + at.escaped);
   std::memcpy(start_out, starts.data(), starts.size() * sizeof(int64_t));
   const uint32_t *src = reinterpret_cast<const uint32_t *>(w);
 #pragma omp parallel

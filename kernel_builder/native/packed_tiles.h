@@ -38,14 +38,20 @@ struct Header {
   int64_t base, escapes, n, k;
 };
 
-inline int64_t units(int64_t k) { return k / 4; }
-inline int64_t words(int64_t k) { return (units(k) + 63) / 64; }
+inline int64_t units(int64_t k) { return k / 4; }   // per block: two K-pairs each
 
-inline int64_t nbytes(int64_t n, int64_t k, int64_t escapes) {
-  const int64_t blocks = n / kLanes;
-  return kHeader + blocks * units(k) * kUnitBytes + blocks * words(k) * 8 + (blocks + 1) * 8 +
-         escapes * kUnitValues * 2;
-}
+// Where each part of a packed [n][k] buffer starts, in bytes: the one place the offsets are derived.
+struct Layout {
+  int64_t blocks, units, words;   // blocks of 16 rows; units and bitmap words per block
+  int64_t bitmap, starts, escaped;
+
+  Layout(int64_t n, int64_t k)
+      : blocks(n / kLanes), units(packed::units(k)), words((units + 63) / 64),
+        bitmap(kHeader + blocks * units * kUnitBytes), starts(bitmap + blocks * words * 8),
+        escaped(starts + (blocks + 1) * 8) {}
+
+  int64_t nbytes(int64_t escapes) const { return escaped + escapes * kUnitValues * 2; }
+};
 
 // A packed buffer as its readers walk it.
 struct View {
@@ -58,13 +64,13 @@ struct View {
 
   explicit View(const uint8_t *p) {
     const Header &h = *reinterpret_cast<const Header *>(p);
-    const int64_t blocks = h.n / kLanes;
-    u = units(h.k);
-    w = words(h.k);
+    const Layout at(h.n, h.k);
+    u = at.units;
+    w = at.words;
     unit = p + kHeader;
-    bitmap = reinterpret_cast<const uint64_t *>(unit + blocks * u * kUnitBytes);
-    starts = reinterpret_cast<const int64_t *>(bitmap + blocks * w);
-    escaped = reinterpret_cast<const uint16_t *>(starts + blocks + 1);
+    bitmap = reinterpret_cast<const uint64_t *>(p + at.bitmap);
+    starts = reinterpret_cast<const int64_t *>(p + at.starts);
+    escaped = reinterpret_cast<const uint16_t *>(p + at.escaped);
     alignas(64) uint16_t t[32];
     for (int i = 0; i < 32; ++i) t[i] = (i & 15) ? static_cast<uint16_t>((h.base + (i & 15) - 1) << 7) : 0;
     table = _mm512_load_si512(t);
