@@ -62,7 +62,7 @@ profile: install
 	$(PY) llama32_1b_inference.py --prompt "$$PROMPT" --profile $(RUN_ARGS)
 
 compile: install
-	$(PY) -m kernel_builder.compile --model "$(MODEL)" --device "$(DEVICE)"
+	$(PY) -m llama_runtime.compile --model "$(MODEL)" --device "$(DEVICE)"
 
 verify: install
 	$(PY) -m verify --model "$(MODEL)" --device "$(DEVICE)" --prompts 2 --n-tokens 32
@@ -77,6 +77,6 @@ bench: install
 	$(PY) -m bench --device "$(DEVICE)"
 
 clean:
-	$(PY) -c "import shutil; from llama_runtime.paths import cache_root; shutil.rmtree(cache_root(), ignore_errors=True)" 2>/dev/null || true
+	$(PY) -c "import shutil; from llama_base.paths import cache_root; shutil.rmtree(cache_root(), ignore_errors=True)" 2>/dev/null || true
 	rm -rf reports build *.egg-info .pytest_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -15,17 +15,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from kernel_builder.cache import KernelCache
-from kernel_builder.device import open_device
-from kernel_builder.profiler import NULL_PROFILER, Profiler
 from llama32_1b_decode import decode_step
 from llama32_1b_prefill import prefill
 from llama32_1b_weights import load_weights
+from llama_base.errors import PromptError
+from llama_runtime.cli import run_cli
 from llama_runtime.device_model import DeviceModel
-from llama_runtime.errors import PromptError
 from llama_runtime.models import ResolvedModel, resolve_model
 from llama_runtime.sampling import Sampler, SamplingParams
 from llama_runtime.tokenizer import StreamDecoder, Tokenizer
+from npu_runtime.cache import KernelCache
+from npu_runtime.devices import open_device
+from npu_runtime.profiler import NULL_PROFILER, Profiler
 
 DEFAULT_MAX_CONTEXT = 4096
 
@@ -175,9 +176,7 @@ def build_session(model: str | None = None, device: str = "auto", max_context: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    from llama_runtime.cli import run_cli
-
-    return run_cli(argv)
+    return run_cli(build_session, argv)
 
 
 if __name__ == "__main__":

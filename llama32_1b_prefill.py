@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from llama32_1b_decode import attend_and_ffn
+from llama_base.errors import PromptError
 from llama_runtime.device_model import Capture, DeviceModel, bo_key
-from llama_runtime.errors import PromptError
 
 
 def qkv_to_cache(model: DeviceModel, layer: int, x: torch.Tensor, start: int, n: int,

@@ -11,7 +11,7 @@ import sys
 
 from bench.plan import FULL, QUICK
 from bench.run import run_bench
-from llama_runtime.errors import UserError
+from llama_base.errors import UserError
 from llama_runtime.models import EMBEDDED, LLAMA1B_SHAPE
 
 DEFAULT_MODELS = f"{LLAMA1B_SHAPE},{EMBEDDED}"

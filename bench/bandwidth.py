@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.machine import cpu_flags
-from kernel_builder.device import zeroed_buffer
+from npu_runtime.sim.device import zeroed_buffer
 
 GIB = 1 << 30
 _SRC = Path(__file__).resolve().parent / "native" / "gemv_f32_stream.cc"
@@ -46,7 +46,7 @@ class Bandwidth:
 
 
 def _native_gemv():
-    from kernel_builder.native_cpu import build_shared
+    from npu_runtime.sim.native_cpu import build_shared
 
     if "avx512f" not in cpu_flags():
         return None

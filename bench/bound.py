@@ -11,7 +11,7 @@ embedding lookup reads. Sizes come from the config only, so the same arithmetic 
 from __future__ import annotations
 
 from kernel_builder.backend_presets import BF16
-from llama32_1b_weights import LlamaConfig, layer_shapes
+from llama_base.config import LlamaConfig, layer_shapes
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -27,7 +27,7 @@ from filelock import FileLock
 
 from bench import BenchError
 from bench.llamacpp_build import LlamaCpp
-from llama_runtime.paths import cache_root
+from llama_base.paths import cache_root
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"

@@ -29,7 +29,7 @@ from filelock import FileLock
 
 from bench import BenchError
 from bench.machine import cpu_flags
-from llama_runtime.paths import cache_root
+from llama_base.paths import cache_root
 
 DIST = "llama-cpp-python"
 VERSION = "0.3.36"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from bench.bandwidth import GIB
 from llama32_1b_inference import DEFAULT_MAX_CONTEXT
-from llama32_1b_weights import LlamaConfig
+from llama_base.config import LlamaConfig
 from llama_runtime.tokenizer import Tokenizer
 
 PROMPT_TEXT = (

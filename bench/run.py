@@ -26,7 +26,7 @@ from bench.plan import Plan, prompt_ids
 from bench.protocol import JOB_FILE, RESULT_FILE
 from bench.render import markdown
 from bench.summary import BF16_RUNTIMES, HF, OURS, summarize_model
-from llama32_1b_weights import LlamaConfig
+from llama_base.config import LlamaConfig
 from llama_runtime.models import EMBEDDED, resolve_checkpoint
 from verify.report import write_report
 

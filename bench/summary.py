@@ -11,7 +11,7 @@ import statistics
 from dataclasses import asdict, dataclass
 
 from bench.bound import decode_bound_tokens_per_s, decode_bytes_per_token, kv_cache_bytes, weight_bytes
-from llama32_1b_weights import LlamaConfig
+from llama_base.config import LlamaConfig
 
 OURS, HF, LLAMACPP_BF16 = "ours", "hf", "llama.cpp bf16"
 BF16_RUNTIMES = (OURS, HF, LLAMACPP_BF16)   # those that read bf16 weights, the bound's bytes

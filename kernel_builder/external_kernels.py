@@ -249,8 +249,8 @@ def build_group_objects(groups: Iterable, out_dir: Path, toolchain: Toolchain | 
 
 def main(argv: list[str] | None = None) -> int:
     from kernel_builder.groups import all_groups, prefill_buckets
-    from llama32_1b_weights import LlamaConfig
-    from llama_runtime.errors import UserError
+    from llama_base.config import LlamaConfig
+    from llama_base.errors import UserError
 
     ap = argparse.ArgumentParser(description="Build the external kernel objects every kernel group links.")
     ap.add_argument("out_dir", type=Path)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from kernel_builder import backend_presets as presets
-from llama32_1b_weights import LAYER_TENSORS, LlamaConfig
+from llama_base.config import LAYER_TENSORS, LlamaConfig
 
 
 class Role(str, Enum):

@@ -1,1 +1,2 @@
-"""Host-side support for the Llama-3.2-1B NPU runtime: caches, tokenizer, offline models, host math."""
+"""Run time, model side: weights and checkpoints, the model resident on a device, host math,
+tokenizer, sampling, chat, and the command lines (`make run`, `make chat`, `make compile`)."""

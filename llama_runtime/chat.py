@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from llama_runtime.errors import PromptError
+from llama_base.errors import PromptError
 from llama_runtime.sampling import SamplingParams
 
 

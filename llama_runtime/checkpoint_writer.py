@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from llama32_1b_weights import LlamaConfig
+from llama_base.config import LlamaConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
+from typing import Callable
 
-from llama_runtime.errors import PromptError, UserError
+from llama_base.errors import PromptError, UserError
 from llama_runtime.sampling import SamplingParams
 
 
@@ -111,11 +112,11 @@ def _chat(session, args, sampling) -> None:
         print(f"\n{_summary(r)}", flush=True)
 
 
-def run_cli(argv: list[str] | None = None) -> int:
+def run_cli(build_session: Callable, argv: list[str] | None = None) -> int:
+    """`make run` / `make chat` on a session from `build_session` (llama32_1b_inference's, which
+    sits above this package and hands itself down)."""
     args = parser().parse_args(argv)
     try:
-        from llama32_1b_inference import build_session
-
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed)
         prompt = None if (args.interactive or args.compile_only) else _read_prompt(args)
         if prompt is not None and not prompt.strip():

@@ -11,14 +11,23 @@ from typing import Callable
 
 import torch
 
-from kernel_builder.cache import KernelCache
-from kernel_builder.groups import (DECODE_KINDS, PREFILL_KINDS, KernelGroup, build_group, context_bucket,
-                                   lm_head_gemv, prefill_buckets, static_tensors)
-from kernel_builder.profiler import NULL_PROFILER, Profiler
-from llama32_1b_weights import LlamaConfig, LlamaWeights, generate_rope_lut
-from llama_runtime.errors import PromptError
+from kernel_builder.groups import (
+    DECODE_KINDS,
+    PREFILL_KINDS,
+    KernelGroup,
+    build_group,
+    context_bucket,
+    lm_head_gemv,
+    prefill_buckets,
+    static_tensors,
+)
+from llama_base.config import LlamaConfig
+from llama_base.errors import PromptError
 from llama_runtime.host_ops import KVCache, rms_norm
-
+from llama_runtime.rope import generate_rope_lut
+from llama_runtime.weights import LlamaWeights
+from npu_runtime.cache import KernelCache
+from npu_runtime.profiler import NULL_PROFILER, Profiler
 
 # capture(layer, name, tensor): verification hooks; tensors are views, copy what you keep.
 Capture = Callable[[int, str, torch.Tensor], None]

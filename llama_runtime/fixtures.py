@@ -28,8 +28,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from llama_runtime.errors import CheckpointError
-from llama_runtime.paths import models_dir
+from llama_base.errors import CheckpointError
+from llama_base.paths import models_dir
 
 EMBEDDED_DIR = "smollm2-135m-instruct"
 LLAMA1B_SHAPE_DIR = "llama-3.2-1b-shape"
@@ -120,8 +120,9 @@ def llama_tokenizer_dir() -> Path:
 
 
 def _build_llama1b_shape(folder: Path) -> None:
-    from llama32_1b_weights import LAYER_TENSORS, LlamaConfig, synthetic_weights
+    from llama_base.config import LAYER_TENSORS, LlamaConfig
     from llama_runtime.checkpoint_writer import balanced_shards, write_configs, write_sharded
+    from llama_runtime.weights import synthetic_weights
 
     cfg = LlamaConfig()
     weights = synthetic_weights(cfg, seed=LLAMA1B_SHAPE_SEED)
@@ -142,8 +143,9 @@ def _build_llama1b_shape(folder: Path) -> None:
 
 def ensure_llama1b_shape_checkpoint() -> Path:
     """The random-weight Llama-3.2-1B-shape folder (about 2.5 GB; built once, in under a minute)."""
-    import llama32_1b_weights as lw
+    from llama_base.config import LlamaConfig, layer_shapes
     from llama_runtime import checkpoint_writer
+    from llama_runtime.weights import synthetic_weights
 
     llama_tokenizer_dir()  # fail with the install hint before spending time on weights
     source = {
@@ -152,7 +154,7 @@ def ensure_llama1b_shape_checkpoint() -> Path:
         "seed": LLAMA1B_SHAPE_SEED,
         # Not the whole weights module: only what decides this folder's bytes.
         "code": _code_digest(
-            lw.synthetic_weights, lw.layer_shapes, lw.LlamaConfig, _build_llama1b_shape, checkpoint_writer
+            synthetic_weights, layer_shapes, LlamaConfig, _build_llama1b_shape, checkpoint_writer
         ),
     }
     return _ensure(LLAMA1B_SHAPE_DIR, source, _build_llama1b_shape)

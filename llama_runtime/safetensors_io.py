@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from llama_runtime.errors import CheckpointError
+from llama_base.errors import CheckpointError
 
 _DTYPES = {
     "BF16": (torch.bfloat16, 2),

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llama_runtime.errors import PromptError
+from llama_base.errors import PromptError
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from llama32_1b_weights import LlamaConfig
-from llama_runtime.errors import CheckpointError, PromptError
+from llama_base.config import LlamaConfig
+from llama_base.errors import CheckpointError, PromptError
 
 # Tokens that end generation in the model families we run; whichever exist are used.
 END_TOKENS = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>")

@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from llama32_1b_weights import LlamaConfig, synthetic_weights
+from llama_base.config import LlamaConfig
+from llama_runtime.weights import synthetic_weights
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -6,7 +6,7 @@ differs from a good one by exactly the fault under test.
 """
 from __future__ import annotations
 
-from llama32_1b_weights import LlamaConfig
+from llama_base.config import LlamaConfig
 
 SMOLLM2 = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                       head_dim=64, intermediate_size=1536, vocab_size=49152, rope_theta=100000.0,

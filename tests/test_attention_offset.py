@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from kernel_builder.cache import KernelCache
-from kernel_builder.device import SimDevice
 from kernel_builder.groups import build_group
 from llama_runtime.host_ops import reference_attention
+from npu_runtime.cache import KernelCache
+from npu_runtime.sim.device import SimDevice
 
 
 def test_offset_chunk_matches_reference(tiny_config, tmp_path):

@@ -9,6 +9,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
 import bench.__main__ as bench_cli
+import bench.run as bench_run
 from bench.bandwidth import GIB, Bandwidth
 from bench.bandwidth import summarize as summarize_bandwidth
 from bench.bound import decode_bound_tokens_per_s, decode_bytes_per_token, kv_cache_bytes, weight_bytes
@@ -16,13 +17,13 @@ from bench.gguf_convert import trim_tokenizer_files
 from bench.llamacpp_build import AMX_SWITCHES, cmake_args
 from bench.plan import QUICK, prompt_ids
 from bench.protocol import measure
-import bench.run as bench_run
 from bench.run import merge_rounds, run_side
 from bench.summary import HF, LLAMACPP_BF16, OURS, ratio, summarize_model
-from llama32_1b_weights import LlamaConfig, synthetic_weights
+from llama_base.config import LlamaConfig
 from llama_runtime.fixtures import ensure_embedded_model, llama_tokenizer_dir
 from llama_runtime.host_ops import KVCache
 from llama_runtime.models import EMBEDDED
+from llama_runtime.weights import synthetic_weights
 
 LLAMA_1B = LlamaConfig()
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 
-from kernel_builder import compile as compile_cli
 from kernel_builder.groups import all_groups, prefill_buckets
+from llama_runtime import compile as compile_cli
 
 
 def test_second_compile_builds_nothing(tiny_config, tmp_path, monkeypatch, capsys):
@@ -26,10 +26,10 @@ def test_second_compile_builds_nothing(tiny_config, tmp_path, monkeypatch, capsy
 def test_npu_target_without_toolchain_fails_cleanly(tiny_config, tmp_path):
     import pytest
 
-    from kernel_builder.cache import KernelCache
-    from kernel_builder.compile import ToolchainError, toolchain
     from kernel_builder.groups import build_group
-    from kernel_builder.xrt_device import NpuTarget
+    from multi_launch_builder.compile import ToolchainError, toolchain
+    from npu_runtime.cache import KernelCache
+    from npu_runtime.xrt.device import NpuTarget
 
     if toolchain().complete:
         pytest.skip("aircc and Peano are installed: the ELF path is exercised by make compile")

@@ -4,11 +4,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_builder import device, native_cpu
-from kernel_builder.device import SimDevice, Sync, open_device
 from kernel_builder.groups import build_group
-from kernel_builder import weight_tiles
-from kernel_builder import xrt_device
+from npu_runtime import api
+from npu_runtime.api import Sync
+from npu_runtime.devices import open_device
+from npu_runtime.sim import native_cpu, weight_tiles
+from npu_runtime.sim.device import SimDevice
+from npu_runtime.xrt import device as xrt_device
 
 
 def _program(tiny_config, tmp_path):
@@ -77,7 +79,7 @@ def test_shared_storage_splits_on_host_write():
     assert torch.equal(bo.device_view(False), torch.full((8,), 9, dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("size", [8, 4 * device._MEMMOVE_MAX])   # a decode row's copy and a prompt's
+@pytest.mark.parametrize("size", [8, 4 * api._MEMMOVE_MAX])   # a decode row's copy and a prompt's
 def test_partial_sync_moves_only_that_range(size):
     dev = SimDevice()
     bo = dev.bo(size)
@@ -165,7 +167,7 @@ def test_packed_weights_are_invisible_to_the_host(tiny_config, tiny_weights, tmp
 
 @pytest.mark.skipif(not native_cpu.available(), reason="weights are packed only where the native kernels run")
 def test_a_kernel_may_not_write_a_packed_weight(tiny_config, tiny_weights, tmp_path):
-    from kernel_builder.device import DeviceError
+    from npu_runtime.api import DeviceError
 
     dev, g, kernel = _program(tiny_config, tmp_path)
     bo = next(b for b in _bos(dev, g, tiny_weights, kernel) if b.packing)
@@ -174,7 +176,7 @@ def test_a_kernel_may_not_write_a_packed_weight(tiny_config, tiny_weights, tmp_p
 
 
 def test_loading_a_program_that_disagrees_with_the_declaration_fails(tiny_config, tmp_path):
-    from kernel_builder.device import DeviceError
+    from npu_runtime.api import DeviceError
 
     dev = SimDevice()
     g = build_group("o_gemv_ffn", tiny_config)
@@ -198,7 +200,7 @@ def test_npu_request_without_npu_is_a_clear_error():
     found, _ = xrt_device.probe()
     if found:
         pytest.skip("an NPU2 is present")
-    from kernel_builder.device import DeviceError
+    from npu_runtime.api import DeviceError
 
     with pytest.raises(DeviceError, match="DEVICE=npu"):
         open_device("npu", verbose=False)

@@ -17,12 +17,20 @@ import torch
 from kernel_builder import backend_presets as presets
 from kernel_builder import externs
 from kernel_builder.external_kernels import (
-    KERNELS_DIR, PEANO_FLAGS, PEANO_TARGET, Toolchain, ToolchainNotFound, build_objects, define_flags,
-    externs_for_groups, find_peano,
+    KERNELS_DIR,
+    PEANO_FLAGS,
+    PEANO_TARGET,
+    Toolchain,
+    ToolchainNotFound,
+    build_objects,
+    define_flags,
+    externs_for_groups,
+    find_peano,
 )
 from kernel_builder.groups import all_groups, build_group, prefill_buckets
 from kernel_builder.host_kernels import ELEMENT_TYPES, HOST_FLAGS, ArgType, HostKernels, host_toolchain
-from llama32_1b_weights import LlamaConfig, generate_rope_lut
+from llama_base.config import LlamaConfig
+from llama_runtime.rope import generate_rope_lut
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 LLAMA = LlamaConfig()

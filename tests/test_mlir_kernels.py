@@ -5,12 +5,12 @@ import dataclasses
 import re
 
 import pytest
+from mlir_samples import BUCKET, CONFIGS
 
 from kernel_builder import externs, groups
 from kernel_builder.mlir import BUILDERS, KernelShapeError, build_launch
 from kernel_builder.mlir.emit import memref
-from kernel_builder.mlir_validate import validate_module
-from mlir_samples import BUCKET, CONFIGS
+from multi_launch_builder.mlir_validate import validate_module
 
 
 def launches(cfg):

@@ -4,12 +4,12 @@ from __future__ import annotations
 import re
 
 import pytest
+from mlir_samples import BARE_HERD, GOOD, L1, L3, SMOLLM2
 
 from kernel_builder import groups
 from kernel_builder.mlir import build_launch
-from kernel_builder.mlir_validate import MlirValidationError, validate_module
-from kernel_builder.stitching import Part, StitchError, stitch, stitch_group
-from mlir_samples import BARE_HERD, GOOD, L1, L3, SMOLLM2
+from multi_launch_builder.mlir_validate import MlirValidationError, validate_module
+from multi_launch_builder.stitching import Part, StitchError, stitch, stitch_group
 
 TWO = [L3, L3]
 

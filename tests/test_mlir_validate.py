@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import pytest
+from mlir_samples import GOOD, L1, L3, SEGS_DMA_WHOLE, SMOLLM2
 
 from kernel_builder import groups
 from kernel_builder.mlir import build_launch
-from kernel_builder.mlir_validate import MlirValidationError, cross_check, rewrite_calls, validate_module
-from kernel_builder.stitching import Part, slot_types, stitch
-from mlir_samples import GOOD, L1, L3, SEGS_DMA_WHOLE, SMOLLM2
-from multi_launch_builder import assemble
+from multi_launch_builder.compile import assemble
+from multi_launch_builder.mlir_validate import MlirValidationError, cross_check, rewrite_calls, validate_module
+from multi_launch_builder.stitching import Part, slot_types, stitch
 
 
 def problems(text: str) -> str:

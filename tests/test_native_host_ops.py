@@ -14,10 +14,11 @@ import functools
 import pytest
 import torch
 
-from kernel_builder import native_cpu, sim_ops
-from kernel_builder.device import SimDevice
 from kernel_builder.groups import build_group
 from llama_runtime.host_ops import KVCache, decode_attention_cpu, reference_attention
+from npu_runtime.sim import native_cpu
+from npu_runtime.sim import ops as sim_ops
+from npu_runtime.sim.device import SimDevice
 
 pytestmark = pytest.mark.skipif(native_cpu._library() is None,
                                 reason="no C++ compiler or no AVX512-BF16 on this CPU: the simulator uses torch")

@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_builder import native_cpu, sim_ops
-from kernel_builder.weight_tiles import HEADER, LANES, UNIT_BYTES, PackedWeight, from_packed, to_tiles
+from npu_runtime.sim import native_cpu
+from npu_runtime.sim import ops as sim_ops
+from npu_runtime.sim.weight_tiles import HEADER, LANES, UNIT_BYTES, PackedWeight, from_packed, to_tiles
 
 pytestmark = pytest.mark.skipif(native_cpu._library() is None,
                                 reason="no C++ compiler or no AVX512-BF16 on this CPU: the simulator uses torch")

@@ -11,12 +11,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kernel_builder.cache import KernelCache
-from kernel_builder.device import SimDevice
 from kernel_builder.groups import build_group
-from llama32_1b_weights import LAYER_TENSORS, load_weights
-from llama_runtime.cli import run_cli
-from llama_runtime.errors import CheckpointError, KernelCacheError
+from llama32_1b_inference import main as run_cli
+from llama32_1b_weights import load_weights
+from llama_base.config import LAYER_TENSORS
+from llama_base.errors import CheckpointError, KernelCacheError
+from npu_runtime.cache import KernelCache
+from npu_runtime.sim.device import SimDevice
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -225,8 +226,9 @@ def test_a_run_writes_only_under_the_cache(tmp_path):
 
 
 def test_no_pickle_loading_and_no_remote_code():
-    sources = [p for d in ("kernel_builder", "llama_runtime", "verify", "multi_launch_builder")
-               for p in (REPO / d).rglob("*.py")] + list(REPO.glob("llama32_1b_*.py"))
+    packages = ("llama_base", "kernel_builder", "multi_launch_builder", "npu_runtime", "llama_runtime", "verify",
+                "bench")
+    sources = [p for d in packages for p in (REPO / d).rglob("*.py")] + list(REPO.glob("llama32_1b_*.py"))
     text = "\n".join(p.read_text() for p in sources)
     for banned in ("trust_remote_code=True", "torch.load(", "pickle.load", "allow_pickle=True"):
         assert banned not in text, banned

@@ -7,10 +7,10 @@ import torch
 from llama32_1b_decode import decode_step
 from llama32_1b_inference import build_session
 from llama32_1b_prefill import prefill
-from kernel_builder import native_cpu
-from llama_runtime.errors import PromptError
+from llama_base.errors import PromptError
 from llama_runtime.host_ops import KVCache
 from llama_runtime.sampling import SamplingParams
+from npu_runtime.sim import native_cpu
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,9 @@ import datetime
 
 import pytest
 
-from llama32_1b_weights import LlamaConfig
+from llama_base.config import LlamaConfig
+from llama_base.errors import CheckpointError, PromptError
 from llama_runtime import fixtures
-from llama_runtime.errors import CheckpointError, PromptError
 from llama_runtime.tokenizer import Tokenizer, load_tokenizer
 
 DAY = datetime.date(2024, 7, 26)
@@ -192,7 +192,8 @@ def test_stream_decoder_flush_returns_a_cut_character(llama):
 def test_stream_decoder_keeps_context_for_decoders_that_strip_a_leading_space(tmp_path):
     """SentencePiece-style decoders drop the space of a sequence's first word, so a token
     decoded on its own loses the space it has in context; the stream must not."""
-    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<unk>": 0, "▁Hello": 1, "▁world": 2, "▁again": 3}

@@ -11,10 +11,10 @@ import json
 import pytest
 import torch
 
-from kernel_builder import sim_ops
-from kernel_builder.cache import KernelCache
-from llama32_1b_weights import LlamaConfig
+from llama_base.config import LlamaConfig
 from llama_runtime.models import EMBEDDED, LLAMA1B_SHAPE
+from npu_runtime.cache import KernelCache
+from npu_runtime.sim import ops as sim_ops
 from verify import __main__ as verify_cli
 from verify.compare import TOP_K, gate_prompt, rank_of
 from verify.diagnosis import COSINE_FLOOR, run_diagnosis

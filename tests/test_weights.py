@@ -7,8 +7,9 @@ from transformers import LlamaConfig as HFLlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from kernel_builder.groups import all_groups, prefill_buckets
-from llama32_1b_weights import LlamaConfig, RopeScaling, generate_rope_lut
-from llama_runtime.errors import CheckpointError
+from llama_base.config import LlamaConfig, RopeScaling
+from llama_base.errors import CheckpointError
+from llama_runtime.rope import generate_rope_lut
 
 LLAMA_1B = {  # Llama-3.2-1B-Instruct's config.json as published (transformers 4 layout)
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "attention_bias": False,

@@ -5,7 +5,7 @@ top-5 membership); `python -m verify.diagnosis` compares every layer's output hi
 on one prompt. The HF side runs in a child process and hands its results over as
 safetensors + JSON, so the two models are never resident at once.
 """
-from llama_runtime.errors import UserError
+from llama_base.errors import UserError
 
 
 class VerifyError(UserError):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llama_runtime.errors import UserError
+from llama_base.errors import UserError
 from verify.gate import run_gate
 from verify.prepare import add_model_args
 

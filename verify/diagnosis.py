@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from llama_runtime.errors import UserError
+from llama_base.errors import UserError
 from verify.compare import HiddenDiff, hidden_diff, rank_of
 from verify.hf_side import peak_rss_mib, run_in_child
 from verify.our_runner import OurRunner

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from llama32_1b_inference import Session, build_session, is_chat_model
-from llama32_1b_weights import LlamaConfig
+from llama_base.config import LlamaConfig
 from llama_runtime.models import resolve_model
 from llama_runtime.tokenizer import Tokenizer
 from verify import VerifyError

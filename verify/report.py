@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from llama_runtime.paths import reports_dir
+from llama_base.paths import reports_dir
 
 
 def md_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

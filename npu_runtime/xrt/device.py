@@ -19,8 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernel_builder.device import Counters, DeviceError, Sync
 from kernel_builder.groups import KernelGroup
+from multi_launch_builder.compile import compile_elf, toolchain
+from npu_runtime.api import Counters, DeviceError, Sync
 
 # Device names XRT reports for NPU2-class (AIE2P) parts.
 NPU2_NAMES = ("npu4", "npu5", "npu6", "strix", "krackan", "gorgon")
@@ -109,14 +110,10 @@ class NpuTarget:
     kind = "npu"
 
     def toolchain_stamp(self) -> str:
-        from kernel_builder.compile import toolchain
-
         return f"npu/{toolchain().stamp()}"
 
     def compile(self, group: KernelGroup, out_dir: Path, mlir_text: str | None) -> list[str]:
         """Stitched MLIR → aircc → ELF; the manifest lists every file so damage is detected."""
-        from kernel_builder.compile import compile_elf
-
         if mlir_text is None:
             raise DeviceError(f"{group.name}: no MLIR to compile")
         mlir = out_dir / "group.mlir"

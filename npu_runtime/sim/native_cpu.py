@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from llama_runtime.paths import cache_root
+from llama_base.paths import cache_root
 
 _NATIVE = Path(__file__).resolve().parent / "native"
 _SRCS = [_NATIVE / "matmul_bf16_cpu.cc", _NATIVE / "pack_bf16_cpu.cc", _NATIVE / "eltwise_bf16_cpu.cc",

@@ -10,7 +10,7 @@ hold all but about 1e-4 of them), so each value keeps its sign and mantissa in a
 exponent as a 4-bit code into that window; a unit of 64 values with any other exponent is kept
 whole. The native kernels decode a vector in about four instructions while its bytes arrive,
 and the products are those of the bf16 values: what the device computes does not change, it
-reads 3/4 of the bytes. `kernel_builder/native/packed_tiles.h` has the byte layout; `from_packed` below
+reads 3/4 of the bytes. `native/packed_tiles.h` has the byte layout; `from_packed` below
 reads it independently of the C++.
 
 Why the device and not the host: prefill's GEMM is compute-bound and wants the weights in a
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernel_builder import native_cpu
 from kernel_builder.groups import KernelGroup, Role
+from npu_runtime.sim import native_cpu
 
 LANES = 16                       # outputs per block: one vector of 16 f32 sums
 HEADER = 64                      # bytes: int64 base exponent, escaped units, n, k

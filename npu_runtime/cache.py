@@ -31,27 +31,29 @@ from pathlib import Path
 import torch
 from filelock import FileLock, Timeout
 
-from kernel_builder.device import Sync, copy_tensor
+import kernel_builder
+import multi_launch_builder
 from kernel_builder.groups import KernelGroup, Role
-from kernel_builder.profiler import NULL_PROFILER, Profiler
-from llama_runtime.errors import KernelCacheError
-from llama_runtime.paths import kernels_dir
+from llama_base.errors import KernelCacheError
+from llama_base.paths import kernels_dir
+from multi_launch_builder.compile import compile_group_mlir
+from npu_runtime.api import Sync, copy_tensor
+from npu_runtime.profiler import NULL_PROFILER, Profiler
 
 FORMAT_VERSION = 1
-_PKG = Path(__file__).resolve().parent
-# Files whose change changes what a compiled artifact contains (or, for the simulated
-# device, what its program computes). Runtime-only modules are left out on purpose.
-_BUILDER_EXCLUDE = {"cache.py", "profiler.py", "xrt_device.py", "__init__.py"}
+# What a compiled artifact is made from: the build-time packages, whole. The run side (this
+# package, the model runtime) changes how an artifact is used, never what it contains.
+_BUILD_PACKAGES = (kernel_builder, multi_launch_builder)
 
 
 def builder_sources_hash() -> str:
     h = hashlib.sha256()
-    roots = [_PKG, _PKG.parent / "multi_launch_builder"]
-    for root in roots:
+    for pkg in _BUILD_PACKAGES:
+        root = Path(pkg.__file__).resolve().parent
         for p in sorted(root.rglob("*")):
-            if p.suffix not in (".py", ".cc", ".h") or p.name in _BUILDER_EXCLUDE or "__pycache__" in p.parts:
+            if p.suffix not in (".py", ".cc", ".h") or "__pycache__" in p.parts:
                 continue
-            h.update(str(p.relative_to(root)).encode())
+            h.update(f"{pkg.__name__}/{p.relative_to(root)}".encode())
             h.update(p.read_bytes())
     return h.hexdigest()
 
@@ -186,8 +188,6 @@ class KernelCache:
     @staticmethod
     def _mlir(group: KernelGroup) -> str:
         """The stitched, validated MLIR-AIR module: generated for every device, compiled only for the NPU."""
-        from kernel_builder.compile import compile_group_mlir
-
         return compile_group_mlir(group)
 
     # ---- loading ------------------------------------------------------------------------

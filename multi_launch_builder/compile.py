@@ -1,4 +1,4 @@
-"""`python -m kernel_builder.compile`: every group's MLIR-AIR module, and its ELF where aircc exists.
+"""A group's MLIR-AIR module, and its ELF where aircc exists.
 
 The pipeline is split at the two places a cache wants to cut it:
 - `compile_group_mlir(group) -> str` is a pure function of the declaration and the builder
@@ -10,30 +10,35 @@ The pipeline is split at the two places a cache wants to cut it:
 """
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
-from kernel_builder import groups
+from kernel_builder.external_kernels import ToolchainNotFound, build_group_objects, find_peano
 from kernel_builder.groups import KernelGroup
-from kernel_builder.mlir_validate import validate_group_module
-from llama32_1b_weights import LlamaConfig
-from multi_launch_builder import module_for
+from kernel_builder.mlir import build_launch
+from llama_base.paths import cache_root
+from multi_launch_builder.mlir_validate import validate_group_module
+from multi_launch_builder.stitching import stitch_group
 
 
 class ToolchainError(RuntimeError):
     """aircc is missing, or it failed, or the objects it must link are absent."""
 
 
+def assemble(group: KernelGroup) -> str:
+    """The group's stitched module, not yet validated. Every group is built the same way: one
+    module per launch (its `op` picks the builder), stitched with argument maps taken from the
+    declaration, so adding a launch to a group in `groups.py` needs no change here."""
+    return stitch_group(group, [build_launch(group, launch) for launch in group.launches])
+
+
 def compile_group_mlir(group: KernelGroup) -> str:
     """The group's stitched, validated module text (raises on any inconsistency)."""
-    text = module_for(group)
+    text = assemble(group)
     validate_group_module(text, group)
     return text
 
@@ -75,8 +80,6 @@ def toolchain() -> Toolchain:
     if env and (Path(env) / "bin" / "clang").exists():
         peano = Path(env)
     elif not env:
-        from kernel_builder.external_kernels import ToolchainNotFound, find_peano
-
         try:
             peano = find_peano().cxx.parent.parent
         except ToolchainNotFound:
@@ -109,8 +112,6 @@ def aircc_command(tc: Toolchain, mlir_path: Path, out_dir: Path, group: KernelGr
 
 def default_objects_dir() -> Path:
     """Kernel objects are shared by every group and every KernelCache entry, so they live once."""
-    from llama_runtime.paths import cache_root
-
     return cache_root() / "kernel_objects"
 
 
@@ -123,8 +124,6 @@ def compile_elf(mlir_path: Path, out_dir: Path, group: KernelGroup, objects_dir:
     the module's `link_with` names are built into `objects_dir` when missing (stamped, see
     `external_kernels`) and linked into aircc's working directories, where aiecc looks.
     """
-    from kernel_builder.external_kernels import build_group_objects
-
     tc = tc or toolchain()
     if not tc.complete:
         raise ToolchainError(f"cannot compile {group.name}: missing {', '.join(tc.missing())}")
@@ -160,82 +159,3 @@ def compile_elf(mlir_path: Path, out_dir: Path, group: KernelGroup, objects_dir:
     if fmt == "elf":
         produced["kernel"] = f"main:{group.name}"
     return produced
-
-
-# ---- CLI -----------------------------------------------------------------------------------
-def _config(args: argparse.Namespace) -> LlamaConfig:
-    if args.model_config:
-        return LlamaConfig.from_json(args.model_config)
-    if args.model:
-        from llama_runtime.models import resolve_model
-
-        resolved = resolve_model(args.model)
-        if resolved.fallback_note:
-            print(f"[model] {resolved.fallback_note}")
-        return LlamaConfig.from_json(resolved.folder)
-    return LlamaConfig()
-
-
-def _targets(device: str):
-    """The runtime device's artifacts, plus NPU ELFs whenever the toolchain is here (even with no NPU)."""
-    from kernel_builder.device import open_device
-    from kernel_builder.xrt_device import NpuTarget
-
-    dev = open_device(device)
-    out = [dev]
-    tc = toolchain()
-    if dev.kind != "npu":
-        if tc.complete:
-            out.append(NpuTarget())
-        else:
-            print(f"[compile] ELFs skipped: missing {', '.join(tc.missing())} "
-                  "(the MLIR of every group is still built, stitched and validated)")
-    return out
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Compile every group through the KernelCache: a second run finds everything cached."""
-    from kernel_builder.cache import KernelCache
-    from kernel_builder.external_kernels import build_group_objects
-    from llama_runtime.errors import UserError
-
-    ap = argparse.ArgumentParser(
-        prog="python -m kernel_builder.compile",
-        description="Build, stitch and validate every kernel group into the kernel cache; ELFs where aircc exists.")
-    ap.add_argument("--model-config", help="config.json (or its folder) giving the shapes")
-    ap.add_argument("--model", help="checkpoint (folder, repo id or alias) whose config gives the shapes")
-    ap.add_argument("--max-seq", type=int, help="largest prefill bucket to build")
-    ap.add_argument("--device", default="auto", choices=("auto", "npu", "sim"))
-    ap.add_argument("--out", help="also copy each stitched .mlir here, for reading")
-    args = ap.parse_args(argv)
-    try:
-        cfg = _config(args)
-        all_groups = groups.all_groups(cfg, groups.prefill_buckets(cfg, args.max_seq))
-        for target in _targets(args.device):
-            kc = KernelCache(target)
-            built = cached = 0
-            for g in all_groups:
-                before = kc.stats.compiled
-                entry = kc.compile_and_cache(g)
-                fresh = kc.stats.compiled > before
-                built, cached = built + fresh, cached + (not fresh)
-                state = "built (MLIR stitched and validated)" if fresh else "cached"
-                print(f"[compile] {g.name}: {len(g.launches)} launches; {target.kind} artifact {state} ({entry.name})")
-                if args.out and (entry / "group.mlir").exists():
-                    Path(args.out).mkdir(parents=True, exist_ok=True)
-                    shutil.copy(entry / "group.mlir", Path(args.out) / f"{g.name}.mlir")
-            print(f"[compile] {target.kind}: {built} built, {cached} already cached in {kc.dir}")
-        results = build_group_objects(all_groups, default_objects_dir())
-        for status in ("built", "up-to-date", "skipped"):
-            hits = [r for r in results if r.status == status]
-            if hits:
-                why = f": {hits[0].reason}" if status == "skipped" and hits[0].reason else ""
-                print(f"[compile] kernel objects {status}: {len(hits)}{why}")
-        return 0
-    except (UserError, ToolchainError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,57 +1,36 @@
-"""The device API the runtime is written against, and the simulated NPU that implements it.
+"""The simulated NPU: the device API (`npu_runtime.api`) on the CPU.
 
-The API is the subset of pyxrt the runtime uses: allocate a buffer object (BO), map it, sync
-it to / from the device, load a compiled artifact and run its kernel on a list of BOs. The
-real NPU (`xrt_device.XrtDevice`) and the simulated one implement it, so the KernelCache,
-preload and the prefill / decode loops are one code path for both.
-
-The simulated device keeps a BO's host and device copies apart, exactly as a missing cache
-flush would on hardware: a host write is invisible to a kernel until `sync(TO_DEVICE)` and a
-kernel's result is invisible to the host until `sync(FROM_DEVICE)`. To keep large weights
-resident once, a BO that was written through `write()` (never mapped) shares one storage
-between its host and device sides after a full sync until either side is written again
-(copy-on-write); the visible semantics are unchanged. A weight BO allocated for a GEMM or GEMV
-argument is held on the device side in packed tiles (`weight_tiles`) and its host side is
-dropped while equal, so that weight is still resident once, in 3/4 of its bf16 bytes.
+It keeps a BO's host and device copies apart, exactly as a missing cache flush would on
+hardware: a host write is invisible to a kernel until `sync(TO_DEVICE)` and a kernel's result
+is invisible to the host until `sync(FROM_DEVICE)`. To keep large weights resident once, a BO
+that was written through `write()` (never mapped) shares one storage between its host and
+device sides after a full sync until either side is written again (copy-on-write); the
+visible semantics are unchanged. A weight BO allocated for a GEMM or GEMV argument is held on
+the device side in packed tiles (`weight_tiles`) and its host side is dropped while equal, so
+that weight is still resident once, in 3/4 of its bf16 bytes.
 """
 from __future__ import annotations
 
-import ctypes
-import enum
 import json
 import mmap
-import shutil
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kernel_builder.groups import KernelGroup
-from kernel_builder.weight_tiles import Packing, PackedWeight, packing_for
-
+from npu_runtime.api import Counters, DeviceError, Sync, copy_tensor
+from npu_runtime.sim import ops
+from npu_runtime.sim.weight_tiles import PackedWeight, Packing, packing_for
 
 _VIEW_SETS = 256   # cached BO-list bindings per loaded group (one per layer in practice)
 _HUGE = 2 << 20    # buffers from this size up ask for transparent huge pages
-_MEMMOVE_MAX = 256 << 10   # copies up to this size go by memmove
 
 
 def _span(t: torch.Tensor, offset: int, n: int) -> torch.Tensor:
     """Bytes [offset, offset + n) of a buffer; the buffer itself when that is all of it (a decode
     row's sync is then one copy, not two slices and a copy)."""
     return t if offset == 0 and n == t.numel() else t[offset:offset + n]
-
-
-def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst ← src, both contiguous with one dtype and element count. A decode row (a few KiB)
-    goes by one memmove: right after a GEMV has streamed its weights, a torch copy's dispatch
-    costs tens of microseconds, mostly cache misses on the interpreter's side. Large tensors
-    keep torch's copy, which uses every core."""
-    n = dst.numel() * dst.element_size()
-    if n <= _MEMMOVE_MAX:
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
-    else:
-        dst.copy_(src)
 
 
 def zeroed_buffer(nbytes: int) -> torch.Tensor:
@@ -66,32 +45,6 @@ def zeroed_buffer(nbytes: int) -> torch.Tensor:
         m.madvise(mmap.MADV_HUGEPAGE)
         return torch.frombuffer(m, dtype=torch.uint8)
     return torch.zeros(nbytes, dtype=torch.uint8)
-
-
-class Sync(enum.Enum):
-    TO_DEVICE = "to_device"
-    FROM_DEVICE = "from_device"
-
-
-@dataclass
-class Counters:
-    """Bytes moved by syncs and kernel runs: what tests assert the BO contract with."""
-
-    bytes_to_device: int = 0
-    bytes_from_device: int = 0
-    runs: int = 0
-    bos_allocated: int = 0
-    bytes_allocated: int = 0
-
-    def snapshot(self) -> "Counters":
-        return Counters(**self.__dict__)
-
-    def since(self, before: "Counters") -> "Counters":
-        return Counters(**{k: getattr(self, k) - getattr(before, k) for k in self.__dict__})
-
-
-class DeviceError(RuntimeError):
-    """A device-level failure (load, run) described in one line."""
 
 
 class SimBO:
@@ -188,18 +141,16 @@ class SimBO:
 class SimKernel:
     """Runs a group's launches in order on the device side of its BOs with reference kernels.
 
-    The launch plan is bound to each BO list once (`sim_ops.bind`: pointers and sizes fixed),
+    The launch plan is bound to each BO list once (`ops.bind`: pointers and sizes fixed),
     so a run replays it. A decode token makes 33 runs; re-deriving every launch's operands in
     each of them cost about as much time as the elementwise kernels themselves.
     """
 
     def __init__(self, device: "SimDevice", group: KernelGroup):
-        from kernel_builder import sim_ops
-
         self.device = device
         self.group = group
-        self._plan = sim_ops.plan(group.launches)
-        self._bind_step = sim_ops.bind
+        self._plan = ops.plan(group.launches)
+        self._bind_step = ops.bind
         self._written = {w for l in group.launches for w in l.writes}
         self.packings = [packing_for(group, i) for i in range(len(group.slots))]
         self._programs: OrderedDict[tuple, tuple] = OrderedDict()
@@ -276,30 +227,3 @@ class SimDevice:
         if program != json.loads(json.dumps(group.to_json(), sort_keys=True)):
             raise DeviceError(f"{artifact_dir}: launch program does not match the declaration of {group.name}")
         return SimKernel(self, group)
-
-    @staticmethod
-    def remove_artifact(path: Path) -> None:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def open_device(kind: str = "auto", verbose: bool = True):
-    """`auto` picks the NPU when pyxrt and an NPU2 are present, else the simulated device, and says which."""
-    from kernel_builder import xrt_device
-
-    if kind not in ("auto", "npu", "sim"):
-        raise ValueError(f"DEVICE must be auto, npu or sim (got {kind!r})")
-    if kind == "sim":
-        dev = SimDevice()
-        reason = "requested"
-    else:
-        found, reason = xrt_device.probe()
-        if found:
-            dev = xrt_device.XrtDevice()
-        elif kind == "npu":
-            raise DeviceError(f"DEVICE=npu but no usable NPU2: {reason}")
-        else:
-            dev = SimDevice()
-    if verbose:
-        why = "" if dev.kind == "npu" or kind == "sim" else f" ({reason})"
-        print(f"[device] {dev.name}{why}", flush=True)
-    return dev

@@ -22,10 +22,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from kernel_builder import native_cpu
 from kernel_builder.groups import Launch
-from kernel_builder.weight_tiles import PackedWeight, dense
-
+from npu_runtime.sim import native_cpu
+from npu_runtime.sim.weight_tiles import PackedWeight, dense
 
 _BLOCK_ELEMS = 1 << 19        # f32 temporaries of 2 MiB: resident in L2/L3 while used
 

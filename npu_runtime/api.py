@@ -1,0 +1,90 @@
+"""The device API the runtime is written against: what every device implements.
+
+It is the subset of pyxrt the runtime uses: allocate a buffer object (BO), map it, sync it to /
+from the device, build and load a group's artifact and run its kernel on a list of BOs. The
+real NPU (`npu_runtime.xrt`) and the simulated one (`npu_runtime.sim`) implement it, so the
+KernelCache, preload and the prefill / decode loops are one code path for both. It is kept this
+narrow so that a device which executes the stitched MLIR-AIR itself needs nothing more.
+"""
+from __future__ import annotations
+
+import ctypes
+import enum
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from kernel_builder.groups import KernelGroup
+
+_MEMMOVE_MAX = 256 << 10   # copies up to this size go by memmove
+
+
+class Sync(enum.Enum):
+    TO_DEVICE = "to_device"
+    FROM_DEVICE = "from_device"
+
+
+@dataclass
+class Counters:
+    """Bytes moved by syncs and kernel runs: what tests assert the BO contract with."""
+
+    bytes_to_device: int = 0
+    bytes_from_device: int = 0
+    runs: int = 0
+    bos_allocated: int = 0
+    bytes_allocated: int = 0
+
+    def snapshot(self) -> "Counters":
+        return Counters(**self.__dict__)
+
+    def since(self, before: "Counters") -> "Counters":
+        return Counters(**{k: getattr(self, k) - getattr(before, k) for k in self.__dict__})
+
+
+class DeviceError(RuntimeError):
+    """A device-level failure (load, run) described in one line."""
+
+
+class BO(Protocol):
+    """A buffer object: host memory the runtime writes and reads, moved only by `sync`."""
+
+    size: int
+
+    def map(self) -> torch.Tensor: ...
+    def write(self, data: torch.Tensor, offset: int = 0) -> None: ...
+    def read(self, nbytes: int | None = None, offset: int = 0) -> torch.Tensor: ...
+    def sync(self, direction: Sync, nbytes: int | None = None, offset: int = 0) -> None: ...
+
+
+class Kernel(Protocol):
+    """A loaded group: one run executes every launch of the group on the BO list (one per slot)."""
+
+    def run(self, bos: list) -> None: ...
+
+
+class Device(Protocol):
+    """Builds, loads and runs groups. `compile` returns the artifact's file names (the
+    KernelCache hashes them into its manifest); `toolchain_stamp` is part of the cache key."""
+
+    kind: str
+    name: str
+    counters: Counters
+
+    def toolchain_stamp(self) -> str: ...
+    def bo(self, nbytes: int, kernel: Kernel | None = None, arg: int | None = None) -> BO: ...
+    def compile(self, group: KernelGroup, out_dir: Path, mlir_text: str) -> list[str]: ...
+    def load(self, artifact_dir: Path, group: KernelGroup) -> Kernel: ...
+
+
+def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst ← src, both contiguous with one dtype and element count. A decode row (a few KiB)
+    goes by one memmove: right after a GEMV has streamed its weights, a torch copy's dispatch
+    costs tens of microseconds, mostly cache misses on the interpreter's side. Large tensors
+    keep torch's copy, which uses every core."""
+    n = dst.numel() * dst.element_size()
+    if n <= _MEMMOVE_MAX:
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
+    else:
+        dst.copy_(src)

@@ -1,0 +1,1 @@
+"""The real NPU2 through pyxrt, and the NPU build target (aircc + Peano) it loads from."""

@@ -1,0 +1,145 @@
+"""Dependencies between the project's packages run one way, and no module imports itself back.
+
+Every import counts, at module level or inside a function: a function-level import is how a
+cycle hides, not how it is broken.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Bottom to top: a module may import from its own layer or the ones below it, never above.
+LAYERS = (
+    ("llama_base",),
+    ("kernel_builder",),
+    ("multi_launch_builder",),
+    ("npu_runtime",),
+    ("llama_runtime",),
+    ("llama32_1b_weights", "llama32_1b_decode", "llama32_1b_prefill", "llama32_1b_inference"),
+    ("verify",),
+    ("bench",),
+)
+RANK = {top: i for i, names in enumerate(LAYERS) for top in names}
+
+
+def project_modules() -> dict[str, Path]:
+    mods: dict[str, Path] = {}
+    for top in RANK:
+        single = REPO / f"{top}.py"
+        paths = [single] if single.is_file() else sorted((REPO / top).rglob("*.py"))
+        for p in paths:
+            parts = list(p.relative_to(REPO).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            mods[".".join(parts)] = p
+    return mods
+
+
+def _targets(node: ast.AST, module: str, is_package: bool, mods: dict[str, Path]) -> list[str]:
+    """Project modules an import statement loads (the deepest module each name resolves to)."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            pkg = module.split(".") if is_package else module.split(".")[:-1]
+            pkg = pkg[: len(pkg) - (node.level - 1)]
+            base = ".".join(pkg + ([base] if base else []))
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+    out = []
+    for name in names:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        if name and name != module:
+            out.append(name)
+    return out
+
+
+def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for module, path in mods.items():
+        deps = graph.setdefault(module, set())
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                deps.update(_targets(node, module, path.name == "__init__.py", mods))
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    top = stack.pop()
+                    on_stack.discard(top)
+                    comp.append(top)
+                    if top == node:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return found
+
+
+def test_the_cycle_finder_finds_cycles_hidden_in_functions(tmp_path):
+    """The checker itself: a function-level import that closes a loop is a cycle."""
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+    (tmp_path / "a.py").write_text("import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from a import x\n")
+    mods = {"a": tmp_path / "a.py", "b": tmp_path / "b.py"}
+    assert cycles(import_graph(mods)) == [["a", "b"]]
+
+
+def test_no_import_cycles():
+    graph = import_graph(project_modules())
+    assert len(graph) > 50      # the walk found the project
+    assert cycles(graph) == []
+
+
+def test_dependencies_point_down_the_layers():
+    graph = import_graph(project_modules())
+    upward = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                    if RANK[d.split(".")[0]] > RANK[m.split(".")[0]])
+    assert upward == []
+
+
+def test_devices_stay_apart_and_the_cache_drives_any_of_them():
+    """The simulated and XRT devices never import each other, and the KernelCache knows only the
+    device API: a third device plugs in without touching either."""
+    graph = import_graph(project_modules())
+    for a, b in (("npu_runtime.sim", "npu_runtime.xrt"), ("npu_runtime.xrt", "npu_runtime.sim")):
+        assert not [f"{m} -> {d}" for m, deps in graph.items() if m.startswith(a)
+                    for d in deps if d.startswith(b)]
+    assert not [d for d in graph["npu_runtime.cache"] if d.startswith(("npu_runtime.sim", "npu_runtime.xrt"))]
