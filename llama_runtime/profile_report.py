@@ -1,6 +1,14 @@
 """The `make profile` breakdown: where a generation's time went, per device call and host op."""
 from __future__ import annotations
 
+from npu_runtime.sim import native_cpu
+
+
+def isa_line() -> str:
+    """The CPU kernels' ISA class: the simulated device's kernels and, on any device, the host
+    ops; a profile taken on one class says little about another."""
+    return f"CPU kernels: {native_cpu.isa()} (of {', '.join(native_cpu.supported_isas() + [native_cpu.TORCH])}; {native_cpu.ENV_ISA} picks)"
+
 
 def report(session, result) -> str:
     prof, dev = session.profiler, session.device
@@ -9,6 +17,7 @@ def report(session, result) -> str:
     host_s = sum(s.run_s for s in prof.host.values())
     lines = [
         f"== profile: {session.resolved.name} on {dev.name} ==",
+        isa_line(),
         prof.table(),
         f"device calls: {dev_calls} in {dev_s * 1e3:.1f} ms; host ops {host_s * 1e3:.1f} ms",
         f"prompt {result.prompt_tokens} tokens -> bucket {session.model.bucket_for(min(result.prompt_tokens, session.model.buckets[-1]))}; "

@@ -1,6 +1,7 @@
 """Attention at an offset: a chunk's queries see the cached positions before it, and only those."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kernel_builder.groups import build_group
@@ -9,6 +10,7 @@ from npu_runtime.cache import KernelCache
 from npu_runtime.sim.device import SimDevice
 
 
+@pytest.mark.usefixtures("native_isa")   # every ISA class this CPU runs
 def test_offset_chunk_matches_reference(tiny_config, tmp_path):
     cfg = tiny_config
     seq, ctx, start, n = 128, 256, 100, 60

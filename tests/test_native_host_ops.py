@@ -20,8 +20,9 @@ from npu_runtime.sim import native_cpu
 from npu_runtime.sim import ops as sim_ops
 from npu_runtime.sim.device import SimDevice
 
-pytestmark = pytest.mark.skipif(native_cpu._library() is None,
-                                reason="no C++ compiler or no AVX512-BF16 on this CPU: the simulator uses torch")
+pytestmark = [pytest.mark.skipif(native_cpu._library() is None,
+                                 reason="no C++ compiler or no AVX2/AVX512-BF16 on this CPU: the simulator uses torch"),
+              pytest.mark.usefixtures("native_isa")]   # every ISA class this CPU runs
 
 
 class _Launch:

@@ -14,8 +14,9 @@ from npu_runtime.sim import native_cpu
 from npu_runtime.sim import ops as sim_ops
 from npu_runtime.sim.weight_tiles import HEADER, LANES, UNIT_BYTES, PackedWeight, from_packed, to_tiles
 
-pytestmark = pytest.mark.skipif(native_cpu._library() is None,
-                                reason="no C++ compiler or no AVX512-BF16 on this CPU: the simulator uses torch")
+pytestmark = [pytest.mark.skipif(native_cpu._library() is None,
+                                 reason="no C++ compiler or no AVX2/AVX512-BF16 on this CPU: the simulator uses torch"),
+              pytest.mark.usefixtures("native_isa")]   # every ISA class this CPU runs
 
 
 def _rand(*shape, seed: int) -> torch.Tensor:

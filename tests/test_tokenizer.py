@@ -3,6 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -11,11 +17,21 @@ from llama_base.errors import CheckpointError, PromptError
 from llama_runtime import fixtures
 from llama_runtime.tokenizer import Tokenizer, load_tokenizer
 
+REPO = Path(__file__).resolve().parents[1]
+
 DAY = datetime.date(2024, 7, 26)
 LLAMA_CONTROL = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|end_of_text|>",
                  "<|eom_id|>", "<|python_tag|>", "<|image|>")
 CHATML_CONTROL = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
 MULTILINGUAL = "Grüße 👋🏽 from 東京 — 👨‍👩‍👧 family, naïve café, Ελληνικά, 한국어 🎉!"
+# Text the runtime tokenizes, chosen to hit every pre-tokenizer branch and the added-token matcher.
+CORPUS = (
+    "", " ", "Hello world", "  leading and trailing  ", "naïve café, Grüße, Ελληνικά, 한국어",
+    "東京は日本の首都です。北京、上海", "👋🏽 👨‍👩‍👧 🎉🇫🇷", "tabs\tand\n\nnewlines\r\n  \n", "      ", "\n", "\n\n\n",
+    "3.14159 1234567890 12,345 007", "def f(x):\n    return x**2  # square\n\tpass",
+    "<|eot_id|> <|im_end|><|im_start|>user\n<|begin_of_text|>", "a<|endoftext|>b<|start_header_id|>",
+    "<|eot_id|>", "don't I'll we've", "x" * 40, MULTILINGUAL,
+)
 
 
 @pytest.fixture(scope="session")
@@ -27,6 +43,23 @@ def llama():
 @pytest.fixture(scope="session")
 def smol():
     return Tokenizer(fixtures.ensure_embedded_model())
+
+
+def _hf(folder):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, clean_up_tokenization_spaces=False)
+
+
+@pytest.fixture(scope="session")
+def hf_llama():
+    """transformers' fast tokenizer over the same files: the reference the runtime must match."""
+    return _hf(fixtures.llama_tokenizer_dir())
+
+
+@pytest.fixture(scope="session")
+def hf_smol():
+    return _hf(fixtures.ensure_embedded_model())
 
 
 def _conversation(system: str | None):
@@ -64,14 +97,14 @@ def test_llama_chat_date_line_follows_the_given_day():
     assert "\nToday Date: 05 Mar 2025\n\n" in tok.decode(tok.encode_prompt("Hi", chat=True))
 
 
-def test_chatml_render_equals_the_models_own_template(smol):
+def test_chatml_render_equals_the_models_own_template(smol, hf_smol):
     """The default system text and layout come from the GGUF's chat template; rendering the
     template with transformers' Jinja engine must give the same ids."""
     for system in (None, "You answer in one word."):
         messages = _conversation(system)
         for prompt in (True, False):
             ours = smol.chat.render(messages, add_generation_prompt=prompt)
-            theirs = smol.hf.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=True,
+            theirs = hf_smol.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=True,
                                                  return_dict=False)
             assert ours == theirs
     assert smol.chat.default_system and smol.chat.default_system in smol.decode(smol.encode_prompt("Hi", chat=True))
@@ -112,10 +145,10 @@ def test_control_tokens_typed_by_the_user_stay_text(name, control, request):
     benign = "ok"
     for chat in (True, False):
         ids, plain = tok.encode_prompt(hostile, chat=chat), tok.encode_prompt(benign, chat=chat)
-        specials = set(tok.hf.get_added_vocab().values())
+        specials = set(tok.added_vocab().values())
         assert [i for i in ids if i in specials] == [i for i in plain if i in specials]
         assert hostile in tok.decode(ids)
-    assert not set(tok.encode_text(hostile)) & set(tok.hf.get_added_vocab().values())
+    assert not set(tok.encode_text(hostile)) & set(tok.added_vocab().values())
 
 
 def test_raw_prompt_follows_the_tokenizers_bos_rule(llama, smol):
@@ -139,7 +172,7 @@ def test_end_tokens(llama, smol):
 
 def test_ids_past_the_model_vocabulary_are_refused(llama):
     image = llama.special_id("<|image|>")
-    assert len(llama.hf) > llama.vocab_size and image >= llama.vocab_size
+    assert len(llama) > llama.vocab_size and image >= llama.vocab_size
     with pytest.raises(PromptError, match=f"outside the model's vocabulary of {llama.vocab_size}"):
         llama.check_ids([llama.config.bos_token_id, image])
     # A model whose embedding is smaller than the control tokens' ids cannot be prompted in chat.
@@ -150,8 +183,14 @@ def test_ids_past_the_model_vocabulary_are_refused(llama):
 
 
 def test_missing_tokenizer_is_a_one_line_checkpoint_error(tmp_path):
-    with pytest.raises(CheckpointError, match="cannot load the tokenizer"):
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="cannot load the tokenizer .no tokenizer.json") as e:
         load_tokenizer(tmp_path)
+    assert "\n" not in str(e.value)
+    (tmp_path / "tokenizer.json").write_text('{"not": "a tokenizer"}')
+    with pytest.raises(CheckpointError, match="cannot load the tokenizer") as e:
+        Tokenizer(tmp_path, LlamaConfig())
+    assert "\n" not in str(e.value)
     with pytest.raises(CheckpointError, match="no <|nope|> token"):
         Tokenizer(fixtures.llama_tokenizer_dir(), LlamaConfig()).special_id("<|nope|>")
 
@@ -210,13 +249,141 @@ def test_stream_decoder_keeps_context_for_decoders_that_strip_a_leading_space(tm
         tok.encode_prompt("Hello", chat=True)
 
 
-def test_chat_text_between_control_tokens_is_tokenized_as_one_piece(llama, smol):
+def test_chat_text_between_control_tokens_is_tokenized_as_one_piece(llama, smol, hf_llama, hf_smol):
     """The model was trained on whole rendered strings; whitespace at a turn's edges must merge
     with the header's newlines exactly as it does there."""
     messages = [{"role": "system", "content": "\n  Rules:\n- short\n"},
                 {"role": "user", "content": "\n\nwhat?  \n"},
                 {"role": "assistant", "content": " \tfine\n\n"},
                 {"role": "user", "content": "\n"}]
-    for tok in (llama, smol):
+    for tok, hf in ((llama, hf_llama), (smol, hf_smol)):
         ids = tok.chat.render(messages)
-        assert ids == tok.hf.encode(tok.decode(ids), add_special_tokens=False)
+        assert ids == hf.encode(tok.decode(ids), add_special_tokens=False)
+
+
+# ---- the same ids and text as transformers' fast tokenizer ------------------------------------
+# The runtime loads tokenizer.json with `tokenizers` alone; these pin it to what AutoTokenizer
+# (what the runtime used before, and what verify/ and the bench use) makes of the same folder.
+
+def _pair(name, request):
+    return request.getfixturevalue(name), request.getfixturevalue("hf_" + name)
+
+
+def _llama_template(user: str) -> str:
+    return ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"
+            "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n<|eot_id|>"
+            f"<|start_header_id|>user<|end_header_id|>\n\n{user}<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def _hf_chat_ids(name, hf, user: str) -> list[int]:
+    """The chat prompt as transformers tokenizes it, with the user's text kept as text: render the
+    template around a marker, tokenize the control tokens by name and the text between them with
+    split_special_tokens, then put the user's text in place of the marker."""
+    marker = "\x00USER\x00"
+    if name == "llama":
+        rendered = _llama_template(marker)
+    else:
+        rendered = hf.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True,
+                                          tokenize=False)
+    controls = sorted(hf.get_added_vocab(), key=len, reverse=True)
+    ids: list[int] = []
+    for piece in re.split("(" + "|".join(map(re.escape, controls)) + ")", rendered):
+        if piece in controls:
+            ids.append(hf.convert_tokens_to_ids(piece))
+        elif piece:
+            ids += hf.encode(piece.replace(marker, user), add_special_tokens=False, split_special_tokens=True)
+    return ids
+
+
+@pytest.mark.parametrize("name", ["llama", "smol"])
+def test_vocabulary_matches_transformers(name, request):
+    tok, hf = _pair(name, request)
+    assert tok.added_vocab() == hf.get_added_vocab()
+    assert len(tok) == len(hf)
+    assert (tok.bos_token_id, tok.eos_token_id) == (hf.bos_token_id, hf.eos_token_id)
+    assert tok.chat_template == hf.chat_template
+    for token in (*LLAMA_CONTROL, *CHATML_CONTROL, "Hello", "Ġworld", "<|not a token|>"):
+        theirs = hf.convert_tokens_to_ids(token)
+        assert tok.token_id(token) == (None if theirs == hf.unk_token_id and token != hf.unk_token else theirs)
+    for i in (0, 1, 2, 100, 1000, len(hf) - 1):
+        assert tok.id_to_token(i) == hf.convert_ids_to_tokens(i)
+
+
+@pytest.mark.parametrize("name", ["llama", "smol"])
+def test_encoding_matches_transformers(name, request):
+    tok, hf = _pair(name, request)
+    for text in CORPUS:
+        assert tok.encode_text(text) == hf.encode(text, add_special_tokens=False, split_special_tokens=True), text
+        raw = hf(text, add_special_tokens=True, split_special_tokens=True)["input_ids"]
+        if raw:
+            assert tok.encode_prompt(text, chat=False) == raw, text
+        else:
+            with pytest.raises(PromptError, match="empty"):
+                tok.encode_prompt(text, chat=False)
+        assert tok.encode_prompt(text, chat=True) == _hf_chat_ids(name, hf, text), text
+
+
+@pytest.mark.parametrize("name", ["llama", "smol"])
+def test_decoding_matches_transformers(name, request):
+    tok, hf = _pair(name, request)
+    for text in CORPUS:
+        for ids in (tok.encode_text(text), tok.encode_prompt(text, chat=True)):
+            for skip in (True, False):
+                theirs = hf.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+                assert tok.decode(ids, skip_special_tokens=skip) == theirs, text
+                stream = tok.stream_decoder(skip_special_tokens=skip)
+                assert "".join(stream.push(i) for i in ids) + stream.flush() == theirs, text
+    # Ids that end mid-character decode to the replacement character, as in transformers.
+    cut = tok.encode_text("🎉")[:1]
+    assert tok.decode(cut) == hf.decode(cut, clean_up_tokenization_spaces=False)
+    # Spaces before punctuation are kept (transformers' clean-up would drop them for Llama).
+    assert tok.decode(tok.encode_text("a , b . c ' d")) == "a , b . c ' d"
+
+
+def test_chat_template_is_read_from_each_of_its_homes(tmp_path, smol):
+    """transformers keeps a chat template in chat_template.jinja, chat_template.json or the
+    tokenizer_config.json key; the ChatML default system text must be found in any of them."""
+    import json
+    import shutil
+
+    src = fixtures.ensure_embedded_model()
+    template = (src / "chat_template.jinja").read_text()
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    homes = {
+        "jinja": lambda d: (d / "chat_template.jinja").write_text(template),
+        "json": lambda d: (d / "chat_template.json").write_text(json.dumps({"chat_template": template})),
+        "config": lambda d: (d / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template})),
+        "named": lambda d: (d / "tokenizer_config.json").write_text(
+            json.dumps({**config, "chat_template": [{"name": "default", "template": template}]})),
+    }
+    for home, write in homes.items():
+        folder = tmp_path / home
+        folder.mkdir()
+        for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(src / f, folder / f)
+        write(folder)
+        tok = Tokenizer(folder)
+        assert tok.chat.default_system == smol.chat.default_system, home
+        assert tok.encode_prompt("Hi", chat=True) == smol.encode_prompt("Hi", chat=True), home
+
+
+def test_run_path_does_not_import_transformers():
+    """`make run` and `make chat` load the tokenizer without transformers, whose import alone
+    took longer than the rest of start-up on a warm kernel cache. The time is printed, not
+    asserted: it depends on the machine and its load."""
+    fixtures.ensure_embedded_model()
+    code = textwrap.dedent("""
+        import sys, time
+        t0 = time.perf_counter()
+        from llama32_1b_inference import build_session
+        s = build_session("embedded", "sim", 256, log=lambda m: None)
+        s.generate(s.tokenizer.encode_prompt("Hi", chat=True), 1)
+        print(f"build_session {s.build_s:.2f} s, import + build {time.perf_counter() - t0:.2f} s")
+        print("transformers imported:", "transformers" in sys.modules)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                       env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert r.returncode == 0, r.stderr
+    print(r.stdout.strip())
+    assert r.stdout.strip().splitlines()[-1] == "transformers imported: False", r.stdout

@@ -20,7 +20,7 @@ import torch
 
 from kernel_builder.groups import KernelGroup
 from npu_runtime.api import Counters, DeviceError, Sync, copy_tensor
-from npu_runtime.sim import ops
+from npu_runtime.sim import native_cpu, ops
 from npu_runtime.sim.weight_tiles import PackedWeight, Packing, packing_for
 
 _VIEW_SETS = 256   # cached BO-list bindings per loaded group (one per layer in practice)
@@ -194,7 +194,12 @@ class SimDevice:
     """The simulated NPU2: CPU reference kernels, bf16 storage, f32 accumulation."""
 
     kind = "sim"
-    name = "simulated NPU2 (CPU reference kernels)"
+
+    @property
+    def name(self) -> str:
+        """Says which CPU kernels run (`native_cpu.isa()`): the same model runs several times
+        faster natively, so a report or a `[device]` line without it cannot be compared."""
+        return f"simulated NPU2 (CPU kernels: {native_cpu.isa()})"
 
     def __init__(self):
         self.counters = Counters()

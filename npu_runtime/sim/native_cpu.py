@@ -4,14 +4,18 @@
 (one pass instead of several dispatched ops with temporaries) and prefill's causal attention
 (flash-style tiles on the launch's own layouts).
 
-Built with the system C++ compiler on first use into the cache (keyed by the source hash and
-flags), loaded with ctypes, and used only when the CPU has AVX512-BF16; otherwise the
-simulator uses torch. The library is parallel with OpenMP and binds to the runtime torch has
-already loaded (torch is imported first), so both share one thread team and torch's
-`set_num_threads` governs both. `LLAMA_NPU_NATIVE=0` turns the native path off.
+One source per kernel, compiled once per ISA class (`ISAS`: AVX512-BF16, or AVX2 with FMA for
+CPUs without it, such as AMD Zen 3 and most Intel client CPUs) with the system C++ compiler on
+first use, into the cache (keyed by the source hash and flags), and loaded with ctypes. The
+best class this CPU runs is picked once, by each library's own probe (`__builtin_cpu_supports`);
+`LLAMA_NPU_ISA` forces a lower one, or `torch` (no native library; `LLAMA_NPU_NATIVE=0` is the
+same). CPUs with AMX use the AVX512-BF16 library. The library is parallel with OpenMP and binds
+to the runtime torch has already loaded (torch is imported first), so both share one thread
+team and torch's `set_num_threads` governs both.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -20,21 +24,35 @@ import subprocess
 import threading
 from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
+from llama_base.errors import UserError
 from llama_base.paths import cache_root
 
 _NATIVE = Path(__file__).resolve().parent / "native"
 _SRCS = [_NATIVE / "matmul_bf16_cpu.cc", _NATIVE / "pack_bf16_cpu.cc", _NATIVE / "eltwise_bf16_cpu.cc",
          _NATIVE / "attention_bf16_cpu.cc", _NATIVE / "flash_attention_bf16_cpu.cc"]
 _HEADERS = [_NATIVE / "simd_bf16.h", _NATIVE / "packed_tiles.h"]
-_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off",
-          "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
+# ISA classes, best first: the compiler flags each library is built with. The AVX2 build gets
+# no AVX-512 flag at all, so nothing in it can fault on a CPU without AVX-512.
+ISAS = {
+    "avx512bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+}
+TORCH = "torch"                 # no native library: the simulator's torch bodies
+ENV_ISA = "LLAMA_NPU_ISA"
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
+_forced: str | None = None      # use_isa's choice, over the environment's
+_probed: dict[str, ctypes.CDLL | None] = {}
+
+
+class IsaError(UserError):
+    """An ISA class asked for that this CPU or build cannot run."""
 
 
 def build_shared(srcs: Path | list[Path], flags: list[str], headers: list[Path] = ()) -> Path | None:
@@ -59,13 +77,47 @@ def build_shared(srcs: Path | list[Path], flags: list[str], headers: list[Path] 
     return out
 
 
-def _build() -> ctypes.CDLL | None:
-    out = build_shared(_SRCS, _FLAGS, _HEADERS)
-    if out is None:
-        return None
-    lib = ctypes.CDLL(str(out))
-    if not lib.matmul_bf16_cpu_supported():
-        return None
+def library_path(isa: str) -> Path | None:
+    """The shared library built for ISA class `isa` (built now if needed), None without a compiler."""
+    return build_shared(_SRCS, _FLAGS + ISAS[isa], _HEADERS)
+
+
+def _open(isa: str) -> ctypes.CDLL | None:
+    """The library for `isa` if it builds and this CPU runs it (asked of the library itself, whose
+    probe executes no instruction of its ISA), probed once per process."""
+    if isa not in _probed:
+        lib = None
+        path = library_path(isa)
+        if path is not None:
+            try:
+                cand = ctypes.CDLL(str(path))
+                cand.native_cpu_isa.restype = ctypes.c_char_p
+                if cand.native_cpu_isa().decode() == isa and cand.native_cpu_isa_supported():
+                    lib = cand
+            except OSError:
+                lib = None
+        _probed[isa] = lib
+    return _probed[isa]
+
+
+def supported_isas() -> list[str]:
+    """The native ISA classes this CPU (and compiler) can run, best first; without `torch`."""
+    return [isa for isa in ISAS if _open(isa) is not None]
+
+
+def _requested() -> str | None:
+    """The class asked for (use_isa, then LLAMA_NPU_ISA, then LLAMA_NPU_NATIVE=0), None for the best."""
+    if _forced is not None:
+        return _forced
+    want = os.environ.get(ENV_ISA, "").strip().lower()
+    if want:
+        if want not in (*ISAS, TORCH):
+            raise IsaError(f"{ENV_ISA}={want!r}: expected one of {', '.join([*ISAS, TORCH])}")
+        return want
+    return TORCH if os.environ.get("LLAMA_NPU_NATIVE", "1") == "0" else None
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.pack_weight_bf16_cpu_plan.argtypes = [ptr, i64, i64, ctypes.POINTER(i64)]
     lib.pack_weight_bf16_cpu_plan.restype = i64
@@ -87,7 +139,22 @@ def _build() -> ctypes.CDLL | None:
     lib.flash_attention_bf16_cpu.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64]
     lib.flash_attention_bf16_cpu_max_head_dim.restype = i64
     lib.flash_max_head_dim = lib.flash_attention_bf16_cpu_max_head_dim()
+    lib.isa = lib.native_cpu_isa().decode()
     return lib
+
+
+def _choose() -> ctypes.CDLL | None:
+    want = _requested()
+    if want == TORCH:
+        return None
+    if want is None:                       # the best this CPU runs (building no other), else torch
+        lib = next((lib for lib in map(_open, ISAS) if lib is not None), None)
+        return _bind(lib) if lib is not None else None
+    lib = _open(want)
+    if lib is None:
+        have = ", ".join(supported_isas() + [TORCH])
+        raise IsaError(f"{ENV_ISA}={want}: this CPU (or the C++ compiler) cannot run it; available: {have}")
+    return _bind(lib)
 
 
 def _library() -> ctypes.CDLL | None:
@@ -95,13 +162,33 @@ def _library() -> ctypes.CDLL | None:
     if not _tried:
         with _lock:
             if not _tried:
-                if os.environ.get("LLAMA_NPU_NATIVE", "1") != "0":
-                    try:
-                        _lib = _build()
-                    except OSError:
-                        _lib = None
+                _lib = _choose()
                 _tried = True
     return _lib
+
+
+def isa() -> str:
+    """The ISA class the native kernels run with, or "torch" where there are none."""
+    lib = _library()
+    return lib.isa if lib is not None else TORCH
+
+
+@contextlib.contextmanager
+def use_isa(name: str) -> Iterator[None]:
+    """Run the block with ISA class `name` (or "torch"), as LLAMA_NPU_ISA would; for tests and
+    A/B measurements in one process. Calls bound before the switch keep the library they bound."""
+    global _lib, _tried, _forced
+    if name not in (*ISAS, TORCH):
+        raise IsaError(f"unknown ISA class {name!r}")
+    with _lock:
+        saved = _lib, _tried, _forced
+        _lib, _tried, _forced = None, False, name
+    try:
+        _library()
+        yield
+    finally:
+        with _lock:
+            _lib, _tried, _forced = saved
 
 
 def available() -> bool:

@@ -2,7 +2,8 @@
 
 Tiles: W[N][K] (bf16, row-major on the host) is ordered [N/16][K/2][16][2], element (n, k) at
 block n // 16, pair k // 2, lane n % 16, half k % 2. One 64-byte tile vector then holds a
-K-pair of 16 outputs, which is what the CPU's bf16 dot-product instruction consumes.
+K-pair of 16 outputs, which is what the CPU's bf16 dot-product instruction consumes (AVX2 widens
+the same vector to f32 in registers: `native/simd_bf16.h`).
 
 Packing: decode reads every weight once per token and waits on memory for almost all of it, so
 a weight's bytes set the token rate. A matrix's values use few exponents (15 consecutive ones
@@ -21,7 +22,8 @@ much as an NPU's DMA re-tiles what it moves. The host never sees it: BOs are wri
 row-major, and the NPU path does not change.
 
 A weight is packed when the kernel it is allocated for only reads it, as the weight of GEMMs
-and GEMVs, and when the native kernels are there to read it (`packing_for`).
+and GEMVs, and when native kernels of any ISA class are there to read it (`packing_for`): the
+format is the same on every class, so the AVX2 path keeps weights in 12 bits too.
 """
 from __future__ import annotations
 

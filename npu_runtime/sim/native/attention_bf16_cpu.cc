@@ -16,45 +16,41 @@
 
 namespace {
 
-using native::exp_ps;
-using native::lanes;
-using native::load_bf16;
-using native::store_bf16;
+namespace nv = native;
+constexpr int64_t kW = nv::kWidth;
 
 constexpr int64_t kParallelAbove = 1 << 16;   // K elements read per head group
 constexpr int64_t kMaxHeadDim = 256;
 
 void one_head(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, int64_t n, int64_t d,
               float scale, float *scores) {
-  __m512 qv[kMaxHeadDim / 16];
-  const int64_t blocks = (d + 15) / 16;
-  for (int64_t b = 0; b < blocks; ++b) qv[b] = load_bf16(q + 16 * b, lanes(d - 16 * b));
+  nv::F16 qv[kMaxHeadDim / kW];
+  const int64_t blocks = (d + kW - 1) / kW;
+  for (int64_t b = 0; b < blocks; ++b) qv[b] = nv::load_bf16(q + kW * b, d - kW * b);
   float top = -INFINITY;
   for (int64_t t = 0; t < n; ++t) {
     const uint16_t *kt = k + t * d;
-    __m512 s = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) s = _mm512_fmadd_ps(qv[b], load_bf16(kt + 16 * b, lanes(d - 16 * b)), s);
-    scores[t] = _mm512_reduce_add_ps(s) * scale;
+    nv::F16 s = nv::zero();
+    for (int64_t b = 0; b < blocks; ++b) s = nv::fma(qv[b], nv::load_bf16(kt + kW * b, d - kW * b), s);
+    scores[t] = nv::reduce_add(s) * scale;
     top = scores[t] > top ? scores[t] : top;
   }
-  __m512 total = _mm512_setzero_ps();
-  const __m512 topv = _mm512_set1_ps(top);
-  for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 m = lanes(n - t);
-    const __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + t), topv)));
-    _mm512_mask_storeu_ps(scores + t, m, e);
-    total = _mm512_add_ps(total, e);
+  nv::F16 total = nv::zero();
+  const nv::F16 topv = nv::set1(top);
+  for (int64_t t = 0; t < n; t += kW) {
+    const nv::F16 e = nv::keep(nv::lanes_below(n - t), nv::exp_ps(nv::sub(nv::load_f32(scores + t, n - t), topv)));
+    nv::store_f32(scores + t, e, n - t);
+    total = nv::add(total, e);
   }
-  const float inv = 1.0f / _mm512_reduce_add_ps(total);
-  __m512 acc[kMaxHeadDim / 16];
-  for (int64_t b = 0; b < blocks; ++b) acc[b] = _mm512_setzero_ps();
+  const float inv = 1.0f / nv::reduce_add(total);
+  nv::F16 acc[kMaxHeadDim / kW];
+  for (int64_t b = 0; b < blocks; ++b) acc[b] = nv::zero();
   for (int64_t t = 0; t < n; ++t) {
-    const __m512 p = _mm512_set1_ps(scores[t]);
+    const nv::F16 p = nv::set1(scores[t]);
     const uint16_t *vt = v + t * d;
-    for (int64_t b = 0; b < blocks; ++b) acc[b] = _mm512_fmadd_ps(p, load_bf16(vt + 16 * b, lanes(d - 16 * b)), acc[b]);
+    for (int64_t b = 0; b < blocks; ++b) acc[b] = nv::fma(p, nv::load_bf16(vt + kW * b, d - kW * b), acc[b]);
   }
-  for (int64_t b = 0; b < blocks; ++b)
-    store_bf16(out + 16 * b, _mm512_mul_ps(acc[b], _mm512_set1_ps(inv)), lanes(d - 16 * b));
+  for (int64_t b = 0; b < blocks; ++b) nv::store_bf16(out + kW * b, nv::mul(acc[b], nv::set1(inv)), d - kW * b);
 }
 
 }  // namespace

@@ -16,40 +16,32 @@ namespace {
 
 constexpr int64_t kParallelAbove = 1 << 16;   // elements; below this a parallel region costs more than it saves
 
-using native::exp_ps;
-using native::lanes;
-using native::load_bf16;
-using native::store_bf16;
+namespace nv = native;
+constexpr int64_t kW = nv::kWidth;
 
 void rmsnorm_row(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t dim, float eps) {
-  __m512 ss = _mm512_setzero_ps();
-  for (int64_t i = 0; i < dim; i += 16) {
-    const __m512 v = load_bf16(x + i, lanes(dim - i));
-    ss = _mm512_add_ps(ss, _mm512_mul_ps(v, v));
+  nv::F16 ss = nv::zero();
+  for (int64_t i = 0; i < dim; i += kW) {
+    const nv::F16 v = nv::load_bf16(x + i, dim - i);
+    ss = nv::add(ss, nv::mul(v, v));
   }
-  const float mean = _mm512_reduce_add_ps(ss) / static_cast<float>(dim);
-  const __m512 inv = _mm512_set1_ps(1.0f / __builtin_sqrtf(mean + eps));
-  for (int64_t i = 0; i < dim; i += 16) {
-    const __mmask16 m = lanes(dim - i);
-    store_bf16(out + i, _mm512_mul_ps(_mm512_mul_ps(load_bf16(x + i, m), inv), load_bf16(w + i, m)), m);
-  }
+  const float mean = nv::reduce_add(ss) / static_cast<float>(dim);
+  const nv::F16 inv = nv::set1(1.0f / __builtin_sqrtf(mean + eps));
+  for (int64_t i = 0; i < dim; i += kW)
+    nv::store_bf16(out + i, nv::mul(nv::mul(nv::load_bf16(x + i, dim - i), inv), nv::load_bf16(w + i, dim - i)), dim - i);
 }
 
 void swiglu_span(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t n) {
-  const __m512 one = _mm512_set1_ps(1.0f);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = lanes(n - i);
-    const __m512 g = load_bf16(gate + i, m);
-    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-    store_bf16(out + i, _mm512_mul_ps(silu, load_bf16(up + i, m)), m);
+  const nv::F16 one = nv::set1(1.0f);
+  for (int64_t i = 0; i < n; i += kW) {
+    const nv::F16 g = nv::load_bf16(gate + i, n - i);
+    const nv::F16 silu = nv::div(g, nv::add(one, nv::exp_ps(nv::sub(nv::zero(), g))));
+    nv::store_bf16(out + i, nv::mul(silu, nv::load_bf16(up + i, n - i)), n - i);
   }
 }
 
 void add_span(const uint16_t *a, const uint16_t *b, uint16_t *out, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = lanes(n - i);
-    store_bf16(out + i, _mm512_add_ps(load_bf16(a + i, m), load_bf16(b + i, m)), m);
-  }
+  for (int64_t i = 0; i < n; i += kW) nv::store_bf16(out + i, nv::add(nv::load_bf16(a + i, n - i), nv::load_bf16(b + i, n - i)), n - i);
 }
 
 void rope_row(const uint16_t *x, const uint16_t *lut, uint16_t *out, int64_t heads, int64_t head_dim) {
@@ -57,12 +49,12 @@ void rope_row(const uint16_t *x, const uint16_t *lut, uint16_t *out, int64_t hea
   for (int64_t h = 0; h < heads; ++h) {
     const uint16_t *xh = x + h * head_dim;
     uint16_t *oh = out + h * head_dim;
-    for (int64_t i = 0; i < half; i += 16) {
-      const __mmask16 m = lanes(half - i);
-      const __m512 c = load_bf16(lut + i, m), s = load_bf16(lut + half + i, m);
-      const __m512 x1 = load_bf16(xh + i, m), x2 = load_bf16(xh + half + i, m);
-      store_bf16(oh + i, _mm512_sub_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s)), m);
-      store_bf16(oh + half + i, _mm512_add_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s)), m);
+    for (int64_t i = 0; i < half; i += kW) {
+      const int64_t left = half - i;
+      const nv::F16 c = nv::load_bf16(lut + i, left), s = nv::load_bf16(lut + half + i, left);
+      const nv::F16 x1 = nv::load_bf16(xh + i, left), x2 = nv::load_bf16(xh + half + i, left);
+      nv::store_bf16(oh + i, nv::sub(nv::mul(x1, c), nv::mul(x2, s)), left);
+      nv::store_bf16(oh + half + i, nv::add(nv::mul(x2, c), nv::mul(x1, s)), left);
     }
   }
 }

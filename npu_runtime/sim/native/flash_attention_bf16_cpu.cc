@@ -5,7 +5,7 @@
 // prompt spends most of its attention time on layout, and at 2048 positions it runs far below
 // the CPU's bf16 rate. This kernel reads the launch's own layouts (token-major Q and output,
 // head-major cache) and works as flash attention does: a task is 16 queries of one head, and
-// the visible keys stream past it in blocks of 64. Scores come from AVX512-BF16 dot products,
+// the visible keys stream past it in blocks of 64. Scores come from bf16 pair dot products,
 // the softmax is online in f32, and the probabilities are rounded to bf16 for the product with
 // V, as torch's CPU kernel rounds them for its second GEMM. Each output is divided by its sum
 // and rounded to bf16 once.
@@ -20,13 +20,16 @@
 
 namespace {
 
-using native::exp_ps;
-using native::store_bf16;
+namespace nv = native;
 
 constexpr int64_t kBQ = 16;             // queries per task
+#if NATIVE_AVX512BF16
 constexpr int64_t kQ = 4;               // queries per register tile
+#else
+constexpr int64_t kQ = 2;               // half the registers, each half the width
+#endif
 constexpr int64_t kBK = 64;             // keys per block
-constexpr int64_t kGroups = kBK / 16;   // 16-key vectors per block
+constexpr int64_t kGroups = kBK / nv::kWidth;   // 16-key vectors per block
 constexpr int64_t kDC = 64;             // head dims per P·V register tile
 constexpr int64_t kMaxHeadDim = 256;
 
@@ -38,8 +41,6 @@ struct Problem {
   int64_t s, c, hq, hk, d, start, blocks;
   float scale;
 };
-
-inline __m512bh bcast(uint32_t pair) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)); }
 
 // Cache rows [0, c) of every KV head into the pair layouts the two products want; keys past c
 // are zero, and their probabilities are zero too.
@@ -82,43 +83,41 @@ void scores(const Problem &p, int64_t h, int64_t i0, int64_t qi, int64_t nq, int
     const int64_t i = i0 + (qi + j < nq ? qi + j : nq - 1);
     qrow[j] = p.q + (i * p.hq + h) * half;
   }
-  __m512 acc[kQ][kGroups];
+  nv::F16 acc[kQ][kGroups];
   for (auto &row : acc)
-    for (auto &a : row) a = _mm512_setzero_ps();
+    for (auto &a : row) a = nv::zero();
   for (int64_t i = 0; i < half; ++i) {
-    __m512bh kv[kGroups];
-    for (int64_t gr = 0; gr < kGroups; ++gr) kv[gr] = (__m512bh)_mm512_loadu_si512(kb + i * kBK + 16 * gr);
+    nv::W16 kv[kGroups];
+    for (int64_t gr = 0; gr < kGroups; ++gr) kv[gr] = nv::widen(nv::load_pairs(kb + i * kBK + nv::kWidth * gr));
     for (int64_t j = 0; j < kQ; ++j) {
-      const __m512bh qv = bcast(qrow[j][i]);
-      for (int64_t gr = 0; gr < kGroups; ++gr) acc[j][gr] = _mm512_dpbf16_ps(acc[j][gr], kv[gr], qv);
+      const nv::X2 qv = nv::bcast_pair(qrow[j][i]);
+      for (int64_t gr = 0; gr < kGroups; ++gr) acc[j][gr] = nv::dot(acc[j][gr], kv[gr], qv);
     }
   }
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int64_t j = 0; j < kQ && qi + j < nq; ++j) {
     const int64_t r = qi + j;
     const int64_t visible = std::min(p.start + i0 + r + 1, p.c);   // keys [0, visible)
-    __mmask16 ok[kGroups];
-    __m512 sv[kGroups];
-    __m512 top = _mm512_set1_ps(-INFINITY);
+    nv::M16 ok[kGroups];
+    nv::F16 sv[kGroups];
+    nv::F16 top = nv::set1(-INFINITY);
     for (int64_t gr = 0; gr < kGroups; ++gr) {
-      const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(b * kBK + 16 * gr)));
-      ok[gr] = _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(visible)));
-      sv[gr] = _mm512_mul_ps(acc[j][gr], _mm512_set1_ps(p.scale));
-      top = _mm512_mask_max_ps(top, ok[gr], top, sv[gr]);
+      ok[gr] = nv::lanes_below(visible - (b * kBK + nv::kWidth * gr));
+      sv[gr] = nv::mul(acc[j][gr], nv::set1(p.scale));
+      top = nv::max_where(top, ok[gr], sv[gr]);
     }
-    const float m_new = std::max(t.m[r], _mm512_reduce_max_ps(top));
+    const float m_new = std::max(t.m[r], nv::reduce_max(top));
     const float alpha = t.m[r] == -INFINITY ? 0.0f : std::exp(t.m[r] - m_new);
-    __m512 sum = _mm512_setzero_ps();
+    nv::F16 sum = nv::zero();
     for (int64_t gr = 0; gr < kGroups; ++gr) {
-      const __m512 e = _mm512_maskz_mov_ps(ok[gr], exp_ps(_mm512_sub_ps(sv[gr], _mm512_set1_ps(m_new))));
-      sum = _mm512_add_ps(sum, e);
-      store_bf16(t.prob[r] + 16 * gr, e, 0xffff);
+      const nv::F16 e = nv::keep(ok[gr], nv::exp_ps(nv::sub(sv[gr], nv::set1(m_new))));
+      sum = nv::add(sum, e);
+      nv::store_bf16(t.prob[r] + nv::kWidth * gr, e);
     }
-    t.l[r] = t.l[r] * alpha + _mm512_reduce_add_ps(sum);
+    t.l[r] = t.l[r] * alpha + nv::reduce_add(sum);
     t.m[r] = m_new;
     if (alpha != 1.0f)
-      for (int64_t i = 0; i < p.d; i += 16)
-        _mm512_store_ps(t.o[r] + i, _mm512_mul_ps(_mm512_load_ps(t.o[r] + i), _mm512_set1_ps(alpha)));
+      for (int64_t i = 0; i < p.d; i += nv::kWidth)
+        nv::store_f32(t.o[r] + i, nv::mul(nv::load_f32(t.o[r] + i), nv::set1(alpha)));
   }
 }
 
@@ -129,19 +128,20 @@ void weighted_values(const Problem &p, int64_t h, int64_t qi, int64_t nq, int64_
   const uint32_t *prow[kQ];
   for (int64_t j = 0; j < kQ; ++j) prow[j] = reinterpret_cast<const uint32_t *>(t.prob[qi + j < nq ? qi + j : nq - 1]);
   for (int64_t dc = 0; dc < p.d; dc += kDC) {
-    __m512 acc[kQ][kDC / 16];
+    constexpr int64_t kV = kDC / nv::kWidth;
+    nv::F16 acc[kQ][kV];
     for (int64_t j = 0; j < kQ; ++j)
-      for (int64_t v = 0; v < kDC / 16; ++v) acc[j][v] = _mm512_load_ps(t.o[qi + j] + dc + 16 * v);
+      for (int64_t v = 0; v < kV; ++v) acc[j][v] = nv::load_f32(t.o[qi + j] + dc + nv::kWidth * v);
     for (int64_t kp = 0; kp < kBK / 2; ++kp) {
-      __m512bh vv[kDC / 16];
-      for (int64_t v = 0; v < kDC / 16; ++v) vv[v] = (__m512bh)_mm512_loadu_si512(vb + kp * p.d + dc + 16 * v);
+      nv::W16 vv[kV];
+      for (int64_t v = 0; v < kV; ++v) vv[v] = nv::widen(nv::load_pairs(vb + kp * p.d + dc + nv::kWidth * v));
       for (int64_t j = 0; j < kQ; ++j) {
-        const __m512bh pr = bcast(prow[j][kp]);
-        for (int64_t v = 0; v < kDC / 16; ++v) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], vv[v], pr);
+        const nv::X2 pr = nv::bcast_pair(prow[j][kp]);
+        for (int64_t v = 0; v < kV; ++v) acc[j][v] = nv::dot(acc[j][v], vv[v], pr);
       }
     }
     for (int64_t j = 0; j < kQ && qi + j < nq; ++j)
-      for (int64_t v = 0; v < kDC / 16; ++v) _mm512_store_ps(t.o[qi + j] + dc + 16 * v, acc[j][v]);
+      for (int64_t v = 0; v < kV; ++v) nv::store_f32(t.o[qi + j] + dc + nv::kWidth * v, acc[j][v]);
   }
 }
 
@@ -160,9 +160,9 @@ void task(const Problem &p, int64_t h, int64_t qb) {
       weighted_values(p, h, qi, nq, b, t);
     }
   for (int64_t r = 0; r < nq; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.0f / t.l[r]);
+    const nv::F16 inv = nv::set1(1.0f / t.l[r]);
     uint16_t *dst = p.out + ((i0 + r) * p.hq + h) * p.d;
-    for (int64_t i = 0; i < p.d; i += 16) store_bf16(dst + i, _mm512_mul_ps(_mm512_load_ps(t.o[r] + i), inv), 0xffff);
+    for (int64_t i = 0; i < p.d; i += nv::kWidth) nv::store_bf16(dst + i, nv::mul(nv::load_f32(t.o[r] + i), inv));
   }
 }
 

@@ -3,17 +3,20 @@
 //
 // Both read weights in the packed tiles of packed_tiles.h, which the simulated device keeps for
 // every weight matrix W[N][K] it holds. Decoded, a unit is two tile vectors of the layout
-// [N/16][K/2][16][2]: element (n, k) in block n/16, pair k/2, lane n%16, half k%2. AVX512-BF16's
-// dot-product instruction multiplies 16 bf16 pairs by 16 others and adds each product pair to
-// its own f32 sum, so one tile vector and one broadcast pair of the activation advance 16
-// outputs at once: no horizontal sums, and the weights of 16 outputs are one sequential stream.
+// [N/16][K/2][16][2]: element (n, k) in block n/16, pair k/2, lane n%16, half k%2. A pair dot
+// step (simd_bf16.h: AVX512-BF16's vdpbf16ps, or two FMAs per half on AVX2) multiplies 16 bf16
+// pairs by 16 others and adds each product pair to its own f32 sum, so one tile vector and one
+// broadcast pair of the activation advance 16 outputs at once: no horizontal sums, and the
+// weights of 16 outputs are one sequential stream.
 //
 // - GEMV (decode, memory-bound): each thread decodes whole blocks as they stream in, in chunks
 //   of about 1 MiB scheduled dynamically, so a batch (Q/K/V, gate and up, the LM head's
 //   partitions) ends balanced. It reads 3/4 of the bytes a bf16 GEMV reads, and decoding keeps
 //   pace with memory, so it runs about 4/3 as fast where memory is the limit.
-// - GEMM (prefill, compute-bound): an 8-row by 32-column register tile, 16 f32 accumulators fed
-//   by 2 weight vectors and 8 activation broadcasts per pair. A panel of 32 outputs is decoded
+// - GEMM (prefill, compute-bound): on AVX-512 an 8-row by 32-column register tile, 16 f32
+//   accumulators fed by 2 weight vectors and 8 activation broadcasts per pair; AVX2 has half the
+//   registers at half the width, so 4 rows by 16 columns (8 accumulators of 8 floats, 4 widened
+//   weight halves). A panel of outputs is decoded
 //   by its first row tile, as it streams in, into a thread's buffer (at most 512 KiB, within
 //   its L2) that the panel's other row tiles read. On the
 //   checkpoint's row-major layout a GEMM has to repack weights on every call (oneDNN does) or
@@ -30,12 +33,17 @@
 
 namespace {
 
+namespace nv = native;
+
 constexpr int64_t kLanes = packed::kLanes;   // outputs per tile block
+static_assert(kLanes == nv::kWidth, "a tile block's sums are one vector");
+#if NATIVE_AVX512BF16
 constexpr int kRows = 8;                     // GEMM tile: activation rows
 constexpr int kVecs = 2;                     // GEMM tile: blocks of 16 outputs
-
-inline __m512bh pair(const uint32_t *p) { return (__m512bh)_mm512_loadu_si512(p); }
-inline __m512bh bcast(uint32_t v) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(v)); }
+#else
+constexpr int kRows = 4;
+constexpr int kVecs = 1;
+#endif
 
 // ---- GEMV -----------------------------------------------------------------------------------
 
@@ -48,24 +56,24 @@ struct Job {
 // One block: 16 outputs over all K, four sums in flight (K-pair p into sum p % 4, a last odd
 // unit into the first) to cover the instruction's latency.
 void gemv_block(const packed::View &w, int64_t blk, const uint32_t *x, uint16_t *y) {
-  __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+  nv::F16 s0 = nv::zero(), s1 = s0, s2 = s0, s3 = s0;
   packed::Cursor cur(w, blk);
-  __m512i a, b;
+  nv::P16 a, b;
   int64_t u = 0;
   for (; u + 2 <= w.u; u += 2) {
     cur.unit(u, a, b);
-    s0 = _mm512_dpbf16_ps(s0, (__m512bh)a, bcast(x[2 * u]));
-    s1 = _mm512_dpbf16_ps(s1, (__m512bh)b, bcast(x[2 * u + 1]));
+    s0 = nv::dot(s0, nv::widen(a), nv::bcast_pair(x[2 * u]));
+    s1 = nv::dot(s1, nv::widen(b), nv::bcast_pair(x[2 * u + 1]));
     cur.unit(u + 1, a, b);
-    s2 = _mm512_dpbf16_ps(s2, (__m512bh)a, bcast(x[2 * u + 2]));
-    s3 = _mm512_dpbf16_ps(s3, (__m512bh)b, bcast(x[2 * u + 3]));
+    s2 = nv::dot(s2, nv::widen(a), nv::bcast_pair(x[2 * u + 2]));
+    s3 = nv::dot(s3, nv::widen(b), nv::bcast_pair(x[2 * u + 3]));
   }
   if (u < w.u) {
     cur.unit(u, a, b);
-    s0 = _mm512_dpbf16_ps(s0, (__m512bh)a, bcast(x[2 * u]));
-    s0 = _mm512_dpbf16_ps(s0, (__m512bh)b, bcast(x[2 * u + 1]));
+    s0 = nv::dot(s0, nv::widen(a), nv::bcast_pair(x[2 * u]));
+    s0 = nv::dot(s0, nv::widen(b), nv::bcast_pair(x[2 * u + 1]));
   }
-  native::store_bf16(y, _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)), 0xffff);
+  nv::store_bf16(y, nv::add(nv::add(s0, s1), nv::add(s2, s3)));
 }
 
 // About 1 MiB of weights per chunk: long enough for the prefetchers to ramp up on each stream,
@@ -82,19 +90,19 @@ struct Chunk {
 // C[R rows][V blocks of 16] = A[R rows] · W[V blocks]ᵀ over all K, accumulated in registers.
 template <int R, int V>
 void gemm_tile(const uint32_t *a, int64_t kp, const uint32_t *w, uint16_t *c, int64_t ldc) {
-  __m512 acc[R][V];
+  nv::F16 acc[R][V];
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < V; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < V; ++j) acc[i][j] = nv::zero();
   for (int64_t p = 0; p < kp; ++p) {
-    __m512bh b[V];
-    for (int j = 0; j < V; ++j) b[j] = pair(w + (j * kp + p) * kLanes);
+    nv::W16 b[V];
+    for (int j = 0; j < V; ++j) b[j] = nv::widen(nv::load_pairs(w + (j * kp + p) * kLanes));
     for (int i = 0; i < R; ++i) {
-      const __m512bh x = bcast(a[i * kp + p]);
-      for (int j = 0; j < V; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], b[j], x);
+      const nv::X2 x = nv::bcast_pair(a[i * kp + p]);
+      for (int j = 0; j < V; ++j) acc[i][j] = nv::dot(acc[i][j], b[j], x);
     }
   }
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < V; ++j) native::store_bf16(c + i * ldc + j * kLanes, acc[i][j], 0xffff);
+    for (int j = 0; j < V; ++j) nv::store_bf16(c + i * ldc + j * kLanes, acc[i][j]);
 }
 
 // The first tile of rows over a panel of V packed blocks: the same sums as gemm_tile, reading
@@ -103,28 +111,31 @@ void gemm_tile(const uint32_t *a, int64_t kp, const uint32_t *w, uint16_t *c, in
 template <int R, int V>
 void gemm_tile_unpacking(const uint32_t *a, int64_t kp, const packed::View &w, int64_t blk, uint32_t *panel,
                          uint16_t *c, int64_t ldc) {
-  __m512 acc[R][V];
+  nv::F16 acc[R][V];
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < V; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < V; ++j) acc[i][j] = nv::zero();
   packed::Cursor cur[V];
   for (int j = 0; j < V; ++j) cur[j] = packed::Cursor(w, blk + j);
   for (int64_t u = 0; u < w.u; ++u) {
-    __m512i lo[V], hi[V];
+    nv::W16 lo[V], hi[V];
     for (int j = 0; j < V; ++j) {
-      cur[j].unit(u, lo[j], hi[j]);
-      _mm512_storeu_si512(panel + (j * kp + 2 * u) * kLanes, lo[j]);
-      _mm512_storeu_si512(panel + (j * kp + 2 * u + 1) * kLanes, hi[j]);
+      nv::P16 a0, a1;
+      cur[j].unit(u, a0, a1);
+      nv::store_pairs(panel + (j * kp + 2 * u) * kLanes, a0);
+      nv::store_pairs(panel + (j * kp + 2 * u + 1) * kLanes, a1);
+      lo[j] = nv::widen(a0);
+      hi[j] = nv::widen(a1);
     }
     for (int i = 0; i < R; ++i) {
-      const __m512bh x0 = bcast(a[i * kp + 2 * u]), x1 = bcast(a[i * kp + 2 * u + 1]);
+      const nv::X2 x0 = nv::bcast_pair(a[i * kp + 2 * u]), x1 = nv::bcast_pair(a[i * kp + 2 * u + 1]);
       for (int j = 0; j < V; ++j) {
-        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)lo[j], x0);
-        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)hi[j], x1);
+        acc[i][j] = nv::dot(acc[i][j], lo[j], x0);
+        acc[i][j] = nv::dot(acc[i][j], hi[j], x1);
       }
     }
   }
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < V; ++j) native::store_bf16(c + i * ldc + j * kLanes, acc[i][j], 0xffff);
+    for (int j = 0; j < V; ++j) nv::store_bf16(c + i * ldc + j * kLanes, acc[i][j]);
 }
 
 // Rows of A against a panel of V blocks: the first tile unpacks the panel into `panel`, the
@@ -161,10 +172,7 @@ void gemm_rows(const uint32_t *a, int64_t m, int64_t kp, const packed::View &w, 
 
 }  // namespace
 
-extern "C" int matmul_bf16_cpu_supported() {
-  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl");
-}
+NATIVE_DEFINE_ISA_PROBES
 
 extern "C" int64_t matmul_bf16_cpu_tile_rows() { return kLanes; }
 

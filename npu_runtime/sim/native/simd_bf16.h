@@ -1,44 +1,279 @@
-// bf16 <-> f32 vector helpers and a vector e^x shared by the native host kernels.
+// The vector vocabulary the native kernels are written in, one definition per ISA class.
+//
+// Every kernel source is compiled once per ISA class (native_cpu.py picks the library at run
+// time), so the kernels say what they compute in 16-float vectors and this header says how:
+//   - AVX512-BF16 (-mavx512bf16): one __m512; bf16 pair dot products by vdpbf16ps.
+//   - AVX2 + FMA (no AVX-512 at all): two __m256; a bf16 pair widened to f32 in registers by a
+//     shift (the even element) and a mask (the odd one), then two FMAs.
+// Both ISAs round the same way wherever the operation order is fixed here: the tail masks,
+// the nearest-even store, e^x and the reduction trees give the same bits on either path. The
+// pair dot step adds the odd product before the even one, as the AVX512-BF16 instruction is
+// specified to; it differs from it only where that instruction flushes subnormals.
 #pragma once
 
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define NATIVE_AVX512BF16 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define NATIVE_AVX2 1
+#else
+#error "native kernels need AVX512-BF16 (with BW, VL) or AVX2 with FMA"
+#endif
 
 namespace native {
 
-inline __m512 load_bf16(const uint16_t *p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+constexpr int kWidth = 16;   // floats per vector: outputs of one weight tile block
+
+#if NATIVE_AVX512BF16
+
+constexpr const char *kIsa = "avx512bf16";
+
+struct F16 { __m512 v; };      // 16 floats
+struct M16 { __mmask16 m; };   // 16 lane flags
+struct P16 { __m512i v; };     // 16 bf16 pairs as stored: a tile vector
+struct W16 { __m512bh v; };    // a tile vector ready for dot()
+struct X2 { __m512bh v; };     // one bf16 pair of the activation, in every lane
+
+inline bool cpu_has_isa() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+}
+
+inline F16 zero() { return {_mm512_setzero_ps()}; }
+inline F16 set1(float x) { return {_mm512_set1_ps(x)}; }
+inline F16 add(F16 a, F16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline F16 sub(F16 a, F16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline F16 mul(F16 a, F16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline F16 div(F16 a, F16 b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline F16 max(F16 a, F16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline F16 min(F16 a, F16 b) { return {_mm512_min_ps(a.v, b.v)}; }
+inline F16 fma(F16 a, F16 b, F16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }      // a b + c
+inline F16 fnma(F16 a, F16 b, F16 c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }    // c - a b
+inline F16 round_even(F16 a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+
+// Lanes [0, n) set; n may be negative or past 16.
+inline M16 lanes_below(int64_t n) {
+  return {n >= kWidth ? static_cast<__mmask16>(0xffff) : n <= 0 ? static_cast<__mmask16>(0)
+                                                                : static_cast<__mmask16>((1u << n) - 1)};
+}
+inline F16 keep(M16 m, F16 a) { return {_mm512_maskz_mov_ps(m.m, a.v)}; }
+inline F16 max_where(F16 a, M16 m, F16 b) { return {_mm512_mask_max_ps(a.v, m.m, a.v, b.v)}; }
+
+// The first `left` values (all 16 if left >= 16); the rest read as 0 and are not touched.
+inline F16 load_f32(const float *p, int64_t left = kWidth) {
+  return left >= kWidth ? F16{_mm512_loadu_ps(p)} : F16{_mm512_maskz_loadu_ps(lanes_below(left).m, p)};
+}
+inline void store_f32(float *p, F16 a, int64_t left = kWidth) {
+  if (left >= kWidth) _mm512_storeu_ps(p, a.v);
+  else _mm512_mask_storeu_ps(p, lanes_below(left).m, a.v);
+}
+inline __m512 widen16(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+inline F16 load_bf16(const uint16_t *p, int64_t left = kWidth) {
+  return {widen16(left >= kWidth ? _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p))
+                                 : _mm256_maskz_loadu_epi16(lanes_below(left).m, p))};
 }
 
 // Round to nearest even, NaN kept quiet: the same bits as the scalar rounding torch uses.
-inline void store_bf16(uint16_t *p, __m512 v, __mmask16 m) {
-  const __m512i u = _mm512_castps_si512(v);
+inline void store_bf16(uint16_t *p, F16 a, int64_t left = kWidth) {
+  const __m512i u = _mm512_castps_si512(a.v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  const __mmask16 nan = _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q);
   r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
+  _mm256_mask_storeu_epi16(p, lanes_below(left).m, _mm512_cvtepi32_epi16(r));
 }
 
-inline __mmask16 lanes(int64_t left) { return left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1); }
+// 2^n a for integral n, one rounding.
+inline F16 scale2(F16 a, F16 n) { return {_mm512_scalef_ps(a.v, n.v)}; }
+
+// The reductions' tree (halves, then quarters, then pairs) is spelled out so that the AVX2
+// path adds in the same order.
+inline float reduce_add(F16 a) {
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a.v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1)));
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
+}
+inline float reduce_max(F16 a) {
+  const __m256 h = _mm256_max_ps(_mm512_castps512_ps256(a.v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1)));
+  const __m128 q = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  const __m128 p = _mm_max_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_max_ss(p, _mm_movehdup_ps(p)));
+}
+
+inline P16 load_pairs(const void *p) { return {_mm512_loadu_si512(p)}; }
+inline void store_pairs(void *p, P16 a) { _mm512_storeu_si512(p, a.v); }
+inline W16 widen(P16 a) { return {(__m512bh)a.v}; }
+inline X2 bcast_pair(uint32_t pair) { return {(__m512bh)_mm512_set1_epi32(static_cast<int>(pair))}; }
+// acc[i] += w[i].odd x.odd + w[i].even x.even
+inline F16 dot(F16 acc, W16 w, X2 x) { return {_mm512_dpbf16_ps(acc.v, w.v, x.v)}; }
+
+#else  // NATIVE_AVX2
+
+constexpr const char *kIsa = "avx2";
+
+struct F16 { __m256 lo, hi; };
+struct M16 { __m256 lo, hi; };      // all-ones lanes
+struct P16 { __m256i lo, hi; };     // pairs 0-7, 8-15
+struct W16 { __m256 even_lo, odd_lo, even_hi, odd_hi; };
+struct X2 { __m256 even, odd; };
+
+inline bool cpu_has_isa() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+inline F16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline F16 set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline F16 add(F16 a, F16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline F16 sub(F16 a, F16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline F16 mul(F16 a, F16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline F16 div(F16 a, F16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline F16 max(F16 a, F16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline F16 min(F16 a, F16 b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+inline F16 fma(F16 a, F16 b, F16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline F16 fnma(F16 a, F16 b, F16 c) { return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)}; }
+inline F16 round_even(F16 a) {
+  constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(a.lo, kMode), _mm256_round_ps(a.hi, kMode)};
+}
+
+inline M16 lanes_below(int64_t n) {
+  const int32_t c = n >= kWidth ? kWidth : n <= 0 ? 0 : static_cast<int32_t>(n);
+  const __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), cv = _mm256_set1_epi32(c);
+  return {_mm256_castsi256_ps(_mm256_cmpgt_epi32(cv, at)),
+          _mm256_castsi256_ps(_mm256_cmpgt_epi32(cv, _mm256_add_epi32(at, _mm256_set1_epi32(8))))};
+}
+inline F16 keep(M16 m, F16 a) { return {_mm256_and_ps(m.lo, a.lo), _mm256_and_ps(m.hi, a.hi)}; }
+// max(a, b) where m is set, else a; with vmaxps's operand rule (b if either is NaN), as the masked AVX-512 max.
+inline F16 max_where(F16 a, M16 m, F16 b) {
+  return {_mm256_blendv_ps(a.lo, _mm256_max_ps(a.lo, b.lo), m.lo), _mm256_blendv_ps(a.hi, _mm256_max_ps(a.hi, b.hi), m.hi)};
+}
+
+inline F16 load_f32(const float *p, int64_t left = kWidth) {
+  if (left >= kWidth) return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
+  alignas(32) float t[kWidth] = {};
+  if (left > 0) std::memcpy(t, p, left * sizeof(float));
+  return {_mm256_load_ps(t), _mm256_load_ps(t + 8)};
+}
+inline void store_f32(float *p, F16 a, int64_t left = kWidth) {
+  if (left >= kWidth) {
+    _mm256_storeu_ps(p, a.lo);
+    _mm256_storeu_ps(p + 8, a.hi);
+    return;
+  }
+  alignas(32) float t[kWidth];
+  _mm256_store_ps(t, a.lo);
+  _mm256_store_ps(t + 8, a.hi);
+  if (left > 0) std::memcpy(p, t, left * sizeof(float));
+}
+inline __m256 widen8(__m128i bits) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16)); }
+inline F16 load_bf16(const uint16_t *p, int64_t left = kWidth) {
+  if (left >= kWidth) {
+    return {widen8(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p))),
+            widen8(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p + 8)))};
+  }
+  alignas(32) uint16_t t[kWidth] = {};
+  if (left > 0) std::memcpy(t, p, left * sizeof(uint16_t));
+  return {widen8(_mm_load_si128(reinterpret_cast<const __m128i *>(t))),
+          widen8(_mm_load_si128(reinterpret_cast<const __m128i *>(t + 8)))};
+}
+
+inline __m128i round_bf16(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  const __m256i bits = _mm256_blendv_epi8(r, quiet, nan);   // each lane < 2^16: packs without saturating
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08));
+}
+inline void store_bf16(uint16_t *p, F16 a, int64_t left = kWidth) {
+  const __m128i lo = round_bf16(a.lo), hi = round_bf16(a.hi);
+  if (left >= kWidth) {
+    _mm_storeu_si128(reinterpret_cast<__m128i *>(p), lo);
+    _mm_storeu_si128(reinterpret_cast<__m128i *>(p + 8), hi);
+    return;
+  }
+  alignas(16) uint16_t t[kWidth];
+  _mm_store_si128(reinterpret_cast<__m128i *>(t), lo);
+  _mm_store_si128(reinterpret_cast<__m128i *>(t + 8), hi);
+  if (left > 0) std::memcpy(p, t, left * sizeof(uint16_t));
+}
+
+// 2^n a for integral n in [-300, 300], one rounding: two exact power-of-two factors, each
+// within the normal range, make the same result as vscalefps.
+inline __m256 pow2(__m256i e) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23)); }
+inline __m256 scale2_8(__m256 a, __m256 n) {
+  const __m256i ni = _mm256_cvtps_epi32(n), h = _mm256_srai_epi32(ni, 1);
+  return _mm256_mul_ps(_mm256_mul_ps(a, pow2(h)), pow2(_mm256_sub_epi32(ni, h)));
+}
+inline F16 scale2(F16 a, F16 n) { return {scale2_8(a.lo, n.lo), scale2_8(a.hi, n.hi)}; }
+
+inline float reduce_add(F16 a) {
+  const __m256 h = _mm256_add_ps(a.lo, a.hi);
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
+}
+inline float reduce_max(F16 a) {
+  const __m256 h = _mm256_max_ps(a.lo, a.hi);
+  const __m128 q = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  const __m128 p = _mm_max_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_max_ss(p, _mm_movehdup_ps(p)));
+}
+
+inline P16 load_pairs(const void *p) {
+  const __m256i *v = reinterpret_cast<const __m256i *>(p);
+  return {_mm256_loadu_si256(v), _mm256_loadu_si256(v + 1)};
+}
+inline void store_pairs(void *p, P16 a) {
+  __m256i *v = reinterpret_cast<__m256i *>(p);
+  _mm256_storeu_si256(v, a.lo);
+  _mm256_storeu_si256(v + 1, a.hi);
+}
+// A bf16 is the top half of its f32: the even element of a pair moves up, the odd one is masked.
+inline __m256 even_f32(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
+inline __m256 odd_f32(__m256i pairs) {
+  return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline W16 widen(P16 a) { return {even_f32(a.lo), odd_f32(a.lo), even_f32(a.hi), odd_f32(a.hi)}; }
+inline X2 bcast_pair(uint32_t pair) {
+  const __m256i b = _mm256_set1_epi32(static_cast<int>(pair));
+  return {even_f32(b), odd_f32(b)};
+}
+// Each bf16 product is exact in f32, so an FMA per element rounds as vdpbf16ps's two adds do.
+inline F16 dot(F16 acc, W16 w, X2 x) {
+  return {_mm256_fmadd_ps(w.even_lo, x.even, _mm256_fmadd_ps(w.odd_lo, x.odd, acc.lo)),
+          _mm256_fmadd_ps(w.even_hi, x.even, _mm256_fmadd_ps(w.odd_hi, x.odd, acc.hi))};
+}
+
+#endif
 
 // e^x: x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial for e^r, scaled by 2^n. Within
 // 2 ulp of expf; overflows to inf and underflows to 0 like expf.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(100.0f)), _mm512_set1_ps(-104.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
+inline F16 exp_ps(F16 x) {
+  x = max(min(x, set1(100.0f)), set1(-104.0f));
+  const F16 n = round_even(mul(x, set1(1.44269504088896341f)));
+  F16 r = fnma(n, set1(0.693359375f), x);
+  r = fnma(n, set1(-2.12194440e-4f), r);
+  F16 p = set1(1.9875691500e-4f);
+  p = fma(p, r, set1(1.3981999507e-3f));
+  p = fma(p, r, set1(8.3334519073e-3f));
+  p = fma(p, r, set1(4.1665795894e-2f));
+  p = fma(p, r, set1(1.6666665459e-1f));
+  p = fma(p, r, set1(5.0000001201e-1f));
+  p = fma(mul(p, r), r, add(r, set1(1.0f)));
+  return scale2(p, n);
 }
 
 }  // namespace native
+
+// The ISA class a library was built for, and whether this CPU runs it: native_cpu.py loads a
+// library only where its probe says yes. Defined once per library (matmul_bf16_cpu.cc).
+#define NATIVE_DEFINE_ISA_PROBES                                                  \
+  extern "C" const char *native_cpu_isa() { return native::kIsa; }                \
+  extern "C" int native_cpu_isa_supported() { return native::cpu_has_isa() ? 1 : 0; }

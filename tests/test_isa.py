@@ -1,0 +1,173 @@
+"""The native library's ISA classes: which one runs, how it is chosen and reported, that the AVX2
+build holds no AVX-512 instruction, and that every class computes the same bits (the per-kernel
+checks against torch and float64 run under each class through the `native_isa` fixture).
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from llama32_1b_decode import decode_step
+from llama32_1b_prefill import prefill
+from llama32_1b_weights import load_weights
+from llama_runtime.device_model import DeviceModel
+from llama_runtime.models import resolve_model
+from llama_runtime.profile_report import isa_line
+from llama_runtime.tokenizer import Tokenizer
+from npu_runtime.cache import KernelCache
+from npu_runtime.devices import open_device
+from npu_runtime.sim import native_cpu
+from npu_runtime.sim.device import SimDevice
+
+NATIVE = native_cpu.supported_isas()
+
+
+def _fresh(monkeypatch):
+    """Forget the library chosen so far (monkeypatch restores it), so the next call chooses again."""
+    monkeypatch.setattr(native_cpu, "_lib", None)
+    monkeypatch.setattr(native_cpu, "_tried", False)
+    monkeypatch.setattr(native_cpu, "_forced", None)
+    monkeypatch.delenv(native_cpu.ENV_ISA, raising=False)
+    monkeypatch.delenv("LLAMA_NPU_NATIVE", raising=False)
+
+
+def test_the_device_says_which_kernels_run(native_isa, capsys):
+    assert native_cpu.isa() == native_isa
+    assert native_isa in SimDevice().name
+    open_device("sim")
+    assert f"CPU kernels: {native_isa}" in capsys.readouterr().out
+    assert native_isa in isa_line()
+
+
+def test_the_environment_picks_the_class(monkeypatch):
+    _fresh(monkeypatch)
+    best = native_cpu.isa()
+    assert best == (NATIVE[0] if NATIVE else native_cpu.TORCH)      # unforced: the best this CPU runs
+    for asked in [*NATIVE, native_cpu.TORCH]:
+        _fresh(monkeypatch)
+        monkeypatch.setenv(native_cpu.ENV_ISA, asked)
+        assert native_cpu.isa() == asked and native_cpu.available() == (asked != native_cpu.TORCH)
+    _fresh(monkeypatch)
+    monkeypatch.setenv("LLAMA_NPU_NATIVE", "0")                      # the older switch: torch
+    assert native_cpu.isa() == native_cpu.TORCH and native_cpu.tile_rows() == 0
+
+
+def test_asking_for_more_than_the_cpu_has_is_a_one_line_error(monkeypatch):
+    _fresh(monkeypatch)
+    real = native_cpu._open
+    monkeypatch.setattr(native_cpu, "_open", lambda isa: None if isa == "avx512bf16" else real(isa))
+    monkeypatch.setenv(native_cpu.ENV_ISA, "avx512bf16")
+    with pytest.raises(native_cpu.IsaError) as e:
+        native_cpu.isa()
+    assert "\n" not in str(e.value) and "avx512bf16" in str(e.value) and "torch" in str(e.value)
+    _fresh(monkeypatch)
+    monkeypatch.setenv(native_cpu.ENV_ISA, "avx9")
+    with pytest.raises(native_cpu.IsaError, match="avx512bf16, avx2, torch"):
+        native_cpu.isa()
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump is not installed")
+def test_the_avx2_library_holds_no_avx512_instruction():
+    """What lets it load and run on a CPU without AVX-512: no zmm or mask register, and no EVEX
+    encoding (which the upper 16 xmm/ymm registers would need)."""
+    evex = re.compile(r"%zmm\d|%k[0-7]\b|%[xy]mm(1[6-9]|2\d|3[01])\b")
+    paths = {isa: native_cpu.library_path(isa) for isa in native_cpu.ISAS}
+    if None in paths.values():
+        pytest.skip("no C++ compiler")
+    text = {isa: subprocess.run(["objdump", "-d", str(p)], capture_output=True, text=True, check=True).stdout
+            for isa, p in paths.items()}
+    assert "vfmadd" in text["avx2"] and not evex.search(text["avx2"])
+    assert evex.search(text["avx512bf16"]) and "vdpbf16ps" in text["avx512bf16"]   # the check can see them
+
+
+def _rand(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(torch.bfloat16)
+
+
+def _every_kernel() -> dict[str, torch.Tensor]:
+    """Each native kernel's output on fixed operands (shapes with vector tails and leftover rows)."""
+    w, x, a = _rand(96, 584, seed=1, scale=0.02), _rand(584, seed=2), _rand(13, 584, seed=3)
+    w.view(-1)[::97] = 1e-30                                   # units kept whole
+    out = {"packed": native_cpu.pack_weight(w, lambda n: torch.zeros(n, dtype=torch.uint8))}
+    out["gemv"] = torch.empty(96, dtype=torch.bfloat16)
+    native_cpu.gemv_batch_call([(out["packed"], x, out["gemv"])])()
+    out["gemm"] = torch.empty(13, 96, dtype=torch.bfloat16)
+    native_cpu.gemm_call(a, out["packed"], out["gemm"])()
+    g, u = _rand(1000, seed=4, scale=4), _rand(1000, seed=5)
+    for name, call in [("swiglu", native_cpu.swiglu_call), ("add", native_cpu.add_call)]:
+        out[name] = torch.empty_like(g)
+        call(g, u, out[name])()
+    out["rmsnorm"] = torch.empty_like(a)
+    native_cpu.rmsnorm_call(a, x, out["rmsnorm"], 584, 1e-5)()
+    rows, lut = _rand(3, 80, seed=6), _rand(3, 20, seed=7)      # held: a bound call keeps only pointers
+    out["rope"] = torch.empty_like(rows)
+    native_cpu.rope_call(rows, lut, out["rope"], 3, 4, 20)()
+    q, k, v = _rand(37, 4, 64, seed=8, scale=2), _rand(2, 80, 64, seed=9, scale=2), _rand(2, 80, 64, seed=10)
+    out["flash"] = torch.empty_like(q)
+    assert native_cpu.flash_attention(q, k, v, 20, out["flash"])
+    out["decode_attention"] = torch.empty(4 * 64, dtype=torch.bfloat16)
+    assert native_cpu.decode_attention(q[0].reshape(-1), k, v, 57, out["decode_attention"])
+    return out
+
+
+@pytest.mark.skipif(len(NATIVE) < 2, reason="this CPU runs one native ISA class")
+def test_every_class_computes_the_same_bits():
+    """The same operations in the same order: the pair dot step adds the odd product, then the
+    even one, each rounded, which is how vdpbf16ps is specified (without subnormals, which it
+    flushes); e^x, the reductions and the rounding to bf16 are spelled out alike."""
+    results = {}
+    for isa in NATIVE:
+        with native_cpu.use_isa(isa):
+            results[isa] = _every_kernel()
+    first, *others = NATIVE
+    for isa in others:
+        for name, t in results[first].items():
+            assert torch.equal(t.view(torch.uint8), results[isa][name].view(torch.uint8)), f"{name}: {first} vs {isa}"
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    """SmolLM2 (the embedded model): trained weights, so greedy tokens are a real sequence."""
+    folder = resolve_model("embedded").folder
+    weights = load_weights(folder)
+    return weights, Tokenizer(folder, weights.config)
+
+
+def _greedy(weights, prompt: list[int], tmp_path, steps: int) -> tuple[list[int], list[torch.Tensor], bool]:
+    model = DeviceModel(KernelCache(SimDevice(), tmp_path), weights, 64, buckets=(32,))
+    packed = any(bo.packing for bo in model.kc._statics.values())
+    logits = [prefill(model, prompt)]
+    tokens = [int(logits[-1].argmax())]
+    for i in range(steps - 1):
+        logits.append(decode_step(model, tokens[-1], len(prompt) + i))
+        tokens.append(int(logits[-1].argmax()))
+    return tokens, logits, packed
+
+
+def test_greedy_generation_agrees_across_classes(embedded, tmp_path):
+    """A prefill and decode steps on the embedded model under every class, torch included: the
+    same tokens and, natively, the same logits to the bit; where torch's other summation order
+    changes a token, a near-tie there. The native classes hold the weights packed, as the
+    memory budget needs."""
+    weights, tok = embedded
+    prompt = tok.encode_text("The capital of Japan is")
+    runs = {}
+    for isa in [*NATIVE, native_cpu.TORCH]:
+        with native_cpu.use_isa(isa):
+            runs[isa] = _greedy(weights, prompt, tmp_path, steps=4)   # one kernel cache: ISA-independent
+        assert runs[isa][2] == (isa != native_cpu.TORCH)
+    ref_tokens, ref_logits, _ = runs[NATIVE[0] if NATIVE else native_cpu.TORCH]
+    assert len(set(ref_tokens)) > 2, ref_tokens          # a real sequence, not one token repeated
+    for isa, (tokens, logits, _) in runs.items():
+        if isa in NATIVE:
+            assert tokens == ref_tokens and all(torch.equal(a, b) for a, b in zip(logits, ref_logits)), isa
+            continue
+        for step, (mine, ref, l) in enumerate(zip(tokens, ref_tokens, ref_logits)):
+            assert torch.allclose(logits[step], l, atol=5e-2 * l.abs().max().item()), (isa, step)
+            if mine != ref:       # a near-tie: the two candidates' logits within the kernels' rounding
+                assert (l[ref] - l[mine]).abs() < 1e-2 * l.abs().max(), (isa, step, tokens, ref_tokens)
+                break
