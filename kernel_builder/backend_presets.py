@@ -117,8 +117,12 @@ def attention_tiling(seq: int, head_dim: int) -> dict:
 
 
 def group_options(kind: str) -> dict:
-    """aircc options per group. Attention is compiled alone: stitched, its compile time explodes."""
-    opts = {"device": "npu2", "output_format": "elf", "omit_while_true_loop": True}
-    if kind == "flash_attn":
-        opts["omit_while_true_loop"] = False
-    return opts
+    """aircc options per group (attention is compiled alone: stitched, its compile time explodes).
+
+    `omit_while_true_loop` stays off for every group: with it aircc drops the loop that keeps
+    each core running, so a core serves one iteration of its launch and stops, and every
+    launch with a grid (the prefill GEMMs) would compute only its first block. Upstream's
+    GEMM and LLM presets keep it off too. The flag stays an option so that a single-iteration
+    group can be tuned on hardware; `tests/test_mlir_groups.py` refuses it on a gridded launch.
+    """
+    return {"device": "npu2", "output_format": "elf", "omit_while_true_loop": False}

@@ -1,8 +1,10 @@
 """Peano builds of the external C++ kernels into the objects MLIR's `link_with` names.
 
 Which objects a set of groups needs comes from `externs.externs_for_launch`, the same
-mapping the MLIR builders declare from, so a declared symbol always has an object. Each
-object is rebuilt only when its stamp changes: a hash of the source and every local header
+mapping the MLIR builders declare from, so a declared symbol always has an object. Symbols
+that share a `link_object` (the primitives one herd calls) are compiled one translation
+unit each and joined into that object by a relocatable link (`ld.lld -r`), because a herd
+names one object. Each object is rebuilt only when its stamp changes: a hash of the source and every local header
 it includes, the `-D` defines, the flags, the compiler's `--version` and the AIE API headers.
 Peano and the AIE API headers come from GitHub releases (the `llvm-aie` and `mlir_aie`
 wheels), so a machine without them gets one "skipped" result per object naming what to
@@ -36,9 +38,12 @@ KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
 ENV_PEANO = "PEANO_INSTALL_DIR"
 ENV_MLIR_AIE = "MLIR_AIE_INSTALL_DIR"
 PEANO_TARGET = "aie2p-none-unknown-elf"
-# mlir-aie's own kernel builds use these: the AIE API headers trip these warnings in clang.
+# Peano predefines __AIENGINE__, on which aie_api/aie.hpp includes its ADF graph wrappers, and
+# those need Vitis' adf.h, which no Peano install has; defining that header's include guard
+# keeps it out. The warnings are the ones mlir-aie's own kernel builds silence for the headers.
+ADF_GUARD = "-D__AIE_API_AIE_ADF_HPP__"
 PEANO_FLAGS = (
-    "-O2", "-std=c++20", f"--target={PEANO_TARGET}", "-DNDEBUG",
+    "-O2", "-std=c++20", f"--target={PEANO_TARGET}", "-DNDEBUG", ADF_GUARD,
     "-Wno-parentheses", "-Wno-attributes", "-Wno-macro-redefined", "-Wno-empty-body",
     "-Wno-missing-template-arg-list-after-template-kw",
 )
@@ -62,6 +67,21 @@ class Toolchain:
     def compile_command(self, kernel: ExternKernel, source: Path, out: Path) -> list[str]:
         incs = [f"-I{d}" for d in self.include_dirs]
         return [str(self.cxx), *self.flags, *incs, *define_flags(kernel), "-c", str(source), "-o", str(out)]
+
+    @property
+    def linker(self) -> Path:
+        """LLVM's linker from the compiler's own bin folder (Peano ships it beside clang++)."""
+        return self.cxx.parent / "ld.lld"
+
+    def bundle_command(self, units: Iterable[Path], out: Path) -> list[str]:
+        """Join translation units into one relocatable object: the one a herd's link_with names."""
+        return [str(self.linker), "-r", *(str(u) for u in units), "-o", str(out)]
+
+
+def peano_toolchain(root: Path, aie_include: Path) -> Toolchain:
+    """How the build calls a Peano install: a function of its paths only, so the exact command
+    line can be checked on a machine without Peano."""
+    return Toolchain(Path(root) / "bin" / "clang++", PEANO_FLAGS, (Path(aie_include),))
 
 
 def define_flags(kernel: ExternKernel) -> list[str]:
@@ -126,7 +146,7 @@ def find_peano() -> Toolchain:
     registers the aie2p target.
     """
     root = _peano_root()
-    return Toolchain(root / "bin" / "clang++", PEANO_FLAGS, (_aie_api_include(root),))
+    return peano_toolchain(root, _aie_api_include(root))
 
 
 def source_closure(source: Path) -> list[Path]:
@@ -185,8 +205,36 @@ def stamp(kernel: ExternKernel, toolchain: Toolchain, kernels_dir: Path = KERNEL
 
 
 @dataclass(frozen=True)
+class KernelObject:
+    """One object file `link_with` names, and the kernels (one translation unit each) in it."""
+
+    name: str
+    kernels: tuple[ExternKernel, ...]
+
+    @property
+    def bundled(self) -> bool:
+        return len(self.kernels) > 1 or self.kernels[0].link_object != self.kernels[0].obj
+
+    def stamp(self, toolchain: Toolchain, kernels_dir: Path = KERNELS_DIR) -> str:
+        if not self.bundled:
+            return stamp(self.kernels[0], toolchain, kernels_dir)
+        parts = [stamp(k, toolchain, kernels_dir) for k in self.kernels]
+        return hashlib.sha256(json.dumps(["bundle", str(toolchain.linker), parts]).encode()).hexdigest()
+
+
+def objects_for(kernels: Iterable[ExternKernel]) -> list[KernelObject]:
+    """The kernels grouped by the object that links them, in first-use order."""
+    by_obj: dict[str, list[ExternKernel]] = {}
+    for k in kernels:
+        members = by_obj.setdefault(k.link_object, [])
+        if all(m.symbol != k.symbol for m in members):
+            members.append(k)
+    return [KernelObject(name, tuple(ks)) for name, ks in by_obj.items()]
+
+
+@dataclass(frozen=True)
 class BuildResult:
-    symbol: str
+    symbol: str        # the symbols in the object, comma-separated
     obj: Path
     status: str        # "built", "up-to-date" or "skipped"
     reason: str = ""
@@ -206,41 +254,57 @@ def externs_for_groups(groups: Iterable) -> list[ExternKernel]:
     return list(out.values())
 
 
-def _build_one(kernel: ExternKernel, out_dir: Path, tc: Toolchain, kernels_dir: Path) -> BuildResult:
-    obj = out_dir / kernel.obj
-    stamp_file = obj.with_name(obj.name + ".stamp")
-    want = stamp(kernel, tc, kernels_dir)
-    if obj.is_file() and stamp_file.is_file() and stamp_file.read_text().strip() == want:
-        return BuildResult(kernel.symbol, obj, "up-to-date")
-    tmp = obj.with_name(f".{obj.name}.{os.getpid()}.tmp")
-    cmd = tc.compile_command(kernel, kernels_dir / kernel.source, tmp)
+def _run_tool(cmd: list[str], what: str) -> None:
     res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0 or not tmp.is_file():
-        tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"compiling {kernel.symbol} failed ({' '.join(cmd)}):\n{res.stderr}")
-    # Stamp last: a crash between the two leaves an object without a stamp, which rebuilds.
-    os.replace(tmp, obj)
-    stamp_file.write_text(want + "\n")
-    return BuildResult(kernel.symbol, obj, "built")
+    if res.returncode != 0:
+        raise RuntimeError(f"{what} failed ({' '.join(cmd)}):\n{res.stderr}")
+
+
+def _build_one(target: KernelObject, out_dir: Path, tc: Toolchain, kernels_dir: Path) -> BuildResult:
+    obj = out_dir / target.name
+    symbols = ",".join(k.symbol for k in target.kernels)
+    stamp_file = obj.with_name(obj.name + ".stamp")
+    want = target.stamp(tc, kernels_dir)
+    if obj.is_file() and stamp_file.is_file() and stamp_file.read_text().strip() == want:
+        return BuildResult(symbols, obj, "up-to-date")
+    tmp = obj.with_name(f".{obj.name}.{os.getpid()}.tmp")
+    units = [tmp] if not target.bundled else \
+        [obj.with_name(f".{k.obj}.{os.getpid()}.unit") for k in target.kernels]
+    try:
+        for k, unit in zip(target.kernels, units):
+            _run_tool(tc.compile_command(k, kernels_dir / k.source, unit), f"compiling {k.symbol}")
+        if target.bundled:
+            _run_tool(tc.bundle_command(units, tmp), f"bundling {target.name}")
+        if not tmp.is_file():
+            raise RuntimeError(f"building {target.name} wrote no object")
+        # Stamp last: a crash between the two leaves an object without a stamp, which rebuilds.
+        os.replace(tmp, obj)
+        stamp_file.write_text(want + "\n")
+    finally:
+        for u in [tmp, *units]:
+            u.unlink(missing_ok=True)
+    return BuildResult(symbols, obj, "built")
 
 
 def build_objects(kernels: Iterable[ExternKernel], out_dir: Path, toolchain: Toolchain | None = None,
                   kernels_dir: Path = KERNELS_DIR) -> list[BuildResult]:
-    """Compile each kernel to `out_dir/<symbol>.o` with Peano unless its stamp is unchanged.
+    """Build each object the kernels' `link_with` names into `out_dir` unless its stamp is unchanged.
 
-    `toolchain` defaults to `find_peano()`; when that fails every result is "skipped" with
-    its reason. A compile error raises RuntimeError with the command and compiler output.
+    One result per object. `toolchain` defaults to `find_peano()`; when that fails every
+    result is "skipped" with its reason. A compile error raises RuntimeError with the command
+    and compiler output.
     """
-    kernels = list(kernels)
+    targets = objects_for(kernels)
     out_dir = Path(out_dir)
     if toolchain is None:
         try:
             toolchain = find_peano()
         except ToolchainNotFound as e:
-            return [BuildResult(k.symbol, out_dir / k.obj, "skipped", str(e)) for k in kernels]
+            return [BuildResult(",".join(k.symbol for k in t.kernels), out_dir / t.name, "skipped", str(e))
+                    for t in targets]
     out_dir.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out_dir / ".build.lock")):
-        return [_build_one(k, out_dir, toolchain, kernels_dir) for k in kernels]
+        return [_build_one(t, out_dir, toolchain, kernels_dir) for t in targets]
 
 
 def build_group_objects(groups: Iterable, out_dir: Path, toolchain: Toolchain | None = None) -> list[BuildResult]:

@@ -20,3 +20,7 @@ class PromptError(UserError):
 
 class KernelCacheError(UserError):
     """A kernel cache entry or folder that cannot be used."""
+
+
+class DeviceUnavailableError(UserError):
+    """The device the user asked for (DEVICE=npu) is not usable on this machine."""

@@ -19,7 +19,7 @@ from llama_base.errors import UserError
 from llama_runtime.models import resolve_model
 from multi_launch_builder.compile import ToolchainError, default_objects_dir, toolchain
 from npu_runtime.cache import KernelCache
-from npu_runtime.devices import open_device
+from npu_runtime.devices import DEVICE_KINDS, open_device
 from npu_runtime.xrt.device import NpuTarget
 
 
@@ -56,14 +56,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--model-config", help="config.json (or its folder) giving the shapes")
     ap.add_argument("--model", help="checkpoint (folder, repo id or alias) whose config gives the shapes")
     ap.add_argument("--max-seq", type=int, help="largest prefill bucket to build")
-    ap.add_argument("--device", default="auto", choices=("auto", "npu", "sim"))
+    ap.add_argument("--device", default="auto", choices=DEVICE_KINDS)
     ap.add_argument("--out", help="also copy each stitched .mlir here, for reading")
     args = ap.parse_args(argv)
     try:
         cfg = _config(args)
         all_groups = groups.all_groups(cfg, groups.prefill_buckets(cfg, args.max_seq))
         for target in _targets(args.device):
-            kc = KernelCache(target)
+            kc = KernelCache(target, refresh_toolchain=True)   # a new aircc/Peano rebuilds here, never in a run
             built = cached = 0
             for g in all_groups:
                 before = kc.stats.compiled

@@ -1,12 +1,21 @@
 """KernelCache: compile each group once, persist it, load it once per process, run it on BO sets.
 
-Disk: one folder per group entry, `<group name>-<key>`, where the key hashes the group's
-declaration, the builder sources and the device's toolchain stamp. The folder holds the
-device's artifact files and a `manifest.json` (written last) with each file's SHA-256. An
+Disk: one folder per target kind and group entry, `<target kind>/<group name>-<key>`, so the
+simulated and the NPU targets never replace each other's entries. The key hashes the target
+kind, the group's declaration, the builder sources and the device's `toolchain_stamp()`:
+what decides the artifact's contents *for that target*. The NPU target's stamp names its
+artifact format, not the compiler's path, so a machine that has the ELFs but no compiler (or
+another PATH) finds them; the toolchain that built an entry is recorded in its manifest, and
+an entry is rebuilt for a new toolchain only when asked (`refresh_toolchain`). The folder
+holds the artifact files and a `manifest.json` (written last) with each file's SHA-256. An
 entry is used only if its manifest matches the key and every file matches its hash; anything
-else (a truncated ELF, an edited program, a manifest from another toolchain) is rebuilt. A
-build happens in a temporary folder under a file lock and is renamed into place, so a killed
-compile never leaves a half-written entry that a later run would trust.
+else (a truncated ELF, an edited program) is rebuilt. A build happens in a temporary folder
+under a file lock and is renamed into place, so a killed compile never leaves a half-written
+entry that a later run would trust.
+
+A load that fails on a valid entry is rebuilt once on a device that says a rebuild can fix it
+(`rebuild_on_load_error`, the simulated device); on the NPU the driver's error is the answer,
+and rebuilding would only repeat a long compile that fails the same way.
 
 BOs: a *BO set* (`bo_key`, per layer: f"{group}_L{layer}") holds a group's static slots.
 Statics are written once by `preload`; with a `share_key` (the layer) the prefill and decode
@@ -36,11 +45,10 @@ import multi_launch_builder
 from kernel_builder.groups import KernelGroup, Role
 from llama_base.errors import KernelCacheError
 from llama_base.paths import kernels_dir
-from multi_launch_builder.compile import compile_group_mlir
-from npu_runtime.api import Sync, copy_tensor
+from npu_runtime.api import DeviceError, Sync, copy_tensor
 from npu_runtime.profiler import NULL_PROFILER, Profiler
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2     # 2: per-target folders, the toolchain recorded outside the key
 # What a compiled artifact is made from: the build-time packages, whole. The run side (this
 # package, the model runtime) changes how an artifact is used, never what it contains.
 _BUILD_PACKAGES = (kernel_builder, multi_launch_builder)
@@ -93,10 +101,13 @@ class _Entry:
 
 class KernelCache:
     def __init__(self, device, cache_dir: Path | None = None, profiler: Profiler | None = None,
-                 max_loaded: int | None = None, lock_timeout: float = 600.0, allow_compile: bool = True):
+                 max_loaded: int | None = None, lock_timeout: float = 600.0, allow_compile: bool = True,
+                 refresh_toolchain: bool = False):
         self.device = device
         self.allow_compile = allow_compile
-        self.dir = Path(cache_dir) if cache_dir is not None else kernels_dir()
+        self.refresh_toolchain = refresh_toolchain
+        self.root = Path(cache_dir) if cache_dir is not None else kernels_dir()
+        self.dir = self.root / device.kind
         self.profiler = profiler or NULL_PROFILER
         self.max_loaded = max_loaded
         self.lock_timeout = lock_timeout
@@ -110,9 +121,21 @@ class KernelCache:
 
     # ---- disk ---------------------------------------------------------------------------
     def entry_key(self, group: KernelGroup) -> str:
-        blob = json.dumps([FORMAT_VERSION, group.fingerprint(), self._builder_hash,
+        blob = json.dumps([FORMAT_VERSION, self.device.kind, group.fingerprint(), self._builder_hash,
                            self.device.toolchain_stamp()]).encode()
         return hashlib.sha256(blob).hexdigest()
+
+    def _toolchain_record(self) -> str:
+        """What built an entry, for its manifest; a device may describe more than its key stamp."""
+        describe = getattr(self.device, "toolchain_description", None)
+        return describe() if describe is not None else self.device.toolchain_stamp()
+
+    def _toolchain_changed(self, path: Path) -> bool:
+        try:
+            recorded = json.loads((path / "manifest.json").read_text()).get("toolchain")
+        except (OSError, ValueError, AttributeError):
+            return True
+        return recorded != self._toolchain_record()
 
     def _valid(self, path: Path, key: str) -> bool:
         try:
@@ -129,7 +152,9 @@ class KernelCache:
             return self._entries[group.name].path
         key = self.entry_key(group)
         path = self.dir / f"{group.name}-{key[:16]}"
-        if self._valid(path, key):
+        # A new toolchain is a reason to rebuild only where compiling is allowed and asked for.
+        refresh = self.refresh_toolchain and self.allow_compile
+        if self._valid(path, key) and not (refresh and self._toolchain_changed(path)):
             self.stats.loaded_from_disk += 1
         elif not self.allow_compile:
             raise KernelCacheError(f"{group.name} is not in the kernel cache {self.dir} (or is stale); "
@@ -154,11 +179,16 @@ class KernelCache:
         try:
             lock = FileLock(str(self.dir / f".{group.name}.lock"), timeout=self.lock_timeout)
             with lock:
-                if self._valid(path, key):       # another process built it while we waited
-                    self.stats.loaded_from_disk += 1
+                if self._valid(path, key) and not (self.refresh_toolchain and self._toolchain_changed(path)):
+                    self.stats.loaded_from_disk += 1     # another process built it while we waited
                     return
-                for orphan in self.dir.glob(f".tmp-{group.name}-*"):   # left by a killed compile
-                    shutil.rmtree(orphan, ignore_errors=True)
+                # Left by a killed compile, here or at the root, where entries lived before
+                # folders were per target (those old entries can never match a key again).
+                for where, pattern in ((self.dir, f".tmp-{group.name}-*"), (self.root, f".tmp-{group.name}-*"),
+                                       (self.root, f"{group.name}-*")):
+                    for orphan in where.glob(pattern):
+                        if orphan.is_dir():
+                            shutil.rmtree(orphan, ignore_errors=True)
                 self._build(group, key, path)
         except Timeout:
             raise KernelCacheError(f"timed out waiting for another compile of {group.name} "
@@ -169,8 +199,8 @@ class KernelCache:
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{group.name}-", dir=self.dir))
         try:
             files = self.device.compile(group, tmp, self._mlir(group))
-            manifest = {"format": FORMAT_VERSION, "key": key, "group": group.name,
-                        "toolchain": self.device.toolchain_stamp(), "created": time.time(),
+            manifest = {"format": FORMAT_VERSION, "key": key, "group": group.name, "target": self.device.kind,
+                        "toolchain": self._toolchain_record(), "created": time.time(),
                         "files": {f: _sha(tmp / f) for f in files}}
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
             if existed:
@@ -187,7 +217,12 @@ class KernelCache:
 
     @staticmethod
     def _mlir(group: KernelGroup) -> str:
-        """The stitched, validated MLIR-AIR module: generated for every device, compiled only for the NPU."""
+        """The stitched, validated MLIR-AIR module: generated for every device, compiled only for the NPU.
+
+        The build pipeline (builders, stitcher, IREE's parser) is imported here, on a cache
+        miss, not with this module: a run that finds every entry never loads it."""
+        from multi_launch_builder.compile import compile_group_mlir
+
         return compile_group_mlir(group)
 
     # ---- loading ------------------------------------------------------------------------
@@ -204,7 +239,12 @@ class KernelCache:
         entry = self._entries[name]
         try:
             kernel = self.device.load(entry.path, entry.group)
-        except Exception:
+        except Exception as e:
+            if not getattr(self.device, "rebuild_on_load_error", True):
+                if isinstance(e, DeviceError):
+                    raise
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise DeviceError(f"{name}: loading {entry.path} failed: {first}") from None
             # The entry was valid when checked; if loading still fails, rebuild once.
             shutil.rmtree(entry.path, ignore_errors=True)
             self._build_locked(entry.group, self.entry_key(entry.group), entry.path)

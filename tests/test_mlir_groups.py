@@ -1,8 +1,11 @@
 """Every stitched group module, the compile entry points and the `make compile` CLI."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -25,9 +28,66 @@ def test_every_group_module_validates_against_its_declaration(name):
         text = kc.compile_group_mlir(g)
         s = validate_group_module(text, g)           # parse, structure, cross-check
         assert [u.name for u in s.launches] == [f"{l.name}_launch" for l in g.launches]
-        want = {k.symbol: k.obj for l in g.launches for k in externs.externs_for_launch(l)}
+        want = {k.symbol: k.link_object for l in g.launches for k in externs.externs_for_launch(l)}
         assert s.externs == want
         assert sorted(kc.link_objects(text)) == sorted(set(want.values()))
+
+
+def _herd_links(text):
+    """(link_with on the herd or None, callees inside it) for every herd, in text order."""
+    out, stack = [], []
+    for line in text.splitlines():
+        if '"air.herd"(' in line:
+            stack.append(set())
+        elif "func.call @" in line and stack:
+            stack[-1].add(re.search(r"func\.call @([\w.]+)", line).group(1))
+        elif 'sym_name = "' in line and "_herd" in line and stack and line.lstrip().startswith("})"):
+            link = re.search(r'link_with = "([^"]+)"', line)
+            out.append((link.group(1) if link else None, stack.pop()))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_every_external_object_is_linked_by_the_herd_that_calls_it(name):
+    """A herd's link_with is what every aiecc links into its cores; an object named only by
+    function declarations needs a recent aiecc. So each object a declaration names must be the
+    one link_with of every herd calling that declaration's symbol."""
+    herds_with_calls = 0
+    for g in all_groups(CONFIGS[name]):
+        text = kc.compile_group_mlir(g)
+        declared = dict(re.findall(r'func\.func private @([\w.]+)\(.*link_with = "([^"]+)"', text))
+        for link, callees in _herd_links(text):
+            if not callees:
+                continue
+            herds_with_calls += 1
+            assert link is not None, f"{g.name}: a herd calls {sorted(callees)} but names no object"
+            assert {declared[c] for c in callees} == {link}, f"{g.name}: {sorted(callees)} not all in {link}"
+        linked_by_herds = {link for link, callees in _herd_links(text) if callees}
+        assert set(declared.values()) == linked_by_herds, f"{g.name}: objects linked from outside a herd"
+    assert herds_with_calls > 0
+
+
+def _launch_grids(text):
+    """The iteration counts of every air.launch: its size operands are index constants."""
+    consts = dict(re.findall(r"(%[\w.]+) = arith\.constant (\d+) : index", text))
+    grids = []
+    for ops in re.findall(r'"air\.launch"\(([^)]*)\)', text):
+        sizes = [int(consts[o.strip()]) for o in ops.split(",") if o.strip() in consts]
+        grids.append(math.prod(sizes))
+    return grids
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_no_group_with_a_gridded_launch_omits_the_core_loop(name):
+    """Without its while-true loop a core runs one launch iteration and stops, so a launch grid
+    of more than one block would leave all but the first block uncomputed on hardware."""
+    gridded = 0
+    for g in groups.all_groups(CONFIGS[name], (BUCKET, 4 * BUCKET)):
+        grids = _launch_grids(kc.compile_group_mlir(g))
+        if max(grids) > 1:
+            gridded += 1
+            assert not dict(g.options).get("omit_while_true_loop"), f"{g.name}: launch grids {grids}"
+    assert gridded > 0          # the prefill GEMMs have grids; the check is not vacuous
 
 
 def test_group_text_is_a_pure_function_of_the_declaration():
@@ -66,9 +126,12 @@ def test_aircc_command_carries_the_group_options(tmp_path):
     attn = groups.flash_attn(CONFIGS["smollm2"], BUCKET)
     cmd = kc.aircc_command(tc, tmp_path / "x.mlir", tmp_path, ffn)
     assert cmd[:2] == ["/opt/air/bin/aircc", str(tmp_path / "x.mlir")]
-    assert {"--device=npu2", "--output-format=elf", "--omit-while-true-loop", "--peano=/opt/peano",
+    assert {"--device=npu2", "--output-format=elf", "--peano=/opt/peano",
             f"--elf-name={tmp_path / (ffn.name + '.elf')}"} <= set(cmd)
+    assert "--omit-while-true-loop" not in cmd
     assert "--omit-while-true-loop" not in kc.aircc_command(tc, tmp_path / "a.mlir", tmp_path, attn)
+    single = dataclasses.replace(attn, options=tuple(sorted({**dict(attn.options), "omit_while_true_loop": True}.items())))
+    assert "--omit-while-true-loop" in kc.aircc_command(tc, tmp_path / "a.mlir", tmp_path, single)
 
 
 FAKE_AIRCC = """#!/bin/sh

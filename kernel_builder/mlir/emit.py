@@ -267,7 +267,7 @@ class Emitter:
             raise TypeError(f"call of @{kernel.symbol} with {got}, declared {kernel.arg_types}")
         self._externs.setdefault(kernel.symbol, kernel)
         if self._herd_objects:
-            self._herd_objects[-1].add(kernel.obj)
+            self._herd_objects[-1].add(kernel.link_object)
         self.emit(f"func.call @{kernel.symbol}({', '.join(map(str, args))}) : ({', '.join(got)}) -> ()")
 
     # ---- structured control flow ---------------------------------------------------------

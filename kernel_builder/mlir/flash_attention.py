@@ -43,6 +43,7 @@ def build(launch: Launch, slots: Sequence[Slot]) -> str:
     q_tiles, kv_tiles = seq // t, ctx // t
     items = hq * q_tiles
     rounds = -(-items // cores)
+    # One herd calls all six: the emitter names their one bundle object on the herd.
     init, qk, mask, softmax, pv, finalize = externs.attention(d, t)
 
     with module(k) as (b, args), single_herd(b, k, args) as h:

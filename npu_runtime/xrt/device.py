@@ -7,24 +7,43 @@ the ELF, so a run is just the BO list. pyxrt facts this relies on: `pyxrt.elf(pa
 `pyxrt.run` with `set_arg` / `start` / `wait2`. A BO belongs to the device, not to a hardware
 context, which is why one weight BO can serve the prefill and the decode kernels of a layer.
 
-Not exercised on hardware in this repository's CI (no NPU there); the same interface is
-exercised through the simulated device, and `tests/test_device.py` runs this path when
-pyxrt and an NPU2 are present.
+Hardware contexts are bounded: each one claims the whole array, and the NPU driver admits a
+fixed number per device across all processes (`hwctx_limit` 16 for the NPU4 family, Strix
+and Krackan, in amd/xdna-driver's `npu4_family.h`). A session has far more groups than that
+(three per prefill bucket, attention at several contexts, decode, the LM head), so a kernel
+opens its context when it runs and the least recently used one is closed beyond
+`max_contexts` (default `DEFAULT_MAX_HW_CONTEXTS`, half the driver's limit so other NPU users
+keep room; `$LLAMA_NPU_MAX_HW_CONTEXTS` overrides it).
+
+Never run on hardware in this repository (no NPU there). `tests/test_xrt_fake.py` runs this
+module against a recording stand-in for pyxrt whose kernels compute with the simulator, and
+`tests/test_device.py` runs this path when pyxrt and an NPU2 are present.
 """
 from __future__ import annotations
 
 import json
+import os
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from kernel_builder.groups import KernelGroup
-from multi_launch_builder.compile import compile_elf, toolchain
 from npu_runtime.api import Counters, DeviceError, Sync
 
 # Device names XRT reports for NPU2-class (AIE2P) parts.
 NPU2_NAMES = ("npu4", "npu5", "npu6", "strix", "krackan", "gorgon")
+# The NPU artifact's format: with the group and the builder sources it decides the ELF's
+# contents; which aircc built it is recorded in the cache manifest, not keyed on.
+ARTIFACT_STAMP = "npu2-elf-v1"
+DEFAULT_MAX_HW_CONTEXTS = 8
+ENV_MAX_HW_CONTEXTS = "LLAMA_NPU_MAX_HW_CONTEXTS"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def probe() -> tuple[bool, str]:
@@ -37,7 +56,7 @@ def probe() -> tuple[bool, str]:
         dev = pyxrt.device(0)
         name = str(dev.get_info(pyxrt.xrt_info_device.name))
     except Exception as e:  # pyxrt raises RuntimeError subclasses with driver text
-        return False, f"no XRT device ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        return False, f"no XRT device ({_first_line(e)})"
     if not any(n in name.lower() for n in NPU2_NAMES):
         return False, f"XRT device {name!r} is not an NPU2 (AIE2P)"
     return True, name
@@ -75,23 +94,47 @@ class XrtBO:
 
 
 class XrtKernel:
+    """A group's ELF, parsed at load; its hardware context is opened only while the device's
+    context budget has room for it (see `XrtDevice.activate`)."""
+
     def __init__(self, device: "XrtDevice", artifact_dir: Path, group: KernelGroup):
         import pyxrt
 
         meta = json.loads((artifact_dir / "npu.json").read_text())
         self.group = group
         self.device = device
+        self.kernel_name = meta["kernel"]
+        self._ctx = self._kernel = None
         try:
             self._elf = pyxrt.elf(str(artifact_dir / meta["elf"]))
-            self._ctx = pyxrt.hw_context(device.handle, self._elf)
-            self._kernel = pyxrt.ext.kernel(self._ctx, meta["kernel"])
         except Exception as e:
-            raise DeviceError(f"{artifact_dir}: cannot load {meta['elf']} on the NPU ({e})") from None
+            raise DeviceError(f"{artifact_dir}: cannot load {meta['elf']} on the NPU ({_first_line(e)})") from None
         self._completed = getattr(pyxrt.ert_cmd_state, "ERT_CMD_STATE_COMPLETED", None)
+        device.activate(self)        # a context the driver refuses is a load error, not a run error
+
+    @property
+    def is_open(self) -> bool:
+        return self._kernel is not None
+
+    def open(self) -> None:
+        import pyxrt
+
+        try:
+            self._ctx = pyxrt.hw_context(self.device.handle, self._elf)
+            self._kernel = pyxrt.ext.kernel(self._ctx, self.kernel_name)
+        except Exception as e:
+            self._ctx = self._kernel = None
+            raise DeviceError(f"{self.group.name}: cannot open a hardware context ({_first_line(e)})") from None
+
+    def close(self) -> None:
+        """Drop the kernel and then its context: the last reference releases the driver's context."""
+        self._kernel = None
+        self._ctx = None
 
     def run(self, bos: list[XrtBO]) -> None:
         import pyxrt
 
+        self.device.activate(self)
         run = pyxrt.run(self._kernel)
         for i, bo in enumerate(bos):
             run.set_arg(i, bo._bo)
@@ -108,9 +151,17 @@ class NpuTarget:
     development machine, and what `XrtDevice` compiles with. Same cache key on both."""
 
     kind = "npu"
+    # A valid entry that XRT refuses is an XRT problem; a rebuild would fail the same way.
+    rebuild_on_load_error = False
 
     def toolchain_stamp(self) -> str:
-        return f"npu/{toolchain().stamp()}"
+        return ARTIFACT_STAMP
+
+    def toolchain_description(self) -> str:
+        """Which aircc/aiecc/Peano (paths and mtimes) built an entry: recorded, not keyed on."""
+        from multi_launch_builder.compile import toolchain   # the build side, only when building
+
+        return toolchain().stamp()
 
     def compile(self, group: KernelGroup, out_dir: Path, mlir_text: str | None) -> list[str]:
         """Stitched MLIR → aircc → ELF; the manifest lists every file so damage is detected."""
@@ -118,19 +169,57 @@ class NpuTarget:
             raise DeviceError(f"{group.name}: no MLIR to compile")
         mlir = out_dir / "group.mlir"
         mlir.write_text(mlir_text)
+        from multi_launch_builder.compile import compile_elf
+
         result = compile_elf(mlir, out_dir, group)
         elf = Path(result["elf"])
         (out_dir / "npu.json").write_text(json.dumps({"elf": elf.name, "kernel": result["kernel"]}))
         return ["group.mlir", elf.name, "npu.json"]
 
 
+def max_contexts_setting() -> int:
+    env = os.environ.get(ENV_MAX_HW_CONTEXTS)
+    if not env:
+        return DEFAULT_MAX_HW_CONTEXTS
+    try:
+        n = int(env)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{ENV_MAX_HW_CONTEXTS} must be a positive integer (got {env!r})")
+    return n
+
+
 class XrtDevice(NpuTarget):
-    def __init__(self, index: int = 0):
+    def __init__(self, index: int = 0, max_contexts: int | None = None):
         import pyxrt
 
         self.handle = pyxrt.device(index)
         self.name = f"NPU2 via XRT ({self.handle.get_info(pyxrt.xrt_info_device.name)})"
         self.counters = Counters()
+        self.max_contexts = max_contexts if max_contexts is not None else max_contexts_setting()
+        self._open: OrderedDict[int, XrtKernel] = OrderedDict()   # id -> kernel, least recent first
+
+    def activate(self, kernel: XrtKernel) -> None:
+        """Make `kernel`'s context open, closing the least recently used beyond the budget.
+
+        Runs are synchronous (`wait2` returns before the next call), so a closed context has
+        no command in flight; its BOs belong to the device and stay valid.
+        """
+        key = id(kernel)
+        if key in self._open and kernel.is_open:
+            self._open.move_to_end(key)
+            return
+        self._open.pop(key, None)
+        while len(self._open) >= self.max_contexts:
+            _, old = self._open.popitem(last=False)
+            old.close()
+        kernel.open()
+        self._open[key] = kernel
+
+    @property
+    def open_contexts(self) -> int:
+        return len(self._open)
 
     def bo(self, nbytes: int, kernel: XrtKernel | None = None, arg: int | None = None) -> XrtBO:
         """A host-visible BO. `pyxrt.ext.bo` places it for the NPU itself, so the kernel argument

@@ -1,0 +1,230 @@
+"""The XRT path (`npu_runtime.xrt`) run for real against `fake_pyxrt`: the device, its kernels and
+BOs, the KernelCache on the NPU target and a whole greedy generation, checked against the
+simulated device's tokens and against the call protocol XRT expects."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from fake_pyxrt import FakeXrt, xclBOSyncDirection
+
+from kernel_builder.groups import Role, build_group, static_tensors
+from llama_base.errors import KernelCacheError
+from multi_launch_builder import compile as mlb_compile
+from npu_runtime.api import DeviceError, Sync
+from npu_runtime.cache import KernelCache
+from npu_runtime.devices import open_device
+from npu_runtime.sim.device import SimDevice
+from npu_runtime.xrt import device as xrt_device
+
+TO_DEV = xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE.name
+FROM_DEV = xclBOSyncDirection.XCL_BO_SYNC_BO_FROM_DEVICE.name
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """pyxrt replaced by the fake, and aircc by a compile that writes the fake's ELF."""
+    state = FakeXrt()
+    monkeypatch.setitem(sys.modules, "pyxrt", state.module())
+
+    def compile_elf(mlir_path, out_dir, group, objects_dir=None, tc=None):
+        assert Path(mlir_path).read_text().startswith(("#", "module")), "the stitched MLIR is compiled"
+        state.register(group)
+        elf = Path(out_dir) / f"{group.name}.elf"
+        elf.write_bytes(state.elf_bytes(group))
+        return {"elf": elf, "kernel": f"main:{group.name}"}
+
+    monkeypatch.setattr(mlb_compile, "compile_elf", compile_elf)
+    return state
+
+
+def _ready(kc, g, weights, layer=0):
+    kc.compile_and_cache(g)
+    kc.preload(g.name, f"{g.name}_L{layer}", static_tensors(g, weights, layer), share_key=f"L{layer}")
+
+
+def test_probe_and_open_device_take_the_fake_npu(fake):
+    assert xrt_device.probe() == (True, "NPU Strix")
+    dev = open_device("npu", verbose=False)
+    assert isinstance(dev, xrt_device.XrtDevice) and "NPU Strix" in dev.name
+
+
+def test_a_bo_moves_only_through_sync(fake):
+    dev = xrt_device.XrtDevice()
+    bo = dev.bo(64)
+    bo.write(torch.arange(64, dtype=torch.uint8))
+    bo.sync(Sync.TO_DEVICE)
+    bo.map().zero_()
+    bo.sync(Sync.FROM_DEVICE, 16, offset=8)
+    assert bo.map().tolist() == [0] * 8 + list(range(8, 24)) + [0] * 40
+    assert dev.counters.bytes_to_device == 64 and dev.counters.bytes_from_device == 16
+
+
+def test_a_group_runs_on_the_npu_target_as_on_the_simulator(fake, tiny_config, tiny_weights, tmp_path):
+    g = build_group("o_gemv_ffn", tiny_config)
+    x = torch.randn(tiny_config.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
+    inputs = {"attn": x[: tiny_config.q_dim], "x_res": x}
+    outs = []
+    for dev in (xrt_device.XrtDevice(), SimDevice()):
+        kc = KernelCache(dev, tmp_path)
+        _ready(kc, g, tiny_weights)
+        outs.append(kc.load_and_run(g.name, inputs, f"{g.name}_L0")["out"].clone())
+    assert torch.equal(outs[0], outs[1])
+    # one folder per target: neither build removed the other's entry
+    assert len(list((tmp_path / "npu").glob(f"{g.name}-*"))) == 1
+    assert len(list((tmp_path / "sim").glob(f"{g.name}-*"))) == 1
+    npu_entry = next((tmp_path / "npu").glob(f"{g.name}-*"))
+    assert json.loads((npu_entry / "npu.json").read_text()) == {"elf": f"{g.name}.elf", "kernel": f"main:{g.name}"}
+
+
+def test_the_call_protocol(fake, tiny_config, tiny_weights, tmp_path):
+    """One BO per argument, inputs synced to the device before a run and outputs back after
+    it, kernels opened by `main:<group>`, and static BOs never touched after preload."""
+    dev = xrt_device.XrtDevice()
+    kc = KernelCache(dev, tmp_path)
+    g = build_group("rms_gemv_rope", tiny_config)
+    _ready(kc, g, tiny_weights)
+    x = torch.ones(tiny_config.hidden_size, dtype=torch.bfloat16)
+    lut = torch.ones(tiny_config.head_dim, dtype=torch.bfloat16)
+    preloaded = len(fake.calls)
+    for _ in range(3):
+        kc.load_and_run(g.name, {"x": x, "rope_lut": lut}, f"{g.name}_L0")
+    assert ("kernel", f"main:{g.name}") in fake.calls
+    calls = fake.calls[preloaded:]
+    runs = [i for i, c in enumerate(calls) if c[0] == "run"]
+    assert len(runs) == 3
+    bo_ids = calls[runs[0]][2]
+    assert len(bo_ids) == len(g.slots) == len(set(bo_ids))                  # a BO per argument
+    allocated = {c[1]: c[2] for c in fake.calls if c[0] == "bo"}
+    assert [allocated[b] for b in bo_ids] == [s.nbytes for s in g.slots]
+    statics = {bo_ids[i] for i, s in enumerate(g.slots) if s.role is Role.STATIC}
+    inputs = {bo_ids[i] for i, s in enumerate(g.slots) if s.role is Role.INPUT}
+    outputs = {bo_ids[i] for i, s in enumerate(g.slots) if s.role is Role.OUTPUT}
+    prev = 0
+    for r in runs:
+        window = calls[prev:r]
+        assert {c[1] for c in window if c[0] == "sync" and c[2] == TO_DEV} == inputs
+        after = calls[r + 1:(runs + [len(calls)])[runs.index(r) + 1]]
+        assert {c[1] for c in after if c[0] == "sync" and c[2] == FROM_DEV} == outputs
+        prev = r + 1
+    touched = {c[1] for c in calls if c[0] == "sync"}
+    assert not touched & statics                                             # weights stay put
+    # and every static BO was written to the device once, during preload
+    assert {c[1] for c in fake.calls[:preloaded] if c[0] == "sync" and c[2] == TO_DEV} >= statics
+
+
+def test_contexts_are_bounded_and_reopened_on_demand(fake, tiny_config, tiny_weights, tmp_path):
+    dev = xrt_device.XrtDevice(max_contexts=2)
+    kc = KernelCache(dev, tmp_path)
+    kinds = ("rms_gemv_rope", "o_gemv_ffn")
+    gs = [build_group(k, tiny_config) for k in kinds] + [build_group("o_ffn", tiny_config, 32)]
+    for g in gs:
+        _ready(kc, g, tiny_weights)
+    feeds = {
+        "rms_gemv_rope": {"x": torch.ones(tiny_config.hidden_size, dtype=torch.bfloat16),
+                          "rope_lut": torch.ones(tiny_config.head_dim, dtype=torch.bfloat16)},
+        "o_gemv_ffn": {"attn": torch.ones(tiny_config.q_dim, dtype=torch.bfloat16),
+                       "x_res": torch.ones(tiny_config.hidden_size, dtype=torch.bfloat16)},
+        gs[2].name: {"attn": torch.ones(32, tiny_config.q_dim, dtype=torch.bfloat16),
+                     "x_res": torch.ones(32, tiny_config.hidden_size, dtype=torch.bfloat16)},
+    }
+    first = {}
+    for _ in range(2):
+        for g in gs:
+            out = kc.load_and_run(g.name, feeds[g.name], f"{g.name}_L0")
+            got = {k: v.clone() for k, v in out.items()}
+            if g.name in first:      # a reopened context computes what the first one did
+                assert all(torch.equal(got[k], first[g.name][k]) for k in got)
+            first[g.name] = got
+    assert fake.max_open_contexts == 2 and dev.open_contexts == 2
+    assert sum(1 for c in fake.calls if c[0] == "hw_context") > len(gs)     # closed, then reopened
+    assert sum(1 for c in fake.calls if c[0] == "context_closed") >= len(gs)
+
+
+def test_the_default_context_limit_is_under_the_drivers_and_configurable(fake, monkeypatch):
+    assert 1 <= xrt_device.DEFAULT_MAX_HW_CONTEXTS < 16     # amdxdna's hwctx_limit for NPU4-family parts
+    assert xrt_device.XrtDevice().max_contexts == xrt_device.DEFAULT_MAX_HW_CONTEXTS
+    monkeypatch.setenv(xrt_device.ENV_MAX_HW_CONTEXTS, "3")
+    assert xrt_device.XrtDevice().max_contexts == 3
+    monkeypatch.setenv(xrt_device.ENV_MAX_HW_CONTEXTS, "0")
+    with pytest.raises(ValueError, match=xrt_device.ENV_MAX_HW_CONTEXTS):
+        xrt_device.XrtDevice()
+
+
+def test_an_npu_entry_is_found_without_a_compiler_and_with_another_toolchain(fake, tiny_config, tmp_path,
+                                                                             monkeypatch):
+    g = build_group("o_gemv_ffn", tiny_config)
+    built = KernelCache(xrt_device.XrtDevice(), tmp_path).compile_and_cache(g)
+    recorded = json.loads((built / "manifest.json").read_text())["toolchain"]
+    assert recorded == mlb_compile.toolchain().stamp()
+
+    class Other:
+        def stamp(self):
+            return "aircc=/elsewhere/aircc@1;aiecc=none;peano=none"
+
+    monkeypatch.setattr(mlb_compile, "toolchain", Other)
+    run_only = KernelCache(xrt_device.XrtDevice(), tmp_path, allow_compile=False)
+    assert run_only.compile_and_cache(g) == built and run_only.stats.loaded_from_disk == 1
+    again = KernelCache(xrt_device.XrtDevice(), tmp_path)               # another PATH: still found
+    assert again.compile_and_cache(g) == built and again.stats.compiled == 0
+    refresh = KernelCache(xrt_device.XrtDevice(), tmp_path, refresh_toolchain=True)
+    assert refresh.compile_and_cache(g) == built and refresh.stats.rebuilt == 1
+    assert json.loads((built / "manifest.json").read_text())["toolchain"] == Other().stamp()
+
+
+def test_a_failing_load_is_the_xrt_error_not_a_rebuild(fake, tiny_config, tiny_weights, tmp_path):
+    g = build_group("o_gemv_ffn", tiny_config)
+    KernelCache(xrt_device.XrtDevice(), tmp_path).compile_and_cache(g)
+    kc = KernelCache(xrt_device.XrtDevice(), tmp_path)
+    kc.compile_and_cache(g)
+    fake.fail_elf = "load_axlf: Operation not permitted"
+    with pytest.raises(DeviceError, match="Operation not permitted") as e:
+        kc.preload(g.name, f"{g.name}_L0", static_tensors(g, tiny_weights, 0))
+    assert "\n" not in str(e.value)
+    assert kc.stats.compiled == 0 and kc.stats.rebuilt == 0
+    assert len(list((tmp_path / "npu").glob(f"{g.name}-*"))) == 1          # the entry is kept
+
+
+def test_a_run_that_does_not_complete_is_a_device_error(fake, tiny_config, tiny_weights, tmp_path):
+    from fake_pyxrt import ert_cmd_state
+
+    kc = KernelCache(xrt_device.XrtDevice(), tmp_path)
+    g = build_group("o_gemv_ffn", tiny_config)
+    _ready(kc, g, tiny_weights)
+    fake.fail_run_state = ert_cmd_state.ERT_CMD_STATE_TIMEOUT
+    with pytest.raises(DeviceError, match="did not complete"):
+        kc.load_and_run(g.name, {"attn": torch.zeros(tiny_config.q_dim, dtype=torch.bfloat16),
+                                 "x_res": torch.zeros(tiny_config.hidden_size, dtype=torch.bfloat16)},
+                        f"{g.name}_L0")
+
+
+def test_without_a_compiler_a_missing_npu_entry_says_so(fake, tiny_config, tmp_path):
+    kc = KernelCache(xrt_device.XrtDevice(), tmp_path, allow_compile=False)
+    with pytest.raises(KernelCacheError, match="make compile"):
+        kc.compile_and_cache(build_group("o_gemv_ffn", tiny_config))
+
+
+def test_greedy_generation_through_xrt_equals_the_simulator(fake, tmp_path):
+    from llama32_1b_inference import build_session
+
+    kw = dict(max_context=512, buckets=(128,), log=lambda s: None)
+    prompt = "The capital of France is"
+    tokens = {}
+    for device in ("sim", "npu"):
+        s = build_session("embedded", device, cache_dir=tmp_path / "kernels", **kw)
+        if device == "npu":
+            assert isinstance(s.device, xrt_device.XrtDevice)
+            statics = [bo for bo in s.kc._statics.values()]
+            before = [bo.map().clone() for bo in statics]
+            calls_before = len(fake.calls)
+        tokens[device] = s.generate(prompt, n_tokens=8).tokens
+    assert tokens["npu"] == tokens["sim"] and len(tokens["npu"]) > 0
+    assert fake.max_open_contexts <= xrt_device.DEFAULT_MAX_HW_CONTEXTS
+    assert {c[1] for c in fake.calls if c[0] == "kernel"} <= {f"main:{n}" for n in fake.groups}
+    static_ids = {id(bo._bo) for bo in statics}
+    assert not any(c[0] == "sync" and c[1] in static_ids for c in fake.calls[calls_before:])
+    assert all(torch.equal(bo.map(), b) for bo, b in zip(statics, before))
+    assert sorted(p.name for p in (tmp_path / "kernels").iterdir()) == ["npu", "sim"]
