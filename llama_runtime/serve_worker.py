@@ -1,0 +1,226 @@
+"""The server's one model on one device: a bounded arrival-order queue and one worker thread.
+
+Generation is blocking CPU (or NPU-driver) code that owns the session's single KV cache, so
+requests never run side by side and never on the event loop: the HTTP side puts a `Job` in
+the queue and reads what the worker posts back through the loop (`loop.call_soon_threadsafe`).
+A full queue refuses the request at once rather than letting waits grow without bound.
+
+The worker remembers which token ids sit in the KV cache. A prompt that extends them (the
+next turn of a conversation, the same system prompt, a repeated request) prefills only what
+is new. Matching is on token ids, so it works for any client, with no session identifiers.
+
+A job stops early when its client goes away, when the server shuts down, or when its text
+reaches one of its stop strings; `Session.generate` checks `should_stop` once per token.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from llama_runtime.sampling import SamplingParams
+
+DEFAULT_QUEUE_SIZE = 16
+# Weight of the latest job in the running mean of job durations that Retry-After is based on.
+_DURATION_EMA = 0.3
+_SHUTDOWN = object()
+
+
+class QueueFull(Exception):
+    """Every queue slot is taken; `retry_after_s` estimates when one frees up."""
+
+    def __init__(self, retry_after_s: int):
+        super().__init__(f"the server is busy: {retry_after_s} s until a queue slot is likely free")
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class Outcome:
+    """What a finished job hands back (the full text, for non-streaming answers)."""
+    text: str
+    finish_reason: str | None      # "stop" | "length"; None when the job was cancelled
+    prompt_tokens: int
+    cached_tokens: int             # prompt tokens whose K/V were reused rather than prefilled
+    completion_tokens: int
+    cancelled_by: str | None = None  # "client" | "shutdown"
+
+
+@dataclass
+class Job:
+    """One request's generation. `events` receives ("text", str), then ("done", Outcome) or
+    ("error", Exception), always ending with exactly one of the last two."""
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stops: tuple[str, ...]
+    loop: asyncio.AbstractEventLoop
+    id: str = ""
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled_by: str | None = None
+    enqueued_at: float = field(default_factory=time.perf_counter)
+
+    def cancel(self, by: str = "client") -> None:
+        """Stop at the next token (or skip the job if it has not started); safe from any thread."""
+        if self.cancelled_by is None:
+            self.cancelled_by = by
+
+    def _post(self, kind: str, value) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:    # the loop is closed: nobody is listening any more
+            pass
+
+
+class StopText:
+    """Cuts generated text at the first stop string and holds back what could begin one.
+
+    Streamed pieces never show a stop string or any part of it; what `push` and `finish`
+    return concatenates to the answer up to (not including) the first stop string.
+    """
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = tuple(s for s in stops if s)
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""
+        self.sent = 0
+        self.hit = False
+
+    def push(self, piece: str) -> str:
+        if self.hit:
+            return ""
+        self.text += piece
+        start = max(self.sent - self.hold, 0)
+        found = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if found:
+            self.hit = True
+            self.text = self.text[: min(found)]
+            end = len(self.text)
+        else:
+            end = max(len(self.text) - self.hold, self.sent)
+        out, self.sent = self.text[self.sent : end], end
+        return out
+
+    def finish(self) -> str:
+        out, self.sent = self.text[self.sent :], len(self.text)
+        return out
+
+
+class Worker:
+    """Runs jobs one at a time, in arrival order, on a session it alone uses."""
+
+    def __init__(self, session, queue_size: int = DEFAULT_QUEUE_SIZE, log: Callable[[str], None] = print):
+        if queue_size < 1:
+            raise ValueError(f"the queue needs at least one slot (got {queue_size})")
+        self.session = session
+        self.log = log
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._cached_ids: list[int] = []   # token ids whose K/V are in the cache, position by position
+        self._current: Job | None = None
+        self._mean_job_s = 1.0
+        self._ids = itertools.count(1)
+        self._thread = threading.Thread(target=self._run, name="generation-worker", daemon=True)
+        self._thread.start()
+
+    @property
+    def max_context(self) -> int:
+        return self.session.model.max_context
+
+    def submit(self, job: Job) -> Job:
+        """Queue `job` or raise QueueFull; never blocks the caller."""
+        job.id = job.id or f"{next(self._ids):06d}"
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            waiting = self._queue.qsize() + 1
+            raise QueueFull(max(1, math.ceil(self._mean_job_s * waiting))) from None
+        return job
+
+    def cancel_all(self, by: str = "shutdown") -> None:
+        """Stop the running job at its next token and every queued one before it starts."""
+        current = self._current
+        if current is not None:
+            current.cancel(by)
+        with self._queue.mutex:
+            pending = [j for j in self._queue.queue if isinstance(j, Job)]
+        for j in pending:
+            j.cancel(by)
+
+    def stop(self, timeout: float | None = None) -> None:
+        self.cancel_all("shutdown")
+        while True:
+            try:
+                self._queue.put(_SHUTDOWN, timeout=0.1)
+                break
+            except queue.Full:
+                if not self._thread.is_alive():
+                    return
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is _SHUTDOWN:
+                return
+            self._current = job
+            try:
+                if job.cancelled_by is not None:
+                    job._post("done", Outcome("", None, len(job.prompt_ids), 0, 0, job.cancelled_by))
+                else:
+                    self._generate(job)
+            except Exception as e:  # noqa: BLE001 -- a bug or a device failure: report it, keep serving
+                self._cached_ids = []
+                self.log(f"[serve] {job.id} failed: {type(e).__name__}: {e}")
+                job._post("error", e)
+            finally:
+                self._current = None
+
+    def _reuse(self, ids: list[int]) -> int:
+        """Length of the cached prefix `ids` can keep: at least one token is always prefilled,
+        because the last prompt token's logits are what the first answer token comes from."""
+        n, cached = 0, self._cached_ids
+        limit = min(len(cached), len(ids) - 1)
+        while n < limit and cached[n] == ids[n]:
+            n += 1
+        return n
+
+    def _generate(self, job: Job) -> None:
+        ids = job.prompt_ids
+        lcp = self._reuse(ids)
+        # Positions past lcp are about to be overwritten: until the call returns, only the
+        # shared prefix is known to be in the cache.
+        self._cached_ids = ids[:lcp]
+        cut = StopText(job.stops)
+        started = time.perf_counter()
+
+        def on_text(piece: str) -> None:
+            out = cut.push(piece)
+            if out:
+                job._post("text", out)
+
+        r = self.session.generate(ids[lcp:], job.max_tokens, on_text, job.sampling, start=lcp,
+                                  history=ids[:lcp], should_stop=lambda: cut.hit or job.cancelled_by is not None)
+        fed = r.cached - lcp
+        self._cached_ids = ids[:lcp] + (ids[lcp:] + r.tokens)[:fed]
+        elapsed = time.perf_counter() - started
+        self._mean_job_s += _DURATION_EMA * (elapsed - self._mean_job_s)
+        tail = cut.finish()
+        if tail:
+            job._post("text", tail)
+        if cut.hit or r.stop_reason == "end_token":
+            reason = "stop"
+        elif r.stop_reason in ("n_tokens", "context_limit"):
+            reason = "length"
+        else:
+            reason = None
+        by = job.cancelled_by if reason is None else None
+        out = Outcome(cut.text, reason, len(ids), lcp, len(r.tokens), by)
+        wait = started - job.enqueued_at
+        self.log(f"[serve] {job.id} prompt {len(ids)} tokens, {lcp} reused from the cache, {len(r.tokens)} generated, "
+                 f"queued {wait:.2f} s, TTFT {r.ttft_s:.3f} s, {r.decode_tokens_per_s:.2f} tok/s, "
+                 f"finish {reason or 'cancelled by ' + str(by)}")
+        job._post("done", out)

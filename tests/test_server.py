@@ -1,0 +1,320 @@
+"""`make serve` as its clients see it: the real `openai` client (and raw HTTP where the client
+would refuse to send a bad request) against one server process on a loopback port.
+
+The server runs the embedded model on the simulated device in a subprocess started once for
+the module, so its memory can be measured and Ctrl-C sent to it at the end.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+import pytest
+from openai import OpenAI
+
+from llama_runtime.server import DEFAULT_HOST
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "embedded"
+MAX_CONTEXT = 512
+QUEUE_SIZE = 8                  # the concurrency test fills it exactly; the 503 test overflows it by one
+STARTUP_TIMEOUT_S = 180
+REFUSAL_TIMEOUT_S = 15         # well within the LONG answer that holds the device meanwhile
+JAPAN = [{"role": "user", "content": "What is the capital of Japan?"}]
+COUNTING = "1, 2, 3, 4, 5,"     # a raw prompt the model continues for hundreds of tokens
+LONG = 300
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, log: Path, port: int):
+        self.proc, self.log_path, self.port = proc, log, port
+        self.base_url = f"http://{DEFAULT_HOST}:{port}/v1"
+        self.client = OpenAI(base_url=self.base_url, api_key="none", max_retries=0, timeout=120)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def log_line(self, request_id: str, timeout: float = 5.0) -> str:
+        """The server's line for one request (it is written just before the answer ends)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            lines = [l for l in self.log().splitlines() if request_id in l]
+            if lines or time.monotonic() > deadline:
+                assert lines, f"no log line for {request_id}"
+                return lines[0]
+            time.sleep(0.05)
+
+    def connection(self) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(DEFAULT_HOST, self.port, timeout=120)
+
+    def post(self, path: str, body=None, raw: bytes | None = None) -> tuple[int, dict, dict]:
+        """Status, headers and JSON body of one request sent as given."""
+        conn = self.connection()
+        try:
+            conn.request("POST", f"/v1{path}", raw if raw is not None else json.dumps(body).encode(),
+                         {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            return r.status, {k.lower(): v for k, v in r.getheaders()}, json.loads(r.read())
+        finally:
+            conn.close()
+
+    def open_stream(self, body: dict, events: int) -> tuple[http.client.HTTPConnection, list[str]]:
+        """Start a streamed answer and read its first `events` server-sent events."""
+        conn = self.connection()
+        conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}).encode(),
+                     {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200, r.read()
+        got = []
+        while len(got) < events:
+            line = r.readline().decode()
+            if line.startswith("data: "):
+                got.append(line[len("data: "):].strip())
+        return conn, got
+
+
+@pytest.fixture(scope="module")
+def server():
+    # Not under pytest's tmp_path: a concurrent pytest run may prune those folders mid-module.
+    with tempfile.NamedTemporaryFile("w", prefix="llama-serve-", suffix=".log", delete=False) as out:
+        log = Path(out.name)
+        proc = subprocess.Popen(
+            [sys.executable, str(REPO / "llama32_1b_inference.py"), "--serve", "--model", MODEL, "--device", "sim",
+             "--max-context", str(MAX_CONTEXT), "--host", DEFAULT_HOST, "--port", "0",
+             "--queue-size", str(QUEUE_SIZE)],
+            stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not (m := re.search(r"API at http://[^:]+:(\d+)/v1", log.read_text())):
+            assert proc.poll() is None, f"the server exited: {log.read_text()}"
+            assert time.monotonic() < deadline, f"the server did not start: {log.read_text()}"
+            time.sleep(0.2)
+        yield Server(proc, log, int(m.group(1)))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.unlink(missing_ok=True)
+
+
+def _chat(server, messages=JAPAN, **kw):
+    return server.client.chat.completions.create(model=MODEL, messages=messages, **kw)
+
+
+def _streamed_chat(server, **kw) -> tuple[str, list]:
+    chunks = list(_chat(server, stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks
+
+
+# ---- answers ----------------------------------------------------------------------------
+def test_the_one_model_is_listed(server):
+    assert [m.id for m in server.client.models.list().data] == [MODEL]
+
+
+def test_chat_answers_and_the_stream_carries_the_same_text(server):
+    r = _chat(server, temperature=0)
+    answer = r.choices[0].message.content
+    assert "Tokyo" in answer and r.choices[0].finish_reason == "stop"
+    u = r.usage
+    assert u.prompt_tokens > 0 and 0 < u.completion_tokens and u.total_tokens == u.prompt_tokens + u.completion_tokens
+
+    text, chunks = _streamed_chat(server, temperature=0)
+    assert text == answer
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == u.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+    sampled = {"temperature": 0.9, "top_p": 0.95, "seed": 1234, "max_tokens": 16}
+    text, _ = _streamed_chat(server, **sampled)
+    assert text == _chat(server, **sampled).choices[0].message.content
+
+
+def test_completions_honour_stop_strings_and_the_token_budget(server):
+    c = server.client.completions
+    full = c.create(model=MODEL, prompt=COUNTING, max_tokens=12, temperature=0)
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 12
+    assert full.choices[0].text.startswith(" 6, 7, 8")
+
+    cut = c.create(model=MODEL, prompt=COUNTING, max_tokens=12, temperature=0, stop=[" 9", "never"])
+    assert cut.choices[0].text == " 6, 7, 8," and cut.choices[0].finish_reason == "stop"
+    streamed = c.create(model=MODEL, prompt=COUNTING, max_tokens=12, temperature=0, stop=" 9", stream=True)
+    pieces = list(streamed)
+    assert "".join(p.choices[0].text for p in pieces) == " 6, 7, 8,"
+    assert pieces[-1].choices[0].finish_reason == "stop"
+
+
+def test_concurrent_clients_get_the_answers_they_get_alone(server):
+    questions = [f"What is the capital of {country}?" for country in ("France", "Italy", "Germany", "Japan")]
+    ask = lambda q: _chat(server, messages=[{"role": "user", "content": q}], max_tokens=8,
+                          temperature=0).choices[0].message.content
+    alone = {q: ask(q) for q in questions}
+    batch = questions * 2                  # 8 clients: one answered at a time, the rest queued
+    with ThreadPoolExecutor(len(batch)) as pool:
+        together = list(pool.map(ask, batch))
+    assert together == [alone[q] for q in batch]
+
+
+def test_a_second_turn_prefills_only_its_new_tokens(server):
+    first = _chat(server, messages=[{"role": "user", "content": "Name a large city in Italy."}], temperature=0,
+                  max_tokens=12)
+    followup = [{"role": "user", "content": "Name a large city in Italy."},
+                {"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "And one in Spain?"}]
+    second = _chat(server, messages=followup, temperature=0, max_tokens=8)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
+    assert f"{second.id} prompt {second.usage.prompt_tokens} tokens, {cached} reused" in server.log_line(second.id)
+
+
+# ---- one model, one device ----------------------------------------------------------------
+def _timed_probe(server) -> float:
+    t0 = time.perf_counter()
+    r = server.client.completions.create(model=MODEL, prompt="The opposite of hot is", max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens >= 1
+    return time.perf_counter() - t0
+
+
+def test_a_client_that_leaves_frees_the_device_at_the_next_token(server):
+    server.client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)   # the probe's prompt not cached
+    alone = _timed_probe(server)
+
+    t0 = time.perf_counter()
+    conn, events = server.open_stream({"model": MODEL, "prompt": COUNTING, "max_tokens": LONG, "temperature": 0}, 6)
+    token_s = (time.perf_counter() - t0) / len(events)      # an upper bound on one token's time
+    rid = json.loads(events[0])["id"]
+    conn.close()
+    after = _timed_probe(server)
+    line = server.log_line(rid)
+    generated = int(re.search(r"(\d+) generated", line).group(1))
+    assert "cancelled by client" in line and generated < len(events) + 5, line
+    # Without cancellation the probe would wait for the remaining ~LONG tokens.
+    assert after < 2 * alone + 5 * token_s + 0.5, (after, alone, token_s)
+
+    # A non-streamed answer whose client times out is cancelled too.
+    cancelled = server.log().count("cancelled by client")
+    conn = server.connection()
+    conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": COUNTING, "max_tokens": LONG}).encode(),
+                 {"Content-Type": "application/json"})
+    time.sleep(0.5)
+    conn.close()
+    t0 = time.perf_counter()
+    _timed_probe(server)
+    assert time.perf_counter() - t0 < 2 * alone + 5 * token_s + 0.5
+    assert server.log().count("cancelled by client") == cancelled + 1
+
+
+def test_a_full_queue_answers_503_with_retry_after(server):
+    conn, _ = server.open_stream({"model": MODEL, "prompt": COUNTING, "max_tokens": LONG, "temperature": 0}, 2)
+    try:                                   # the stream holds the device; QUEUE_SIZE + 1 more arrive
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+        with ThreadPoolExecutor(QUEUE_SIZE + 1) as pool:
+            futures = [pool.submit(server.post, "/completions", body) for _ in range(QUEUE_SIZE + 1)]
+            deadline = time.monotonic() + REFUSAL_TIMEOUT_S
+            while not any(f.done() for f in futures) and time.monotonic() < deadline:
+                time.sleep(0.05)           # the refusal comes at once; the others wait for the device
+            time.sleep(0.3)
+            early = sum(f.done() for f in futures)
+            conn.close()                   # the queued ones now run, one token each
+            results = [f.result() for f in futures]
+    finally:
+        conn.close()
+    refused = [r for r in results if r[0] != 200]
+    assert early == 1 and len(refused) == 1, results
+    status, headers, err = refused[0]
+    assert status == 503 and int(headers["retry-after"]) >= 1
+    assert err["error"]["type"] == "server_error" and err["error"]["code"] == "server_busy"
+
+
+# ---- bad requests -----------------------------------------------------------------------
+USER = [{"role": "user", "content": "hi"}]
+BAD = [
+    # (route, body or raw bytes, status, param, code)
+    ("/chat/completions", b"{not json", 400, None, None),
+    ("/chat/completions", b"[1, 2]", 400, None, None),
+    ("/chat/completions", {"messages": USER}, 400, "model", None),
+    ("/chat/completions", {"model": "gpt-4o", "messages": USER}, 404, "model", "model_not_found"),
+    ("/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", None),
+    ("/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages", None),
+    ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 7}]}, 400, "messages[0].content", None),
+    ("/chat/completions", {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER + [{"role": "system", "content": "x"}]}, 400, "messages", None),
+    ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "word " * MAX_CONTEXT}]},
+     400, "messages", "context_length_exceeded"),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "max_tokens": 0}, 400, "max_tokens", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "max_tokens": -5}, 400, "max_tokens", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "max_tokens": 10**12}, 400, "max_tokens", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "max_completion_tokens": "9"}, 400,
+     "max_completion_tokens", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "temperature": "warm"}, 400, "temperature", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "temperature": 3}, 400, "temperature", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "top_p": 0}, 400, "top_p", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "n": 2}, 400, "n", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "stop": [1]}, 400, "stop", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "stream": "yes"}, 400, "stream", None),
+    ("/completions", {"model": MODEL, "prompt": ""}, 400, "prompt", None),
+    ("/completions", {"model": MODEL, "prompt": {"text": "hi"}}, 400, "prompt", None),
+    ("/completions", {"model": MODEL, "prompt": [10**9]}, 400, "prompt", None),
+    ("/completions", {"model": MODEL, "prompt": "word " * MAX_CONTEXT}, 400, "prompt", "context_length_exceeded"),
+    ("/nowhere", {}, 404, None, "not_found"),
+]
+
+
+@pytest.mark.parametrize("route, body, status, param, code", BAD)
+def test_bad_requests_get_openai_errors(server, route, body, status, param, code):
+    got, _, err = server.post(route, raw=body) if isinstance(body, bytes) else server.post(route, body)
+    assert got == status, err
+    e = err["error"]
+    assert set(e) == {"message", "type", "param", "code"} and e["message"]
+    assert (e["param"], e["code"]) == (param, code)
+
+
+def test_bad_requests_leave_the_server_answering(server):
+    assert "Tokyo" in _chat(server, temperature=0, max_tokens=12).choices[0].message.content
+    assert "Traceback" not in server.log()
+
+
+# ---- staying up ---------------------------------------------------------------------------
+SOAK_REQUESTS = 200
+SOAK_BASELINE = 20
+SOAK_LIMIT_S = 120               # ~30 s on an idle 2-core machine; room for a busy one
+RSS_GROWTH = 0.05
+
+
+def test_a_soak_of_small_requests_keeps_time_and_memory_bounded(server):
+    proc = psutil.Process(server.proc.pid)
+    t0 = time.perf_counter()
+    for i in range(1, SOAK_REQUESTS + 1):
+        r = server.client.completions.create(model=MODEL, prompt=f"Request {i % 7}: say hi", max_tokens=2 + i % 3)
+        assert 1 <= r.usage.completion_tokens <= 4
+        if i == SOAK_BASELINE:
+            baseline = proc.memory_info().rss
+    elapsed = time.perf_counter() - t0
+    rss = proc.memory_info().rss
+    print(f"\n[soak] {SOAK_REQUESTS} requests in {elapsed:.1f} s ({SOAK_REQUESTS / elapsed:.1f}/s); "
+          f"RSS {baseline / 2**20:.0f} MiB after {SOAK_BASELINE}, {rss / 2**20:.0f} MiB after {SOAK_REQUESTS}")
+    assert elapsed < SOAK_LIMIT_S
+    assert abs(rss - baseline) <= RSS_GROWTH * baseline
+
+
+def test_ctrl_c_stops_the_server_cleanly_mid_answer(server):
+    conn, _ = server.open_stream({"model": MODEL, "prompt": COUNTING, "max_tokens": LONG}, 2)
+    t0 = time.perf_counter()
+    server.proc.send_signal(signal.SIGINT)
+    try:
+        code = server.proc.wait(timeout=15)
+    finally:
+        conn.close()
+    assert code == 0 and time.perf_counter() - t0 < 10
+    log = server.log()
+    assert log.rstrip().endswith("[serve] stopped") and "Traceback" not in log
