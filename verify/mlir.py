@@ -1,0 +1,184 @@
+"""`make verify-mlir`: the stitched MLIR-AIR modules, executed, against the simulated device.
+
+For every group kind and every prefill bucket of a model (the tiny one by default), plus
+attention at an offset inside a larger context, the interpreter device runs the module the
+NPU would receive and the simulated device runs the group's declaration, on the same
+inputs; every output element is compared. Then both generate greedily from one prompt.
+
+Tolerance, per element: |interp - sim| <= 2^-6 * (|sim| + the largest |sim| in its row). Both
+sides take bf16 inputs, accumulate in f32 and round to bf16 at the same launch boundaries,
+but sum in different orders (core tiles and K steps against one native loop), so an
+intermediate may round one ulp apart (at most 2^-7 of its value). A later launch that
+combines two values of a row (RoPE's rotation, a norm, a GEMM) carries that at most twice,
+2^-6 of the row's largest value, and the output's own rounding adds up to one ulp on each
+side, 2^-6 of the output. The row term also covers outputs that cancel to near zero.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kernel_builder import groups
+from kernel_builder.groups import KernelGroup, Role
+from llama_base.config import LlamaConfig
+from llama_base.errors import UserError
+from llama_runtime.models import TINY, resolve_checkpoint
+from multi_launch_builder.compile import compile_group_mlir
+from npu_runtime.api import Sync
+from npu_runtime.interp.device import InterpDevice
+from npu_runtime.sim.device import SimDevice
+
+TOLERANCE = 2.0 ** -6
+
+
+@dataclass
+class Case:
+    group: KernelGroup
+    q_start: int = 0          # the i32 input of attention groups: where the query rows start
+
+
+@dataclass
+class Row:
+    name: str
+    max_abs_diff: float
+    compared: int
+    worst: float              # largest |diff| / allowed; <= 1 passes
+    error: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return not self.error and self.worst <= 1.0
+
+
+def cases(cfg: LlamaConfig, max_seq: int | None = None) -> list[Case]:
+    buckets = groups.prefill_buckets(cfg, max_seq)
+    out = [Case(g) for g in groups.all_groups(cfg, buckets)]
+    if len(buckets) > 1:
+        # A chunk of the smallest bucket at an offset inside the next context: the query rows'
+        # positions start past the first tile, so masking and the K/V tile range both move.
+        seq, ctx = buckets[0], buckets[1]
+        out.append(Case(groups.build_group("flash_attn", cfg, seq, ctx), q_start=ctx - seq))
+    return out
+
+
+def inputs(case: Case, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Activations ~N(0,1); norm weights near 1; matrices scaled by 1/sqrt(K) so outputs stay ~1."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for s in case.group.slots:
+        if s.role not in (Role.INPUT, Role.STATIC):
+            continue
+        if s.dtype == "i32":
+            out[s.name] = torch.full(s.shape, case.q_start, dtype=torch.int32)
+        elif s.role is Role.STATIC and len(s.shape) == 1:
+            out[s.name] = (1 + 0.1 * torch.randn(s.shape, generator=g)).to(s.torch_dtype)
+        elif s.role is Role.STATIC:
+            out[s.name] = (torch.randn(s.shape, generator=g) / s.shape[-1] ** 0.5).to(s.torch_dtype)
+        else:
+            out[s.name] = torch.randn(s.shape, generator=g).to(s.torch_dtype)
+    return out
+
+
+def run_group(device, group: KernelGroup, mlir_text: str, data: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """One run of `group` on `device` through the device API: outputs as f32 arrays."""
+    with tempfile.TemporaryDirectory() as tmp:
+        device.compile(group, Path(tmp), mlir_text)
+        kernel = device.load(Path(tmp), group)
+    bos = [device.bo(s.nbytes, kernel, i) for i, s in enumerate(group.slots)]
+    for s, bo in zip(group.slots, bos):
+        if s.name in data:
+            bo.write(data[s.name])
+            bo.sync(Sync.TO_DEVICE)
+    kernel.run(bos)
+    out = {}
+    for s, bo in zip(group.slots, bos):
+        if s.role is Role.OUTPUT:
+            bo.sync(Sync.FROM_DEVICE)
+            out[s.name] = bo.read(s.nbytes).view(s.torch_dtype).float().numpy().reshape(s.shape)
+    return out
+
+
+def compare(case: Case, label: str | None = None) -> Row:
+    name = label or (case.group.name + (f"@{case.q_start}" if case.q_start else ""))
+    text = compile_group_mlir(case.group)
+    data = inputs(case)
+    ref = run_group(SimDevice(), case.group, text, data)
+    try:
+        got = run_group(InterpDevice(), case.group, text, data)
+    except Exception as e:      # an interpreter check or an unimplemented op: the row says which
+        return Row(name, float("nan"), 0, float("inf"), str(e))
+    worst, max_diff, n = 0.0, 0.0, 0
+    for k, r in ref.items():
+        d = np.abs(got[k] - r)
+        row_max = np.abs(r).max(axis=-1, keepdims=True) if r.size else r
+        allowed = TOLERANCE * (np.abs(r) + row_max)
+        max_diff = max(max_diff, float(np.nanmax(d)) if d.size else 0.0)
+        ratio = np.where(np.isfinite(d), d / np.maximum(allowed, np.finfo(np.float32).tiny), np.inf)
+        worst = max(worst, float(ratio.max()) if ratio.size else 0.0)
+        n += d.size
+    return Row(name, max_diff, n, worst)
+
+
+def generation(model: str, n_tokens: int, prompt: str) -> tuple[bool, str]:
+    """Greedy tokens on both devices. Where they part, both devices score the shared prefix
+    again: it passes if the two candidates are within the tolerance of each other on both
+    sides (a near-tie that rounding may flip) and each is in the other side's top 5."""
+    from llama32_1b_inference import build_session   # verify sits above the entry points
+    from llama32_1b_prefill import prefill
+
+    sessions = {d: build_session(model, d, log=lambda *_: None) for d in ("sim", "interp")}
+    ids = sessions["sim"].encode(prompt)
+    a, b = (sessions[d].generate(ids, n_tokens).tokens for d in ("sim", "interp"))
+    if a == b:
+        return True, f"{len(a)} greedy tokens identical"
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if i is None:
+        return False, f"one side stopped early: sim {len(a)} tokens, interp {len(b)}"
+    ok, notes = True, []
+    for d, other in (("sim", b[i]), ("interp", a[i])):
+        logits = prefill(sessions[d].model, ids + a[:i], start=0).float()
+        own = int(torch.argmax(logits))
+        gap = float(logits[own] - logits[other])
+        allowed = 2 * TOLERANCE * float(logits[own].abs() + logits.abs().max())
+        top5 = torch.topk(logits, 5).indices.tolist()
+        ok = ok and gap <= allowed and other in top5
+        notes.append(f"{d}: {own} leads {other} by {gap:.4g} (near-tie bound {allowed:.4g}, "
+                     f"{'in' if other in top5 else 'NOT in'} top 5)")
+    return ok, f"tokens part at step {i} of {len(a)}; " + "; ".join(notes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m verify.mlir", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=TINY, help="model whose shapes (config.json) the groups take")
+    ap.add_argument("--max-seq", type=int, help="largest prefill bucket (default: the model's context)")
+    ap.add_argument("--n-tokens", type=int, default=16, help="greedy tokens compared end to end (0: skip)")
+    ap.add_argument("--prompt", default="What is the capital of Japan?")
+    args = ap.parse_args(argv)
+    try:
+        cfg = LlamaConfig.from_json(resolve_checkpoint(args.model))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rows = [compare(c) for c in cases(cfg, args.max_seq)]
+    width = max(len(r.name) for r in rows)
+    print(f"{'group':{width}}  {'max|diff|':>10}  {'elements':>9}  {'of allowed':>10}  result")
+    for r in rows:
+        result = "ok" if r.passed else f"FAIL {r.error}" if r.error else "FAIL"
+        print(f"{r.name:{width}}  {r.max_abs_diff:10.4g}  {r.compared:9d}  {r.worst:10.3f}  {result}")
+    ok = all(r.passed for r in rows)
+    if args.n_tokens:
+        gen_ok, text = generation(args.model, args.n_tokens, args.prompt)
+        print(f"[verify-mlir] generation: {text}")
+        ok = ok and gen_ok
+    print(f"[verify-mlir] {'PASS' if ok else 'FAIL'} (tolerance {TOLERANCE:g} x (|sim| + row max |sim|) per element)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
