@@ -91,7 +91,7 @@ diagnosis: install
 	$(PY) -m verify.diagnosis --model "$(MODEL)" --device "$(DEVICE)"
 
 bench: install
-	$(PY) -m bench --device "$(DEVICE)"
+	$(PY) -m bench --device "$(DEVICE)" $(if $(CPU_CLASS),--cpu-class "$(CPU_CLASS)")
 
 clean:
 	$(PY) -c "import shutil; from llama_base.paths import cache_root; shutil.rmtree(cache_root(), ignore_errors=True)" 2>/dev/null || true

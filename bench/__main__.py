@@ -7,8 +7,10 @@ bench ran, 2 when it could not (bad arguments, an unusable model).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from bench.machine import CLASS_ENV, CPU_CLASSES
 from bench.plan import FULL, QUICK
 from bench.run import run_bench
 from llama_base.errors import UserError
@@ -25,13 +27,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a short smoke run of every path (not a result)")
     ap.add_argument("--skip-llamacpp", action="store_true", help="do not build or run llama.cpp")
     ap.add_argument("--rebuild-llamacpp", action="store_true", help="retry a llama.cpp build that failed before")
+    ap.add_argument("--cpu-class", default="native", choices=tuple(CPU_CLASSES),
+                    help="run every runtime as on a CPU of this class (avx2: no AVX-512, AMX or AVX-VNNI)")
     args = ap.parse_args(argv)
+    os.environ.update(CLASS_ENV[args.cpu_class])      # inherited by every runtime's child process
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     if not models:
         ap.error("--models names no model")
     try:
         data, md, (jpath, mpath) = run_bench(models, QUICK if args.quick else FULL, args.device,
-                                             args.skip_llamacpp, args.rebuild_llamacpp)
+                                             args.skip_llamacpp, args.rebuild_llamacpp, cpu_class=args.cpu_class)
     except UserError as e:
         print(f"[bench] ERROR: {e}", file=sys.stderr)
         return 2

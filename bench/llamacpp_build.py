@@ -96,9 +96,10 @@ def _layout(root: Path) -> tuple[Path, Path, Path]:
     return root / "venv" / "bin" / "python", root / "converter-deps", root / "build.log"
 
 
-def ensure_llamacpp(log: Callable[[str], None] = print, rebuild: bool = False) -> LlamaCpp:
-    """The built llama-cpp-python (building it on first use), or a BenchError saying why not."""
-    args = cmake_args(cpu_flags())
+def ensure_llamacpp(log: Callable[[str], None] = print, rebuild: bool = False,
+                    cpu_class: str = "native") -> LlamaCpp:
+    """The built llama-cpp-python (building it on first use) for `cpu_class`, or a BenchError saying why not."""
+    args = cmake_args(cpu_flags(cpu_class))
     digest = hashlib.sha256("\n".join(args).encode()).hexdigest()[:12]
     root = cache_root() / "bench" / f"llama-cpp-python-{VERSION}-{digest}"
     python, deps, log_file = _layout(root)

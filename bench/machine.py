@@ -32,8 +32,20 @@ def _cpuinfo_field(name: str) -> str:
     return ""
 
 
-def cpu_flags() -> frozenset[str]:
-    return frozenset(_cpuinfo_field("flags").split())
+# A bench can run "as" a lower CPU class on a machine that has a higher one: each runtime is
+# kept off the instructions the class lacks. `native` is the machine as it is.
+CPU_CLASSES: dict[str, tuple[str, ...]] = {"native": (), "avx2": ("avx512", "amx", "avx_vnni")}
+CLASS_ENV: dict[str, dict[str, str]] = {
+    "native": {},
+    # ours: the native library's class; torch (ours and HF): ATen's kernels and oneDNN's
+    "avx2": {"LLAMA_NPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+}
+
+
+def cpu_flags(cpu_class: str = "native") -> frozenset[str]:
+    """The CPU's feature flags, less those `cpu_class` does not have (llama.cpp is built for these)."""
+    hidden = CPU_CLASSES[cpu_class]
+    return frozenset(f for f in _cpuinfo_field("flags").split() if not f.startswith(hidden))
 
 
 @dataclass(frozen=True)
@@ -62,7 +74,7 @@ def other_cores(before: CpuSample, after: CpuSample) -> float | None:
     return max(others, 0.0) / (after.at_s - before.at_s)
 
 
-def describe() -> dict:
+def describe(cpu_class: str = "native") -> dict:
     mem = 0
     try:
         for line in MEMINFO.read_text().splitlines():
@@ -76,6 +88,8 @@ def describe() -> dict:
         "cores": os.cpu_count(),
         "memory_bytes": mem,
         "isa": sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2", "avx_vnni"))),
+        "cpu_class": cpu_class,
+        "class_env": CLASS_ENV[cpu_class],
         "platform": platform.platform(),
         "python": platform.python_version(),
     }

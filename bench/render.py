@@ -16,6 +16,8 @@ def _num(v: float | None, fmt: str) -> str:
 def _target_value(t: dict) -> str:
     if t["value"] is None:
         return "—"
+    if t["row"] == "load":
+        return f"{t['value']:.2f} s"
     return f"{t['value']:.0%}" if t["row"] == "bound" else f"{t['value']:.2f}×"
 
 
@@ -38,6 +40,8 @@ def model_table(m: dict) -> str:
     rows.append(row("decode (tokens/s)", "decode", [_num(s.get("decode_tok_s"), ".2f") for s in sides.values()], "decode"))
     rows.append(row("decode, % of the bf16 bound", "bound",
                     [_num(m["bound_fraction"].get(k), ".0%") for k in sides], None))
+    rows.append(row("load: process start to ready (s)", "load", [_num(s.get("load_s"), ".2f") for s in sides.values()],
+                    "load"))
     rows.append(row("peak resident memory (GiB)", "peak_rss",
                     [_num(s["peak_rss_bytes"] / GIB if s.get("peak_rss_bytes") else None, ".2f") for s in sides.values()],
                     "peak_rss"))
@@ -62,6 +66,10 @@ def markdown(data: dict) -> str:
                  f"median of {data['plan']['rounds'] * data['plan']['runs']} timed runs: {data['plan']['rounds']} rounds "
                  f"in which the runtimes take turns, each starting afresh and running every measurement "
                  f"{data['plan']['runs']}× after {data['plan']['warmup']} warm-up{_short_runs(data['plan'])}.")
+    if mc.get("cpu_class", "native") != "native":
+        env = ", ".join(f"{k}={v}" for k, v in mc["class_env"].items())
+        lines.append(f"**Run as CPU class `{mc['cpu_class']}`** on this machine: every runtime kept off the "
+                     f"instructions the class lacks ({env}; llama.cpp built without them).")
     lines.append("Ratios are ours ÷ peer: below 1 is better for us for TTFT and memory, above 1 for tokens/s.")
     lines.append("")
     if bw:

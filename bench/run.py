@@ -90,14 +90,14 @@ def merge_rounds(rounds: list[dict]) -> dict:
     return merged
 
 
-def _llamacpp(plan: Plan, skip: bool, rebuild: bool, notes: list[str], log):
+def _llamacpp(plan: Plan, skip: bool, rebuild: bool, notes: list[str], log, cpu_class: str):
     if skip:
         notes.append("llama.cpp skipped (--skip-llamacpp).")
         return None
     from bench.llamacpp_build import ensure_llamacpp
 
     try:
-        return ensure_llamacpp(log, rebuild=rebuild)
+        return ensure_llamacpp(log, rebuild=rebuild, cpu_class=cpu_class)
     except BenchError as e:
         notes.append(f"llama.cpp not measured: {e}")
         log(f"[bench] llama.cpp unavailable: {str(e).splitlines()[0]}")
@@ -144,10 +144,13 @@ def bench_model(model: str, plan: Plan, device: str, llamacpp, work: Path, notes
 
 
 def run_bench(models: list[str], plan: Plan, device: str = "auto", skip_llamacpp: bool = False,
-              rebuild_llamacpp: bool = False, log: Callable[[str], None] = print) -> tuple[dict, str, tuple[Path, Path]]:
+              rebuild_llamacpp: bool = False, log: Callable[[str], None] = print,
+              cpu_class: str = "native") -> tuple[dict, str, tuple[Path, Path]]:
+    """`cpu_class` other than native: the children must already run with `CLASS_ENV[cpu_class]`
+    (the CLI sets it), and llama.cpp is built for that class's flags."""
     notes: list[str] = list(plan.notes)
     data: dict = {"created": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "device": device,
-                  "machine": describe(), "plan": plan.to_dict(), "models": [], "notes": notes}
+                  "machine": describe(cpu_class), "plan": plan.to_dict(), "models": [], "notes": notes}
     samples: list[tuple[str, Bandwidth]] = []
 
     def sample_bandwidth(after: str) -> None:
@@ -156,7 +159,7 @@ def run_bench(models: list[str], plan: Plan, device: str = "auto", skip_llamacpp
     log(f"[bench] memory bandwidth over {plan.bandwidth_bytes / (1 << 30):.2f} GiB ...")
     sample_bandwidth("start")
     log(f"[bench] memory bandwidth {samples[0][1].bytes_per_s / 1e9:.1f} GB/s ({samples[0][1].method})")
-    llamacpp = _llamacpp(plan, skip_llamacpp, rebuild_llamacpp, notes, log)
+    llamacpp = _llamacpp(plan, skip_llamacpp, rebuild_llamacpp, notes, log, cpu_class)
     if llamacpp is not None:
         data["llamacpp_build"] = {"version": llamacpp.version, "cmake_args": list(llamacpp.cmake_args)}
     measured = []
