@@ -1,6 +1,6 @@
 """What a bench run measures: prompt lengths, decode steps, repetitions, and the prompt ids.
 
-The full plan is the issue's: TTFT at 32/128/512/2048 prompt tokens, 64 decode tokens after
+The full plan: TTFT at 32/128/512/2048 prompt tokens, 64 decode tokens after
 the 128-token prompt, 3 timed runs of every measurement. The runs are spread over rounds: in
 each round every runtime is started once and times each measurement after one warm-up, and the
 runtimes take turns round by round. The hosts this runs on share their memory system with

@@ -1,7 +1,7 @@
 """From raw runs to the bench's verdict: medians, ratios ours/peer, the decode bound, targets.
 
 Ratios are always ours ÷ peer, whatever the metric, so one rule reads them: for TTFT and
-memory below 1 is better for us, for tokens/s above 1 is. Targets are the issue's; each is
+memory below 1 is better for us, for tokens/s above 1 is. Targets are the project's; each is
 PASS or MISS, or n/a when a run did not produce the value it needs (a skipped llama.cpp, a
 prompt length the quick plan leaves out), so a missing number never passes silently.
 """
@@ -77,7 +77,7 @@ def ratios(sides: dict[str, dict], lengths: tuple[int, ...]) -> dict[str, dict[s
 
 
 def targets(embedded: bool, rat: dict, ours: dict, bound_tok_s: float | None, memory_budget: int) -> list[Target]:
-    """The issue's targets: the 1B-class ones, or for the embedded model its decode vs HF."""
+    """The targets: the 1B-class ones, or for the embedded model its decode vs HF and its load time."""
     hf, lc = rat.get(HF, {}), rat.get(LLAMACPP_BF16, {})
     if embedded:
         return [Target("decode ≥ 1.0× HF", "decode", ">=", 1.0, hf.get("decode")),
