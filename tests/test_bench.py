@@ -20,7 +20,7 @@ from bench.bound import decode_bound_tokens_per_s, decode_bytes_per_token, kv_ca
 from bench.gguf_convert import trim_tokenizer_files
 from bench.llamacpp_build import AMX_SWITCHES, cmake_args
 from bench.plan import QUICK, prompt_ids
-from bench.protocol import measure, process_age_s
+from bench.protocol import measure
 from bench.run import merge_rounds, run_side
 from bench.summary import HF, LLAMACPP_BF16, OURS, ratio, summarize_model
 from llama_base.config import LlamaConfig
