@@ -28,12 +28,14 @@ def tiny_weights():
 
 def _native_isas() -> list[str]:
     """The ISA classes the native-kernel tests run under: every one this CPU runs, so that an
-    AVX-512 CI host also covers the AVX2 kernels; only the one asked for when LLAMA_NPU_ISA
-    (or LLAMA_NPU_NATIVE=0) picks one; torch alone where there are none."""
+    AVX-512 CI host also covers the AVX2 kernels, and the emulated AMX tiles; only the one asked
+    for when LLAMA_NPU_ISA (or LLAMA_NPU_NATIVE=0) picks one; torch alone where there are none."""
     from npu_runtime.sim import native_cpu
 
     asked = native_cpu._requested()
-    return [asked] if asked is not None else native_cpu.supported_isas() or [native_cpu.TORCH]
+    if asked is not None:
+        return [asked]
+    return native_cpu.supported_isas() + native_cpu.emulated_isas() or [native_cpu.TORCH]
 
 
 @pytest.fixture(params=_native_isas())

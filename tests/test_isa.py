@@ -1,6 +1,7 @@
 """The native library's ISA classes: which one runs, how it is chosen and reported, that the AVX2
-build holds no AVX-512 instruction, and that every class computes the same bits (the per-kernel
-checks against torch and float64 run under each class through the `native_isa` fixture).
+builds hold no AVX-512 instruction, and that every class computes the same bits, the tile GEMM's
+other summation order apart (the per-kernel checks against torch and float64 run under each
+class through the `native_isa` fixture; tests/test_tiles.py holds the tiles to the SDM).
 """
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ from llama_runtime.profile_report import isa_line
 from llama_runtime.tokenizer import Tokenizer
 from npu_runtime.cache import KernelCache
 from npu_runtime.devices import open_device
-from npu_runtime.sim import native_cpu
+from npu_runtime.sim import native_build, native_cpu
 from npu_runtime.sim.device import SimDevice
 
 NATIVE = native_cpu.supported_isas()
+EMULATED = native_cpu.emulated_isas()
 
 
 def _fresh(monkeypatch):
@@ -47,7 +49,7 @@ def test_the_environment_picks_the_class(monkeypatch):
     _fresh(monkeypatch)
     best = native_cpu.isa()
     assert best == (NATIVE[0] if NATIVE else native_cpu.TORCH)      # unforced: the best this CPU runs
-    for asked in [*NATIVE, native_cpu.TORCH]:
+    for asked in [*NATIVE, *EMULATED, native_cpu.TORCH]:
         _fresh(monkeypatch)
         monkeypatch.setenv(native_cpu.ENV_ISA, asked)
         assert native_cpu.isa() == asked and native_cpu.available() == (asked != native_cpu.TORCH)
@@ -66,22 +68,25 @@ def test_asking_for_more_than_the_cpu_has_is_a_one_line_error(monkeypatch):
     assert "\n" not in str(e.value) and "avx512bf16" in str(e.value) and "torch" in str(e.value)
     _fresh(monkeypatch)
     monkeypatch.setenv(native_cpu.ENV_ISA, "avx9")
-    with pytest.raises(native_cpu.IsaError, match="avx512bf16, avx2, torch"):
+    with pytest.raises(native_cpu.IsaError, match="amx, avx512bf16, avx2, amx-emulated, torch"):
         native_cpu.isa()
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump is not installed")
-def test_the_avx2_library_holds_no_avx512_instruction():
-    """What lets it load and run on a CPU without AVX-512: no zmm or mask register, and no EVEX
-    encoding (which the upper 16 xmm/ymm registers would need)."""
+def test_the_avx2_libraries_hold_no_avx512_instruction():
+    """What lets them load and run on a CPU without AVX-512: no zmm or mask register, and no EVEX
+    encoding (which the upper 16 xmm/ymm registers would need). The AMX library holds the tile
+    instructions, the emulation none."""
     evex = re.compile(r"%zmm\d|%k[0-7]\b|%[xy]mm(1[6-9]|2\d|3[01])\b")
-    paths = {isa: native_cpu.library_path(isa) for isa in native_cpu.ISAS}
+    paths = {isa: native_build.library_path(isa) for isa in native_build.ALL_CLASSES}
     if None in paths.values():
-        pytest.skip("no C++ compiler")
+        pytest.skip("no C++ compiler (or none that knows AMX)")
     text = {isa: subprocess.run(["objdump", "-d", str(p)], capture_output=True, text=True, check=True).stdout
             for isa, p in paths.items()}
-    assert "vfmadd" in text["avx2"] and not evex.search(text["avx2"])
+    for isa in ["avx2", "amx-emulated"]:
+        assert "vfmadd" in text[isa] and not evex.search(text[isa]) and "tdpbf16ps" not in text[isa], isa
     assert evex.search(text["avx512bf16"]) and "vdpbf16ps" in text["avx512bf16"]   # the check can see them
+    assert "tdpbf16ps" in text["amx"] and "ldtilecfg" in text["amx"] and "tdpbf16ps" not in text["avx512bf16"]
 
 
 def _rand(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -95,8 +100,12 @@ def _every_kernel() -> dict[str, torch.Tensor]:
     out = {"packed": native_cpu.pack_weight(w, lambda n: torch.zeros(n, dtype=torch.uint8))}
     out["gemv"] = torch.empty(96, dtype=torch.bfloat16)
     native_cpu.gemv_batch_call([(out["packed"], x, out["gemv"])])()
-    out["gemm"] = torch.empty(13, 96, dtype=torch.bfloat16)
+    out["gemm"] = torch.empty(13, 96, dtype=torch.bfloat16)       # K = 584: vector GEMM on every class
     native_cpu.gemm_call(a, out["packed"], out["gemm"])()
+    w2, a2 = _rand(96, 2048, seed=11, scale=0.02), _rand(45, 2048, seed=12)
+    out["gemm_k2048"] = torch.empty(45, 96, dtype=torch.bfloat16)  # tiles where the class has them
+    out["packed_k2048"] = native_cpu.pack_weight(w2, lambda n: torch.zeros(n, dtype=torch.uint8))   # held, as below
+    native_cpu.gemm_call(a2, out["packed_k2048"], out["gemm_k2048"])()
     g, u = _rand(1000, seed=4, scale=4), _rand(1000, seed=5)
     for name, call in [("swiglu", native_cpu.swiglu_call), ("add", native_cpu.add_call)]:
         out[name] = torch.empty_like(g)
@@ -114,19 +123,24 @@ def _every_kernel() -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.skipif(len(NATIVE) < 2, reason="this CPU runs one native ISA class")
+@pytest.mark.skipif(len(NATIVE + EMULATED) < 2, reason="this CPU runs one native ISA class")
 def test_every_class_computes_the_same_bits():
     """The same operations in the same order: the pair dot step adds the odd product, then the
     even one, each rounded, which is how vdpbf16ps is specified (without subnormals, which it
-    flushes); e^x, the reductions and the rounding to bf16 are spelled out alike."""
+    flushes); e^x, the reductions and the rounding to bf16 are spelled out alike. The tile GEMM
+    sums in TDPBF16PS's order instead: the same bits among the tiled classes, close to the rest."""
     results = {}
-    for isa in NATIVE:
+    for isa in NATIVE + EMULATED:
         with native_cpu.use_isa(isa):
             results[isa] = _every_kernel()
-    first, *others = NATIVE
+    first, *others = NATIVE + EMULATED
     for isa in others:
         for name, t in results[first].items():
-            assert torch.equal(t.view(torch.uint8), results[isa][name].view(torch.uint8)), f"{name}: {first} vs {isa}"
+            same = torch.equal(t.view(torch.uint8), results[isa][name].view(torch.uint8))
+            if name == "gemm_k2048" and native_cpu.tiled(isa) != native_cpu.tiled(first):
+                assert torch.allclose(t.float(), results[isa][name].float(), rtol=2e-2, atol=2e-2), isa
+            else:
+                assert same, f"{name}: {first} vs {isa}"
 
 
 @pytest.fixture(scope="module")
@@ -150,22 +164,25 @@ def _greedy(weights, prompt: list[int], tmp_path, steps: int) -> tuple[list[int]
 
 def test_greedy_generation_agrees_across_classes(embedded, tmp_path):
     """A prefill and decode steps on the embedded model under every class, torch included: the
-    same tokens and, natively, the same logits to the bit; where torch's other summation order
-    changes a token, a near-tie there. The native classes hold the weights packed, as the
-    memory budget needs."""
+    same tokens and, on the vector classes, the same logits to the bit; where torch's or the
+    tiles' other summation order changes a token, a near-tie there (and prefill's logits show
+    that the tiles ran). The native classes hold the weights packed, as the memory budget needs."""
     weights, tok = embedded
     prompt = tok.encode_text("The capital of Japan is")
     runs = {}
-    for isa in [*NATIVE, native_cpu.TORCH]:
+    vector = [isa for isa in NATIVE if not native_cpu.tiled(isa)]
+    for isa in [*NATIVE, *EMULATED, native_cpu.TORCH]:
         with native_cpu.use_isa(isa):
             runs[isa] = _greedy(weights, prompt, tmp_path, steps=4)   # one kernel cache: ISA-independent
         assert runs[isa][2] == (isa != native_cpu.TORCH)
-    ref_tokens, ref_logits, _ = runs[NATIVE[0] if NATIVE else native_cpu.TORCH]
+    ref_tokens, ref_logits, _ = runs[vector[0] if vector else native_cpu.TORCH]
     assert len(set(ref_tokens)) > 2, ref_tokens          # a real sequence, not one token repeated
     for isa, (tokens, logits, _) in runs.items():
-        if isa in NATIVE:
+        if isa in vector:
             assert tokens == ref_tokens and all(torch.equal(a, b) for a, b in zip(logits, ref_logits)), isa
             continue
+        if native_cpu.tiled(isa):
+            assert not torch.equal(logits[0], ref_logits[0]), isa
         for step, (mine, ref, l) in enumerate(zip(tokens, ref_tokens, ref_logits)):
             assert torch.allclose(logits[step], l, atol=5e-2 * l.abs().max().item()), (isa, step)
             if mine != ref:       # a near-tie: the two candidates' logits within the kernels' rounding

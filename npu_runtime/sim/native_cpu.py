@@ -4,44 +4,32 @@
 (one pass instead of several dispatched ops with temporaries) and prefill's causal attention
 (flash-style tiles on the launch's own layouts).
 
-One source per kernel, compiled once per ISA class (`ISAS`: AVX512-BF16, or AVX2 with FMA for
-CPUs without it, such as AMD Zen 3 and most Intel client CPUs) with the system C++ compiler on
-first use, into the cache (keyed by the source hash and flags), and loaded with ctypes. The
-best class this CPU runs is picked once, by each library's own probe (`__builtin_cpu_supports`);
-`LLAMA_NPU_ISA` forces a lower one, or `torch` (no native library; `LLAMA_NPU_NATIVE=0` is the
-same). CPUs with AMX use the AVX512-BF16 library. The library is parallel with OpenMP and binds
-to the runtime torch has already loaded (torch is imported first), so both share one thread
-team and torch's `set_num_threads` governs both.
+One source per kernel, compiled once per ISA class (`ISAS`: AMX-BF16 tiles for prefill's GEMM
+over the AVX512-BF16 kernels, as on Intel Xeons since Sapphire Rapids; AVX512-BF16; or AVX2 with
+FMA for CPUs without AVX-512, such as AMD Zen 3 and most Intel client CPUs) with the system C++
+compiler on first use, into the cache (keyed by the source hash and flags), and loaded with
+ctypes. The best class this CPU runs is picked once, by each library's own probe
+(`__builtin_cpu_supports`, and for AMX the kernel's permission); `LLAMA_NPU_ISA` forces a lower
+one, or `torch` (no native library; `LLAMA_NPU_NATIVE=0` is the same). `amx-emulated` runs the
+AMX GEMM on any AVX2 CPU with the tile instructions emulated as specified (`EMULATIONS`): slow,
+for testing that path where no AMX CPU is at hand. The library is parallel with OpenMP and
+binds to the runtime torch has already loaded (torch is imported first), so both share one
+thread team and torch's `set_num_threads` governs both.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
 import threading
 from functools import partial
-from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
 from llama_base.errors import UserError
-from llama_base.paths import cache_root
+from npu_runtime.sim.native_build import ALL_CLASSES, CPU_FLAGS, EMULATIONS, ISAS, cpu_flags, library_path
 
-_NATIVE = Path(__file__).resolve().parent / "native"
-_SRCS = [_NATIVE / "matmul_bf16_cpu.cc", _NATIVE / "pack_bf16_cpu.cc", _NATIVE / "eltwise_bf16_cpu.cc",
-         _NATIVE / "attention_bf16_cpu.cc", _NATIVE / "flash_attention_bf16_cpu.cc"]
-_HEADERS = [_NATIVE / "simd_bf16.h", _NATIVE / "packed_tiles.h"]
-_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
-# ISA classes, best first: the compiler flags each library is built with. The AVX2 build gets
-# no AVX-512 flag at all, so nothing in it can fault on a CPU without AVX-512.
-ISAS = {
-    "avx512bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
-    "avx2": ["-mavx2", "-mfma", "-mf16c"],
-}
 TORCH = "torch"                 # no native library: the simulator's torch bodies
 ENV_ISA = "LLAMA_NPU_ISA"
 _lock = threading.Lock()
@@ -55,39 +43,13 @@ class IsaError(UserError):
     """An ISA class asked for that this CPU or build cannot run."""
 
 
-def build_shared(srcs: Path | list[Path], flags: list[str], headers: list[Path] = ()) -> Path | None:
-    """The sources compiled into one shared library under the cache, or None without a working compiler.
-
-    Keyed by the sources, the headers they include and the flags, so an edit rebuilds it, and
-    renamed into place so that a concurrent process never loads a half-written file.
-    """
-    srcs = [srcs] if isinstance(srcs, Path) else srcs
-    cxx = shutil.which(os.environ.get("CXX", "g++"))
-    if cxx is None:
-        return None
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in [*srcs, *headers]) + " ".join(flags).encode()).hexdigest()[:16]
-    out = cache_root() / "native" / f"{srcs[0].stem}-{digest}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        r = subprocess.run([cxx, *flags, *map(str, srcs), "-o", str(tmp)], capture_output=True, text=True)
-        if r.returncode != 0:
-            return None
-        os.replace(tmp, out)
-    return out
-
-
-def library_path(isa: str) -> Path | None:
-    """The shared library built for ISA class `isa` (built now if needed), None without a compiler."""
-    return build_shared(_SRCS, _FLAGS + ISAS[isa], _HEADERS)
-
-
 def _open(isa: str) -> ctypes.CDLL | None:
     """The library for `isa` if it builds and this CPU runs it (asked of the library itself, whose
     probe executes no instruction of its ISA), probed once per process."""
     if isa not in _probed:
         lib = None
-        path = library_path(isa)
+        flags = cpu_flags() if isa in CPU_FLAGS else None
+        path = library_path(isa) if flags is None or CPU_FLAGS[isa] <= flags else None
         if path is not None:
             try:
                 cand = ctypes.CDLL(str(path))
@@ -101,8 +63,25 @@ def _open(isa: str) -> ctypes.CDLL | None:
 
 
 def supported_isas() -> list[str]:
-    """The native ISA classes this CPU (and compiler) can run, best first; without `torch`."""
+    """The native ISA classes this CPU (and compiler) can run, best first; without `torch` and
+    the emulations."""
     return [isa for isa in ISAS if _open(isa) is not None]
+
+
+def emulated_isas() -> list[str]:
+    """The emulations (`native_build.EMULATIONS`) this CPU can run."""
+    return [isa for isa in EMULATIONS if _open(isa) is not None]
+
+
+def runnable(isa: str) -> bool:
+    """Whether class `isa` (an emulation included) builds and runs on this CPU."""
+    return isa in ALL_CLASSES and _open(isa) is not None
+
+
+def tiled(isa: str) -> bool:
+    """Whether class `isa` runs prefill's GEMM on (real or emulated) AMX tiles, which sum in
+    another order than the vector GEMM: its GEMM results are not the vector classes' bits."""
+    return isa.startswith("amx")
 
 
 def _requested() -> str | None:
@@ -111,8 +90,8 @@ def _requested() -> str | None:
         return _forced
     want = os.environ.get(ENV_ISA, "").strip().lower()
     if want:
-        if want not in (*ISAS, TORCH):
-            raise IsaError(f"{ENV_ISA}={want!r}: expected one of {', '.join([*ISAS, TORCH])}")
+        if want not in (*ALL_CLASSES, TORCH):
+            raise IsaError(f"{ENV_ISA}={want!r}: expected one of {', '.join([*ALL_CLASSES, TORCH])}")
         return want
     return TORCH if os.environ.get("LLAMA_NPU_NATIVE", "1") == "0" else None
 
@@ -139,6 +118,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.flash_attention_bf16_cpu.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64]
     lib.flash_attention_bf16_cpu_max_head_dim.restype = i64
     lib.flash_max_head_dim = lib.flash_attention_bf16_cpu_max_head_dim()
+    lib.tiles_dot_bf16_cpu.argtypes = [ptr, ptr, ptr]
     lib.isa = lib.native_cpu_isa().decode()
     return lib
 
@@ -178,7 +158,7 @@ def use_isa(name: str) -> Iterator[None]:
     """Run the block with ISA class `name` (or "torch"), as LLAMA_NPU_ISA would; for tests and
     A/B measurements in one process. Calls bound before the switch keep the library they bound."""
     global _lib, _tried, _forced
-    if name not in (*ISAS, TORCH):
+    if name not in (*ALL_CLASSES, TORCH):
         raise IsaError(f"unknown ISA class {name!r}")
     with _lock:
         saved = _lib, _tried, _forced
@@ -199,6 +179,17 @@ def tile_rows() -> int:
     """Outputs per tile block in the layout the native GEMM and GEMV read (0 if unavailable)."""
     lib = _library()
     return lib.tile_rows if lib is not None else 0
+
+
+def tile_dot(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
+    """One AMX tile step, c [16, 16] f32 += a [16, 32] bf16 · b [16, 32] bf16 (row p: K-pair p of 16
+    outputs, interleaved), in place; False where the class has no tiles. For the tests that hold
+    the tile step, real or emulated, to the SDM bit for bit."""
+    lib = _library()
+    if (lib is None or a.shape != (16, 32) or b.shape != (16, 32) or c.shape != (16, 16) or c.dtype != torch.float32
+            or not all(t.is_contiguous() for t in (a, b, c)) or a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16):
+        return False
+    return bool(lib.tiles_dot_bf16_cpu(a.data_ptr(), b.data_ptr(), c.data_ptr()))
 
 
 def packed_header() -> int:

@@ -30,6 +30,7 @@
 
 #include "packed_tiles.h"
 #include "simd_bf16.h"
+#include "tiles_bf16.h"
 
 namespace {
 
@@ -172,8 +173,6 @@ void gemm_rows(const uint32_t *a, int64_t m, int64_t kp, const packed::View &w, 
 
 }  // namespace
 
-NATIVE_DEFINE_ISA_PROBES
-
 extern "C" int64_t matmul_bf16_cpu_tile_rows() { return kLanes; }
 
 extern "C" int64_t matmul_bf16_cpu_packed_header() { return packed::kHeader; }
@@ -200,13 +199,15 @@ extern "C" void gemv_packed_bf16_cpu_batch(const int64_t *desc, int count) {
   }
 }
 
-// C[m][n] = A[m][k] · Wᵀ with W packed; A and C row-major. Threads split the columns into
-// panels of kVecs blocks, each unpacked once into the thread's buffer by its first row tile.
+// C[m][n] = A[m][k] · Wᵀ with W packed; A and C row-major. On AMX tiles where the library has
+// them; otherwise threads split the columns into panels of kVecs blocks, each unpacked once
+// into the thread's buffer by its first row tile.
 extern "C" void gemm_packed_bf16_cpu(const uint16_t *a, const uint8_t *w, uint16_t *c, int64_t m, int64_t n,
                                      int64_t k) {
   const int64_t kp = k / 2, blocks = n / kLanes, panels = (blocks + kVecs - 1) / kVecs;
   const uint32_t *a32 = reinterpret_cast<const uint32_t *>(a);
   const packed::View view(w);
+  if (native::tiles_gemm(a, view, c, m, n, k)) return;
 #pragma omp parallel
   {
     std::vector<uint32_t> panel(kVecs * kp * kLanes);   // kVecs blocks of plain tiles

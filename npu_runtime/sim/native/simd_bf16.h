@@ -30,7 +30,7 @@ constexpr int kWidth = 16;   // floats per vector: outputs of one weight tile bl
 
 #if NATIVE_AVX512BF16
 
-constexpr const char *kIsa = "avx512bf16";
+constexpr const char *kVectorIsa = "avx512bf16";
 
 struct F16 { __m512 v; };      // 16 floats
 struct M16 { __mmask16 m; };   // 16 lane flags
@@ -38,7 +38,7 @@ struct P16 { __m512i v; };     // 16 bf16 pairs as stored: a tile vector
 struct W16 { __m512bh v; };    // a tile vector ready for dot()
 struct X2 { __m512bh v; };     // one bf16 pair of the activation, in every lane
 
-inline bool cpu_has_isa() {
+inline bool cpu_has_vector_isa() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
 }
@@ -111,10 +111,13 @@ inline W16 widen(P16 a) { return {(__m512bh)a.v}; }
 inline X2 bcast_pair(uint32_t pair) { return {(__m512bh)_mm512_set1_epi32(static_cast<int>(pair))}; }
 // acc[i] += w[i].odd x.odd + w[i].even x.even
 inline F16 dot(F16 acc, W16 w, X2 x) { return {_mm512_dpbf16_ps(acc.v, w.v, x.v)}; }
+// The even and the odd element of each pair, as f32 (for the AMX tile step's emulation).
+inline F16 evens(P16 a) { return {_mm512_castsi512_ps(_mm512_slli_epi32(a.v, 16))}; }
+inline F16 odds(P16 a) { return {_mm512_castsi512_ps(_mm512_and_si512(a.v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))}; }
 
 #else  // NATIVE_AVX2
 
-constexpr const char *kIsa = "avx2";
+constexpr const char *kVectorIsa = "avx2";
 
 struct F16 { __m256 lo, hi; };
 struct M16 { __m256 lo, hi; };      // all-ones lanes
@@ -122,7 +125,7 @@ struct P16 { __m256i lo, hi; };     // pairs 0-7, 8-15
 struct W16 { __m256 even_lo, odd_lo, even_hi, odd_hi; };
 struct X2 { __m256 even, odd; };
 
-inline bool cpu_has_isa() {
+inline bool cpu_has_vector_isa() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
@@ -250,6 +253,8 @@ inline F16 dot(F16 acc, W16 w, X2 x) {
   return {_mm256_fmadd_ps(w.even_lo, x.even, _mm256_fmadd_ps(w.odd_lo, x.odd, acc.lo)),
           _mm256_fmadd_ps(w.even_hi, x.even, _mm256_fmadd_ps(w.odd_hi, x.odd, acc.hi))};
 }
+inline F16 evens(P16 a) { return {even_f32(a.lo), even_f32(a.hi)}; }
+inline F16 odds(P16 a) { return {odd_f32(a.lo), odd_f32(a.hi)}; }
 
 #endif
 
@@ -271,9 +276,3 @@ inline F16 exp_ps(F16 x) {
 }
 
 }  // namespace native
-
-// The ISA class a library was built for, and whether this CPU runs it: native_cpu.py loads a
-// library only where its probe says yes. Defined once per library (matmul_bf16_cpu.cc).
-#define NATIVE_DEFINE_ISA_PROBES                                                  \
-  extern "C" const char *native_cpu_isa() { return native::kIsa; }                \
-  extern "C" int native_cpu_isa_supported() { return native::cpu_has_isa() ? 1 : 0; }

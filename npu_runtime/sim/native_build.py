@@ -1,0 +1,69 @@
+"""Building the native CPU kernels: which sources, which ISA classes with which compiler flags,
+and the compile-once cache of shared libraries. `native_cpu` chooses and loads a class; the
+bench builds its own probes with `build_shared`.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from llama_base.paths import cache_root
+
+_NATIVE = Path(__file__).resolve().parent / "native"
+_SRCS = [_NATIVE / "matmul_bf16_cpu.cc", _NATIVE / "pack_bf16_cpu.cc", _NATIVE / "eltwise_bf16_cpu.cc",
+         _NATIVE / "attention_bf16_cpu.cc", _NATIVE / "flash_attention_bf16_cpu.cc", _NATIVE / "matmul_tiles_bf16_cpu.cc"]
+_HEADERS = [_NATIVE / "simd_bf16.h", _NATIVE / "packed_tiles.h", _NATIVE / "tiles_bf16.h"]
+_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
+# ISA classes, best first: the compiler flags each library is built with. The AVX2 build gets
+# no AVX-512 flag at all, so nothing in it can fault on a CPU without AVX-512.
+_AVX512BF16 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+ISAS = {
+    "amx": [*_AVX512BF16, "-mamx-tile", "-mamx-bf16"],
+    "avx512bf16": _AVX512BF16,
+    "avx2": _AVX2,
+}
+# Classes that emulate an ISA this CPU may lack: never picked unasked, never in supported_isas().
+EMULATIONS = {"amx-emulated": [*_AVX2, "-DNATIVE_TILES_EMULATED=1"]}
+ALL_CLASSES = {**ISAS, **EMULATIONS}
+# /proc/cpuinfo flags without which a class is not even built (its probe decides where they are).
+CPU_FLAGS = {"amx": {"amx_tile", "amx_bf16"}}
+
+
+def build_shared(srcs: Path | list[Path], flags: list[str], headers: list[Path] = ()) -> Path | None:
+    """The sources compiled into one shared library under the cache, or None without a working compiler.
+
+    Keyed by the sources, the headers they include and the flags, so an edit rebuilds it, and
+    renamed into place so that a concurrent process never loads a half-written file.
+    """
+    srcs = [srcs] if isinstance(srcs, Path) else srcs
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    if cxx is None:
+        return None
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in [*srcs, *headers]) + " ".join(flags).encode()).hexdigest()[:16]
+    out = cache_root() / "native" / f"{srcs[0].stem}-{digest}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        r = subprocess.run([cxx, *flags, *map(str, srcs), "-o", str(tmp)], capture_output=True, text=True)
+        if r.returncode != 0:
+            return None
+        os.replace(tmp, out)
+    return out
+
+
+def library_path(isa: str) -> Path | None:
+    """The shared library built for ISA class `isa` (built now if needed), None without a compiler."""
+    return build_shared(_SRCS, _FLAGS + ALL_CLASSES[isa], _HEADERS)
+
+
+def cpu_flags() -> set[str] | None:
+    """The kernel's CPU flags, None where /proc/cpuinfo cannot say."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}

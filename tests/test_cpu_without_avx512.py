@@ -1,0 +1,43 @@
+"""The runtime on a CPU with no AVX-512 at all, where an AVX-512 instruction faults: the native
+kernel, tile and ISA tests (a greedy generation on the embedded model included) rerun in a child
+under QEMU's user-mode emulation of an Intel Haswell, whose CPUID reports AVX2, FMA and F16C and
+nothing newer. What this shows is the instruction set and the class the probes pick; QEMU's speed
+says nothing about a real CPU's (docs/profile.md has the measured figures and their machine).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from npu_runtime.sim import native_cpu
+
+ROOT = Path(__file__).resolve().parents[1]
+QEMU = shutil.which("qemu-x86_64")
+FILES = ["tests/test_native_matmul.py", "tests/test_native_host_ops.py", "tests/test_tiles.py", "tests/test_isa.py"]
+pytestmark = pytest.mark.skipif(QEMU is None or platform.machine() != "x86_64",
+                                reason="qemu-user is not installed (apt-get install qemu-user)")
+
+
+def _child(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in (native_cpu.ENV_ISA, "LLAMA_NPU_NATIVE")}
+    return subprocess.run([QEMU, "-cpu", "Haswell", sys.executable, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=1500)
+
+
+def test_a_haswell_gets_the_avx2_class():
+    r = _child("-c", "from npu_runtime.sim import native_cpu as n; print(n.supported_isas(), n.isa())")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split("\n")[0] == "['avx2'] avx2"
+
+
+def test_the_kernel_tests_pass_on_a_cpu_without_avx512():
+    r = _child("-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *FILES)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    summary = r.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and int(summary.split(" passed")[0].split()[-1]) > 100, summary
