@@ -128,6 +128,41 @@ def test_a_rewritten_weight_reaches_the_next_run(tiny_config, tiny_weights, tmp_
     assert torch.equal(after, fresh[g.index("out")].map().view(torch.bfloat16))
 
 
+@ISAS
+@pytest.mark.skipif(not native_cpu.available(), reason="weights are packed only where the native kernels run")
+def test_a_whole_weight_write_packs_from_the_source_and_waits_for_its_sync(tiny_config, tiny_weights, tmp_path):
+    """Preload's path: the write packs the caller's tensor without a host copy; the kernel sees
+    it only after the sync; a read before the sync still returns what was written."""
+    dev, g, kernel = _program(tiny_config, tmp_path)
+    bos = _bos(dev, g, tiny_weights, kernel)
+    x, out, w = bos[g.index("x_res")], bos[g.index("out")], bos[g.index("w_down")]
+    assert w.packing is not None
+    x.map().view(torch.bfloat16).fill_(0.5)
+    x.sync(Sync.TO_DEVICE)
+
+    def result():
+        kernel.run(bos)
+        out.sync(Sync.FROM_DEVICE)
+        return out.map().view(torch.bfloat16).clone()
+
+    before, w_down = result(), tiny_weights.layers[0].w_down
+    w.write(w_down * 2)
+    assert w._host is None                               # no host copy of the weight
+    assert torch.equal(result(), before)                 # not synced yet
+    w.sync(Sync.TO_DEVICE)
+    doubled = result()
+    assert not torch.equal(doubled, before)
+    w.write(w_down * 3)
+    assert torch.equal(w.read().view(torch.bfloat16), (w_down * 3).reshape(-1))
+    assert torch.equal(result(), doubled)
+    w.sync(Sync.TO_DEVICE)                               # the read's host copy is what syncs now
+    tripled = result()
+    assert not torch.equal(tripled, doubled)
+    w.write(w_down * 2)
+    w.sync(Sync.TO_DEVICE)
+    assert torch.equal(result(), doubled)
+
+
 def _run(kernel, bos, g, x):
     bos[g.index("x_res")].write(x)
     bos[g.index("x_res")].sync(Sync.TO_DEVICE)

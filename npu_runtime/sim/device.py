@@ -54,7 +54,9 @@ class SimBO:
     weight buffer costs one copy of the weight: written on the host, then shared with the
     device side by a full sync until either side is written again. With a `packing`, the device
     side holds the packed form, and "shared" means the host side is dropped and rebuilt from it
-    when the host next needs it.
+    when the host next needs it. A write of a whole packed BO packs straight from the caller's
+    tensor into a staged device form that the next sync installs: preload then reads each
+    checkpoint weight once, instead of copying 2.5 GB into host buffers only to pack them.
     """
 
     def __init__(self, device: "SimDevice", nbytes: int, packing: Packing | None = None):
@@ -65,6 +67,7 @@ class SimBO:
         self._dev: torch.Tensor | None = None
         self._shared = False       # the host side equals the device side (one storage, or derived)
         self._mapped = False       # a mapped BO may be written behind our back: never shared
+        self._staged: torch.Tensor | None = None   # packed host contents a whole write left, not yet synced
 
     def _zeros(self) -> torch.Tensor:
         return zeroed_buffer(self.size)
@@ -85,7 +88,9 @@ class SimBO:
         self._host, self._shared = (host if self.packing else self._zeros().copy_(host)), False
 
     def _own_host(self) -> torch.Tensor:
-        if self._shared:
+        if self._staged is not None:       # the host side is needed after all: unpack the write
+            self._host, self._staged = self.packing.unpack(self._staged, self._zeros()), None
+        elif self._shared:
             self._split()
         elif self._host is None:
             self._host = self._zeros()
@@ -98,6 +103,9 @@ class SimBO:
 
     def write(self, data: torch.Tensor, offset: int = 0) -> None:
         raw = data.contiguous().view(torch.uint8).reshape(-1)
+        if self.packing and not self._mapped and offset == 0 and raw.numel() == self.size:
+            self._staged, self._host, self._shared = self.packing.pack(raw, zeroed_buffer), None, False
+            return
         self._own_host()[offset:offset + raw.numel()].copy_(raw)
 
     def read(self, nbytes: int | None = None, offset: int = 0) -> torch.Tensor:
@@ -109,6 +117,9 @@ class SimBO:
         if direction is Sync.TO_DEVICE:
             self._dev_counters.bytes_to_device += n
             if self._shared:
+                return
+            if self._staged is not None and offset == 0 and n == self.size:
+                self._dev, self._staged, self._shared = self._staged, None, True
                 return
             host = self._own_host()
             whole = not self._mapped and offset == 0 and n == self.size
