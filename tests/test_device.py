@@ -32,6 +32,22 @@ def _bos(dev, g, weights, kernel=None):
     return bos
 
 
+def _down_weight_rig(tiny_config, tiny_weights, tmp_path, packed):
+    """The o_gemv_ffn group on a fixed input, its down-projection weight BO, and a function that
+    runs the kernel and returns the output as the host then sees it."""
+    dev, g, kernel = _program(tiny_config, tmp_path)
+    bos = _bos(dev, g, tiny_weights, kernel if packed else None)
+    x, out, w = bos[g.index("x_res")], bos[g.index("out")], bos[g.index("w_down")]
+    x.map().view(torch.bfloat16).fill_(0.5)
+    x.sync(Sync.TO_DEVICE)
+
+    def result():
+        kernel.run(bos)
+        out.sync(Sync.FROM_DEVICE)
+        return out.map().view(torch.bfloat16).clone()
+    return g, x, w, result
+
+
 LAYOUTS = pytest.mark.parametrize("packed", [False, True], ids=["row-major", "packed"])
 ISAS = pytest.mark.usefixtures("native_isa")   # kernels and packing under every ISA class this CPU runs
 
@@ -100,17 +116,7 @@ def test_partial_sync_moves_only_that_range(size):
 def test_a_rewritten_weight_reaches_the_next_run(tiny_config, tiny_weights, tmp_path, packed):
     """A run replays launches bound to its BOs' device memory; a weight written and synced again
     (which gives that BO new device storage) must still be what the next run reads."""
-    dev, g, kernel = _program(tiny_config, tmp_path)
-    bos = _bos(dev, g, tiny_weights, kernel if packed else None)
-    x, out, w = bos[g.index("x_res")], bos[g.index("out")], bos[g.index("w_down")]
-    x.map().view(torch.bfloat16).fill_(0.5)
-    x.sync(Sync.TO_DEVICE)
-
-    def result():
-        kernel.run(bos)
-        out.sync(Sync.FROM_DEVICE)
-        return out.map().view(torch.bfloat16).clone()
-
+    g, x, w, result = _down_weight_rig(tiny_config, tiny_weights, tmp_path, packed)
     before = result()
     w.write(tiny_weights.layers[0].w_down * 2)
     w.sync(Sync.TO_DEVICE)
@@ -133,18 +139,8 @@ def test_a_rewritten_weight_reaches_the_next_run(tiny_config, tiny_weights, tmp_
 def test_a_whole_weight_write_packs_from_the_source_and_waits_for_its_sync(tiny_config, tiny_weights, tmp_path):
     """Preload's path: the write packs the caller's tensor without a host copy; the kernel sees
     it only after the sync; a read before the sync still returns what was written."""
-    dev, g, kernel = _program(tiny_config, tmp_path)
-    bos = _bos(dev, g, tiny_weights, kernel)
-    x, out, w = bos[g.index("x_res")], bos[g.index("out")], bos[g.index("w_down")]
+    g, x, w, result = _down_weight_rig(tiny_config, tiny_weights, tmp_path, True)
     assert w.packing is not None
-    x.map().view(torch.bfloat16).fill_(0.5)
-    x.sync(Sync.TO_DEVICE)
-
-    def result():
-        kernel.run(bos)
-        out.sync(Sync.FROM_DEVICE)
-        return out.map().view(torch.bfloat16).clone()
-
     before, w_down = result(), tiny_weights.layers[0].w_down
     w.write(w_down * 2)
     assert w._host is None                               # no host copy of the weight
