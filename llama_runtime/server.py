@@ -1,9 +1,10 @@
 """`make serve`: an OpenAI-compatible HTTP API (`/v1/models`, `/v1/chat/completions`,
 `/v1/completions`) in front of one session.
 
-Clients of local runtimes speak OpenAI's API, so this module only translates: it checks a
-request the way OpenAI would (same error body, same status codes), turns it into prompt
-token ids, and hands a `Job` to the `Worker` (serve_worker.py), which owns the model.
+Clients of local runtimes speak OpenAI's API, so this module only translates: it has a
+request checked the way OpenAI would check it (openai_request.py: same error body, same status
+codes), turns it into prompt token ids, and hands a `Job` to the `Worker` (serve_worker.py),
+which owns the model.
 Everything here runs on the event loop and never generates; streamed answers are
 server-sent events in OpenAI's chunk format, closed by `data: [DONE]`.
 
@@ -19,7 +20,7 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -31,104 +32,30 @@ from starlette.routing import Route
 
 from llama_base.errors import UserError
 from llama_runtime.cli import positive_int, user_error
+from llama_runtime.openai_request import (
+    DEFAULT_TEMPERATURE,
+    MAX_TEMPERATURE,
+    ApiError,
+    as_api_error,
+    as_request_error,
+    bool_param,
+    chat_messages,
+    error_response,
+    int_param,
+    internal_error,
+    json_body,
+    number_param,
+    refuse_unsupported,
+    shutting_down,
+    stop_strings,
+)
 from llama_runtime.sampling import SamplingParams
 from llama_runtime.serve_worker import DEFAULT_QUEUE_SIZE, Job, QueueFull, Worker
-from llama_runtime.tokenizer import CHAT_ROLES
 from npu_runtime.devices import DEVICE_KINDS
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
-MAX_TEMPERATURE = 2.0      # OpenAI's range for `temperature`
-DEFAULT_TEMPERATURE = 1.0  # and its default: clients that want greedy answers send 0
-MAX_STOP_STRINGS = 4       # and for `stop`
-MESSAGE_ROLES = ("system",) + CHAT_ROLES   # what the chat format renders
 SHUTDOWN_GRACE_S = 5       # in-flight answers are cancelled at once; this bounds their goodbye
-
-
-class ApiError(Exception):
-    """An error answered with OpenAI's body: {"error": {message, type, param, code}}."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error", headers: Mapping[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
-        self.headers = dict(headers or {})
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def _error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
-# ---- reading a request ----------------------------------------------------------------------
-async def _json_body(request: Request) -> dict:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON ({e})") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
-    return body
-
-
-def _int(body: dict, name: str, lo: int, hi: int) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ApiError(400, f"'{name}' must be an integer, got {json.dumps(v)}", name)
-    if not lo <= v <= hi:
-        raise ApiError(400, f"'{name}' must be between {lo} and {hi}, got {v}", name)
-    return v
-
-
-def _number(body: dict, name: str, default: float, ok: Callable[[float], bool], rule: str) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ApiError(400, f"'{name}' must be a number, got {json.dumps(v)}", name)
-    if not ok(v):
-        raise ApiError(400, f"'{name}' must be {rule}, got {v}", name)
-    return float(v)
-
-
-def _bool(body: dict, name: str) -> bool:
-    v = body.get(name, False)
-    if v is None:
-        return False
-    if not isinstance(v, bool):
-        raise ApiError(400, f"'{name}' must be true or false, got {json.dumps(v)}", name)
-    return v
-
-
-def _stops(body: dict) -> tuple[str, ...]:
-    v = body.get("stop")
-    if v is None:
-        return ()
-    items = [v] if isinstance(v, str) else v
-    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise ApiError(400, "'stop' must be a string or a list of strings", "stop")
-    if len(items) > MAX_STOP_STRINGS:
-        raise ApiError(400, f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(items)}", "stop")
-    return tuple(s for s in items if s)
-
-
-def _unsupported(body: dict) -> None:
-    """Refuse, rather than silently ignore, options that would change the answer."""
-    n = _int(body, "n", 1, sys.maxsize)
-    if n is not None and n != 1:
-        raise ApiError(400, f"only n=1 is supported (one model, one answer at a time), got {n}", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, 0.0, lambda x: True, "") != 0:
-            raise ApiError(400, f"'{name}' is not supported; leave it at 0", name)
-    if body.get("logprobs") not in (None, False, 0):
-        raise ApiError(400, "'logprobs' is not supported", "logprobs")
-    if body.get("tools") or body.get("functions"):
-        raise ApiError(400, "tools and function calling are not supported", "tools")
 
 
 class Api:
@@ -154,19 +81,19 @@ class Api:
         if len(ids) >= limit:
             raise ApiError(400, f"this model's maximum context length is {limit} tokens, and the prompt has "
                            f"{len(ids)} tokens, leaving no room for an answer", prompt_param, "context_length_exceeded")
-        newer, older = _int(body, "max_completion_tokens", 1, limit), _int(body, "max_tokens", 1, limit)
+        newer, older = int_param(body, "max_completion_tokens", 1, limit), int_param(body, "max_tokens", 1, limit)
         max_tokens = older if newer is None else newer
         room = limit - len(ids)
         max_tokens = room if max_tokens is None else min(max_tokens, room)
-        temperature = _number(body, "temperature", DEFAULT_TEMPERATURE, lambda t: 0 <= t <= MAX_TEMPERATURE,
+        temperature = number_param(body, "temperature", DEFAULT_TEMPERATURE, lambda t: 0 <= t <= MAX_TEMPERATURE,
                               f"between 0 and {MAX_TEMPERATURE:g}")
-        top_p = _number(body, "top_p", 1.0, lambda p: 0 < p <= 1, "in (0, 1]")
-        seed = _int(body, "seed", -sys.maxsize - 1, sys.maxsize)
+        top_p = number_param(body, "top_p", 1.0, lambda p: 0 < p <= 1, "in (0, 1]")
+        seed = int_param(body, "seed", -sys.maxsize - 1, sys.maxsize)
         sampling = SamplingParams(temperature, 0, top_p, 1.0, seed)
-        return Job(ids, max_tokens, sampling, _stops(body), asyncio.get_running_loop())
+        return Job(ids, max_tokens, sampling, stop_strings(body), asyncio.get_running_loop())
 
     def _stream_flags(self, body: dict) -> tuple[bool, bool]:
-        stream = _bool(body, "stream")
+        stream = bool_param(body, "stream")
         opts = body.get("stream_options")
         if opts is None:
             return stream, False
@@ -174,7 +101,7 @@ class Api:
             raise ApiError(400, "'stream_options' must be an object", "stream_options")
         if not stream:
             raise ApiError(400, "'stream_options' is only allowed with stream=true", "stream_options")
-        return stream, _bool(opts, "include_usage")
+        return stream, bool_param(opts, "include_usage")
 
     def _submit(self, job: Job) -> Job:
         try:
@@ -219,10 +146,10 @@ class Api:
                     return None
                 what, value = get.result()
                 if what == "error":
-                    raise _as_api_error(value)
+                    raise as_api_error(value)
                 if what == "done":
                     if value.cancelled_by == "shutdown":
-                        raise _shutting_down()
+                        raise shutting_down()
                     return value
         finally:
             gone.cancel()
@@ -245,9 +172,9 @@ class Api:
                     yield sse({**head, "choices": [choice(value, None, True)], **extra})
                     continue
                 if what == "error":
-                    yield sse(_as_api_error(value).body())
+                    yield sse(as_api_error(value).body())
                 elif value.cancelled_by is not None:
-                    yield sse(_shutting_down().body())
+                    yield sse(shutting_down().body())
                 else:
                     yield sse({**head, "choices": [choice("", value.finish_reason, True)], **extra})
                     if include_usage:
@@ -263,15 +190,15 @@ class Api:
             {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "llama32-1b-npu"}]})
 
     async def chat_completions(self, request: Request):
-        body = await _json_body(request)
+        body = await json_body(request)
         self._check_model(body)
-        _unsupported(body)
+        refuse_unsupported(body)
         stream, include_usage = self._stream_flags(body)
         fmt = self.session.tokenizer.chat
         if fmt is None:
             raise ApiError(400, f"'{self.model_id}' has no chat format; use /v1/completions", "model")
-        messages = _messages(body.get("messages"))
-        ids = _user_error(lambda: fmt.render(messages, add_generation_prompt=True), "messages")
+        messages = chat_messages(body.get("messages"))
+        ids = as_request_error(lambda: fmt.render(messages, add_generation_prompt=True), "messages")
         job = self._job(body, ids, "messages")
 
         def choice(text: str, finish: str | None, streaming: bool) -> dict:
@@ -284,9 +211,9 @@ class Api:
         return await self._answer(request, job, stream, include_usage, "chat.completion", choice)
 
     async def completions(self, request: Request):
-        body = await _json_body(request)
+        body = await json_body(request)
         self._check_model(body)
-        _unsupported(body)
+        refuse_unsupported(body)
         stream, include_usage = self._stream_flags(body)
         if body.get("echo") or body.get("suffix"):
             raise ApiError(400, "'echo' and 'suffix' are not supported", "echo" if body.get("echo") else "suffix")
@@ -302,58 +229,11 @@ class Api:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return _user_error(lambda: self.session.encode(prompt, chat=False), "prompt")
+            return as_request_error(lambda: self.session.encode(prompt, chat=False), "prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
-            return _user_error(lambda: self.session.tokenizer.check_ids(list(prompt)), "prompt")
+            return as_request_error(lambda: self.session.tokenizer.check_ids(list(prompt)), "prompt")
         raise ApiError(400, "'prompt' must be a non-empty string (or one string in a list, or a list of token ids)",
                        "prompt")
-
-
-def _messages(messages: Any) -> list[dict]:
-    """OpenAI messages as the chat format takes them: role and plain-text content."""
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(400, f"messages[{i}] must be an object with a 'role'", f"messages[{i}]")
-        if m["role"] not in MESSAGE_ROLES:
-            raise ApiError(400, f"messages[{i}]: role {m['role']!r} is not supported; the roles are "
-                           f"{', '.join(MESSAGE_ROLES)} (system first, if at all)", f"messages[{i}].role")
-        content = m.get("content")
-        if isinstance(content, list):      # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise ApiError(400, f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content must be text", f"messages[{i}].content")
-        out.append({"role": m["role"], "content": content})
-    if not any(m["content"].strip() for m in out if m["role"] == "user"):
-        raise ApiError(400, "'messages' needs a user message with some text", "messages")
-    return out
-
-
-def _user_error(fn: Callable[[], list[int]], param: str) -> list[int]:
-    try:
-        return fn()
-    except UserError as e:
-        raise ApiError(400, str(e), param) from None
-
-
-def _internal(e: BaseException) -> ApiError:
-    return ApiError(500, f"internal error: {type(e).__name__}: {e}", None, None, "server_error")
-
-
-def _shutting_down() -> ApiError:
-    return ApiError(503, "the server is shutting down", None, "shutting_down", "server_error")
-
-
-def _as_api_error(e: BaseException) -> ApiError:
-    """What a failed job reports: the runtime's refusals are the request's fault, the rest ours."""
-    if isinstance(e, ApiError):
-        return e
-    return ApiError(400, str(e)) if isinstance(e, UserError) else _internal(e)
 
 
 async def _disconnected(request: Request) -> None:
@@ -366,14 +246,14 @@ def create_app(worker: Worker, model_id: str) -> Starlette:
     api = Api(worker, model_id)
 
     async def api_error(request, e: ApiError):
-        return _error_response(e)
+        return error_response(e)
 
     async def http_error(request, e: HTTPException):
         code = "not_found" if e.status_code == 404 else None
-        return _error_response(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", None, code))
+        return error_response(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", None, code))
 
     async def server_error(request, e: Exception):
-        return _error_response(_internal(e))
+        return error_response(internal_error(e))
 
     return Starlette(
         routes=[Route("/v1/models", api.models, methods=["GET"]),

@@ -1,0 +1,154 @@
+"""Reading an OpenAI API request the way OpenAI does: the same checks, the same error body
+({"error": {message, type, param, code}}) and status codes, so that clients written against
+OpenAI report our refusals as they would report theirs. `server` routes; this module only
+judges a request's fields.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from llama_base.errors import UserError
+from llama_runtime.chat_format import CHAT_ROLES
+
+MAX_TEMPERATURE = 2.0      # OpenAI's range for `temperature`
+DEFAULT_TEMPERATURE = 1.0  # and its default: clients that want greedy answers send 0
+MAX_STOP_STRINGS = 4       # and for `stop`
+MESSAGE_ROLES = ("system",) + CHAT_ROLES   # what the chat format renders
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's body: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error", headers: Mapping[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def json_body(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def int_param(body: dict, name: str, lo: int, hi: int) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ApiError(400, f"'{name}' must be an integer, got {json.dumps(v)}", name)
+    if not lo <= v <= hi:
+        raise ApiError(400, f"'{name}' must be between {lo} and {hi}, got {v}", name)
+    return v
+
+
+def number_param(body: dict, name: str, default: float, ok: Callable[[float], bool], rule: str) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ApiError(400, f"'{name}' must be a number, got {json.dumps(v)}", name)
+    if not ok(v):
+        raise ApiError(400, f"'{name}' must be {rule}, got {v}", name)
+    return float(v)
+
+
+def bool_param(body: dict, name: str) -> bool:
+    v = body.get(name, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise ApiError(400, f"'{name}' must be true or false, got {json.dumps(v)}", name)
+    return v
+
+
+def stop_strings(body: dict) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise ApiError(400, "'stop' must be a string or a list of strings", "stop")
+    if len(items) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(items)}", "stop")
+    return tuple(s for s in items if s)
+
+
+def refuse_unsupported(body: dict) -> None:
+    """Refuse, rather than silently ignore, options that would change the answer."""
+    n = int_param(body, "n", 1, sys.maxsize)
+    if n is not None and n != 1:
+        raise ApiError(400, f"only n=1 is supported (one model, one answer at a time), got {n}", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if number_param(body, name, 0.0, lambda x: True, "") != 0:
+            raise ApiError(400, f"'{name}' is not supported; leave it at 0", name)
+    if body.get("logprobs") not in (None, False, 0):
+        raise ApiError(400, "'logprobs' is not supported", "logprobs")
+    if body.get("tools") or body.get("functions"):
+        raise ApiError(400, "tools and function calling are not supported", "tools")
+
+
+def chat_messages(messages: Any) -> list[dict]:
+    """OpenAI messages as the chat format takes them: role and plain-text content."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}] must be an object with a 'role'", f"messages[{i}]")
+        if m["role"] not in MESSAGE_ROLES:
+            raise ApiError(400, f"messages[{i}]: role {m['role']!r} is not supported; the roles are "
+                           f"{', '.join(MESSAGE_ROLES)} (system first, if at all)", f"messages[{i}].role")
+        content = m.get("content")
+        if isinstance(content, list):      # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be text", f"messages[{i}].content")
+        out.append({"role": m["role"], "content": content})
+    if not any(m["content"].strip() for m in out if m["role"] == "user"):
+        raise ApiError(400, "'messages' needs a user message with some text", "messages")
+    return out
+
+
+def as_request_error(fn: Callable[[], list[int]], param: str) -> list[int]:
+    try:
+        return fn()
+    except UserError as e:
+        raise ApiError(400, str(e), param) from None
+
+
+def internal_error(e: BaseException) -> ApiError:
+    return ApiError(500, f"internal error: {type(e).__name__}: {e}", None, None, "server_error")
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down", None, "shutting_down", "server_error")
+
+
+def as_api_error(e: BaseException) -> ApiError:
+    """What a failed job reports: the runtime's refusals are the request's fault, the rest ours."""
+    if isinstance(e, ApiError):
+        return e
+    return ApiError(400, str(e)) if isinstance(e, UserError) else internal_error(e)
