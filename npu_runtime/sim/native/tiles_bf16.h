@@ -7,9 +7,9 @@
 //     order: per row, an even and an odd f32 sum over the instruction's 16 K-pairs, each step
 //     one rounded FMA, then dest + (even + odd); subnormal inputs read as 0 and subnormal results
 //     flush to 0 (MXCSR's DAZ and FTZ, set around the step). It lets a CPU without AMX run and
-//     test the tile GEMM's blocking, layouts and rounding, slowly.
+//     test the tile GEMM's blocking, layouts and rounding (at about a quarter of the vector GEMM's speed).
 //   - the vector-only classes (avx512bf16, avx2): no tiles; NATIVE_TILES is 0.
-// The emulation follows the SDM, not a measured AMX core: docs/explain.md says what was run where.
+// The emulation follows the SDM, not a measured AMX core: docs/profile.md says what was run where.
 #pragma once
 
 #include <immintrin.h>
