@@ -132,7 +132,7 @@ def _choose() -> ctypes.CDLL | None:
         return _bind(lib) if lib is not None else None
     lib = _open(want)
     if lib is None:
-        have = ", ".join(supported_isas() + [TORCH])
+        have = ", ".join(supported_isas() + [TORCH] + emulated_isas())
         raise IsaError(f"{ENV_ISA}={want}: this CPU (or the C++ compiler) cannot run it; available: {have}")
     return _bind(lib)
 
