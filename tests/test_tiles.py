@@ -13,6 +13,8 @@ from npu_runtime.sim import native_cpu
 EMULATED = "amx-emulated"
 HAVE_EMULATION = native_cpu.runnable(EMULATED)
 pytestmark = pytest.mark.skipif(not HAVE_EMULATION, reason="no AVX2 CPU or no C++ compiler")
+NEEDS_AMX = pytest.mark.skipif("amx" not in native_cpu.supported_isas(),
+                               reason="this CPU has no AMX-BF16 (or Linux does not grant it)")
 
 
 def _rand(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -66,11 +68,12 @@ def test_the_emulated_tile_step_is_the_sdms_to_the_bit():
     a, b = _wide(16, 32, seed=1), _wide(16, 32, seed=2)
     c = _wide(16, 16, seed=3).float().numpy()
     assert np.array_equal(_tile_step(EMULATED, a, b, c).view(np.int32), _sdm_step(a, b, c).view(np.int32))
-    with native_cpu.use_isa("avx2"):
-        assert not native_cpu.tile_dot(a, b, torch.zeros(16, 16))     # a vector class has no tiles
+    for isa in native_cpu.supported_isas() + native_cpu.emulated_isas():   # declared tile classes = built ones
+        with native_cpu.use_isa(isa):
+            assert native_cpu.tile_dot(a, b, torch.zeros(16, 16)) == native_cpu.tiled(isa), isa
 
 
-@pytest.mark.skipif("amx" not in native_cpu.supported_isas(), reason="this CPU has no AMX-BF16 (or Linux does not grant it)")
+@NEEDS_AMX
 def test_the_real_tile_step_is_the_sdms_to_the_bit():
     """What makes the emulated tests speak for AMX CPUs: the instruction rounds as specified."""
     a, b = _wide(16, 32, seed=4), _wide(16, 32, seed=5)
@@ -123,7 +126,7 @@ def test_subnormal_activations_read_as_zero_as_the_instruction_specifies():
     assert _gemm("avx2", a, w)[0, 0].view(torch.int16) == 0x0040
 
 
-@pytest.mark.skipif("amx" not in native_cpu.supported_isas(), reason="this CPU has no AMX-BF16 (or Linux does not grant it)")
+@NEEDS_AMX
 @pytest.mark.parametrize("m,n,k", [(13, 80, 512), (77, 112, 4096)])
 def test_real_tiles_agree_with_the_emulation(m, n, k):
     """The hardware against the SDM's pseudo-code: within one bf16 step (the SDM does not promise

@@ -13,8 +13,8 @@ from pathlib import Path
 from llama_base.paths import cache_root
 
 _NATIVE = Path(__file__).resolve().parent / "native"
-_SRCS = [_NATIVE / "matmul_bf16_cpu.cc", _NATIVE / "pack_bf16_cpu.cc", _NATIVE / "eltwise_bf16_cpu.cc",
-         _NATIVE / "attention_bf16_cpu.cc", _NATIVE / "flash_attention_bf16_cpu.cc", _NATIVE / "matmul_tiles_bf16_cpu.cc"]
+_SRCS = [_NATIVE / f"{name}_bf16_cpu.cc"
+         for name in ("matmul", "pack", "eltwise", "attention", "flash_attention", "matmul_tiles")]
 _HEADERS = [_NATIVE / "simd_bf16.h", _NATIVE / "packed_tiles.h", _NATIVE / "tiles_bf16.h"]
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
 # ISA classes, best first: the compiler flags each library is built with. The AVX2 build gets
@@ -29,6 +29,8 @@ ISAS = {
 # Classes that emulate an ISA this CPU may lack: never picked unasked, never in supported_isas().
 EMULATIONS = {"amx-emulated": [*_AVX2, "-DNATIVE_TILES_EMULATED=1"]}
 ALL_CLASSES = {**ISAS, **EMULATIONS}
+# Classes whose GEMM runs on (real or emulated) AMX tiles, in TDPBF16PS's summation order.
+TILE_CLASSES = frozenset({"amx", "amx-emulated"})
 # /proc/cpuinfo flags without which a class is not even built (its probe decides where they are).
 CPU_FLAGS = {"amx": {"amx_tile", "amx_bf16"}}
 

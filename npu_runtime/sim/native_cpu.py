@@ -28,7 +28,7 @@ from typing import Callable, Iterator
 import torch
 
 from llama_base.errors import UserError
-from npu_runtime.sim.native_build import ALL_CLASSES, CPU_FLAGS, EMULATIONS, ISAS, cpu_flags, library_path
+from npu_runtime.sim.native_build import ALL_CLASSES, CPU_FLAGS, EMULATIONS, ISAS, TILE_CLASSES, cpu_flags, library_path
 
 TORCH = "torch"                 # no native library: the simulator's torch bodies
 ENV_ISA = "LLAMA_NPU_ISA"
@@ -81,7 +81,7 @@ def runnable(isa: str) -> bool:
 def tiled(isa: str) -> bool:
     """Whether class `isa` runs prefill's GEMM on (real or emulated) AMX tiles, which sum in
     another order than the vector GEMM: its GEMM results are not the vector classes' bits."""
-    return isa.startswith("amx")
+    return isa in TILE_CLASSES
 
 
 def _requested() -> str | None:
