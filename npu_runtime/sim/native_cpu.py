@@ -43,13 +43,20 @@ class IsaError(UserError):
     """An ISA class asked for that this CPU or build cannot run."""
 
 
+def _worth_building(isa: str) -> bool:
+    """False only where /proc/cpuinfo shows the CPU lacks what `isa` needs (CPU_FLAGS): no
+    compile for a class whose probe would say no. Elsewhere the library's probe decides."""
+    need = CPU_FLAGS.get(isa)
+    have = cpu_flags() if need else None
+    return have is None or need <= have
+
+
 def _open(isa: str) -> ctypes.CDLL | None:
     """The library for `isa` if it builds and this CPU runs it (asked of the library itself, whose
     probe executes no instruction of its ISA), probed once per process."""
     if isa not in _probed:
         lib = None
-        flags = cpu_flags() if isa in CPU_FLAGS else None
-        path = library_path(isa) if flags is None or CPU_FLAGS[isa] <= flags else None
+        path = library_path(isa) if _worth_building(isa) else None
         if path is not None:
             try:
                 cand = ctypes.CDLL(str(path))

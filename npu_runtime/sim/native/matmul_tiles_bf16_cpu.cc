@@ -8,7 +8,7 @@
 // from A's rows (tmm4-5) and two B tiles from the panel (tmm6-7). The panel is as wide as fits
 // in about 512 KiB (2 to 8 blocks), so a 32-row slab of A is reused from cache across it.
 //
-// Rows past the end of A are padded with zeros in a thread buffer rather than read; K must be
+// Rows past the end of A are padded with zeros in one buffer rather than read; K must be
 // a whole number of 16-pair steps (every Llama and SmolLM2 projection is), otherwise the caller
 // uses the vector GEMM. Without tiles in the build, tiles_gemm returns false.
 #include <algorithm>
@@ -72,11 +72,14 @@ bool tiles_gemm(const uint16_t *a, const packed::View &w, uint16_t *c, int64_t m
   if (kp % tiles::kPairs != 0 || m <= 0) return false;
   const int64_t per_panel = std::clamp<int64_t>(kPanelBytes / (kp * tiles::kRowBytes) / 2 * 2, 2, 8);
   const int64_t panels = (blocks + per_panel - 1) / per_panel;
+  // The prompt's last rows, padded to a whole slab once for every panel and thread to read.
+  const int64_t full = m / kSlab * kSlab;
+  std::vector<uint16_t> tail(m > full ? kSlab * k : 0, 0);
+  if (m > full) std::memcpy(tail.data(), a + full * k, (m - full) * k * sizeof(uint16_t));
 #pragma omp parallel
   {
     // One spare block of zeros, for the second B tile of a panel with an odd block count.
     std::vector<uint32_t> panel((per_panel + 1) * kp * kLanes, 0);
-    std::vector<uint16_t> pad;
     alignas(64) float sums[4][tiles::kRows][kLanes];
     tiles::configure();
 #pragma omp for schedule(static)
@@ -86,12 +89,7 @@ bool tiles_gemm(const uint16_t *a, const packed::View &w, uint16_t *c, int64_t m
       if (nb % 2) std::fill(panel.begin() + nb * kp * kLanes, panel.begin() + (nb + 1) * kp * kLanes, 0u);
       for (int64_t r = 0; r < m; r += kSlab) {
         const int64_t rows = std::min(kSlab, m - r);
-        const uint16_t *src = a + r * k;
-        if (rows < kSlab) {   // the prompt's last rows, padded to a whole slab
-          pad.assign(kSlab * k, 0);
-          std::memcpy(pad.data(), src, rows * k * sizeof(uint16_t));
-          src = pad.data();
-        }
+        const uint16_t *src = r < full ? a + r * k : tail.data();
         for (int64_t j = 0; j < nb; j += 2) {
           slab_pair(src, k, panel.data() + j * kp * kLanes, panel.data() + (j + 1) * kp * kLanes, kp, &sums[0][0][0]);
           for (int half = 0; half < 2; ++half)
