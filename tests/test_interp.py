@@ -81,6 +81,29 @@ def _foreign_op(text):
     return text.replace("math.rsqrt", "math.sqrt", 1)
 
 
+def _reduce_by_max(text):
+    """RMSNorm's sum of squares taken as a running maximum: a reduction the interpreter cannot sum."""
+    return text.replace("%rmsnorm_acc = arith.addf %rmsnorm_out, %rmsnorm_t",
+                        "%rmsnorm_acc = arith.maximumf %rmsnorm_out, %rmsnorm_t", 1)
+
+
+def _square_times_accumulator(text):
+    """A term that reads the running sum: summing the terms apart would no longer be the same loop."""
+    return text.replace("%rmsnorm_t = arith.mulf %rmsnorm_e, %rmsnorm_e",
+                        "%rmsnorm_t = arith.mulf %rmsnorm_e, %rmsnorm_out", 1)
+
+
+def _second_reduction_output(text):
+    """The sum of squares written to two accumulators by one reduction."""
+    text = text.replace("[#rmsnorm_map, #rmsnorm_map1], iterator_types = [\"reduction\"]",
+                        "[#rmsnorm_map, #rmsnorm_map1, #rmsnorm_map1], iterator_types = [\"reduction\"]", 1)
+    text = text.replace("outs(%rmsnorm_sumsq : memref<1xf32, 2 : i32>) {",
+                        "outs(%rmsnorm_sumsq, %rmsnorm_sumsq : memref<1xf32, 2 : i32>, memref<1xf32, 2 : i32>) {", 1)
+    text = text.replace("^bb0(%rmsnorm_in: bf16, %rmsnorm_out: f32):",
+                        "^bb0(%rmsnorm_in: bf16, %rmsnorm_out: f32, %rmsnorm_out2: f32):", 1)
+    return text.replace("linalg.yield %rmsnorm_acc : f32", "linalg.yield %rmsnorm_acc, %rmsnorm_acc : f32, f32", 1)
+
+
 MUTATIONS = {
     "shifted_dma_offset": ("rms_gemv_rope", _shift_dma,
                            r"q_gemv_launch.*herd q_gemv_herd core \(7,0\).*dma_memcpy_nd: source .* accessed outside"),
@@ -92,6 +115,12 @@ MUTATIONS = {
                           r"core \(0,0\), memref.alloc: core holds \d+ bytes of L1, over"),
     "two_cores_same_rows": ("rms_gemv_rope", _race, r"core \(1,0\).*writes elements of q_raw that another core"),
     "unknown_op": ("rms_gemv_rope", _foreign_op, r"rms_gemv_rope: .*math.sqrt: op not implemented"),
+    "reduction_not_a_sum": ("rms_gemv_rope", _reduce_by_max,
+                            r"rms_gemv_rope: .*reduction whose body is not `yield out \+ x`"),
+    "term_reads_accumulator": ("rms_gemv_rope", _square_times_accumulator,
+                               r"rms_gemv_rope: .*reads the accumulator other than to add to it"),
+    "two_reduction_outputs": ("rms_gemv_rope", _second_reduction_output,
+                              r"rms_gemv_rope: .*a reduction with more than one output"),
 }
 
 

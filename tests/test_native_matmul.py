@@ -2,7 +2,7 @@
 
 Shapes cover the code paths the kernels split on: the GEMM's 8-row tile that unpacks a panel
 and the row counts after it (1-7 left over), a last 16-column block that has no partner, units
-kept whole because they hold an exponent outside the window, and K from one unit up to the down
+kept whole because they hold an exponent outside the matrix's 8 pairs, and K from one unit up to the down
 projection's 8192.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _packed(w: torch.Tensor) -> torch.Tensor:
 
 
 def _with_outliers(w: torch.Tensor) -> torch.Tensor:
-    """Values no exponent window holds with the rest: zeros, a subnormal, huge, inf, NaN."""
+    """Values whose exponents the rest do not use: zeros, a subnormal, huge, inf, NaN."""
     w = w.clone()
     specials = [0.0, -0.0, 1e-40, -3e38, float("inf"), float("-inf"), float("nan"), 1e-30, 7.0]
     for i, v in enumerate(specials):
@@ -51,20 +51,21 @@ def test_packing_is_lossless_and_laid_out_as_documented(n, k):
     w = _with_outliers(_rand(n, k, seed=n + k))
     p = _packed(w)
     assert torch.equal(from_packed(p, n, k).view(torch.int16), w.view(torch.int16))     # every bit, NaN included
-    base, escapes, hn, hk = p[:32].view(torch.int64).tolist()
+    escapes, hn, hk = p[8:32].view(torch.int64).tolist()
     assert (hn, hk) == (n, k) and 0 < escapes < n * k // 64    # some units kept whole, not all
-    # a unit without outliers: value e of tile vector A is code nibble e and sign|mantissa byte e
-    # of 16-byte lane e // 8; value (r, c) is element r % 16 * 2 + c % 2 of K-pair c // 2
+    pairs = p[:8].tolist()
+    assert len(set(pairs)) == 8 and max(pairs) < 128
+    # a unit without outliers: value e of tile vector A has its nibble (sign, index of its
+    # exponent pair) in the low half of byte q(e) and its low byte at 32 + q(e), where q swaps
+    # bits 3 and 4 of e; value (r, c) is element r % 16 * 2 + c % 2 of K-pair c // 2
     tiles = to_tiles(w).view(n // LANES, k // 4, 2, 32).view(torch.int16).int() & 0xFFFF
-    exps = (tiles >> 7) & 0xFF
-    clean = ((exps == 0) | ((exps >= base) & (exps < base + 15))).all(-1).all(-1)
+    clean = torch.isin(tiles >> 8 & 0x7F, torch.tensor(pairs)).all(-1).all(-1)
     blk, u = map(int, clean.nonzero()[-1])
     unit = p[HEADER + (blk * (k // 4) + u) * UNIT_BYTES:][:UNIT_BYTES].int()
-    for e in (0, 9, 31):
+    for e, q in ((0, 0), (9, 17), (18, 10), (31, 31)):
         v = int(tiles[blk, u, 0, e])
-        e_code = 0 if (v >> 7) & 0xFF == 0 else ((v >> 7) & 0xFF) - base + 1
-        assert int(unit[e]) & 15 == e_code
-        assert int(unit[32 + e // 8 * 16 + e % 8]) == (v >> 8 & 0x80) | (v & 0x7F)
+        assert int(unit[q]) & 15 == (v >> 15) << 3 | pairs.index(v >> 8 & 0x7F)
+        assert int(unit[32 + q]) == v & 0xFF
 
 
 def test_packing_reads_three_quarters_of_the_bytes():

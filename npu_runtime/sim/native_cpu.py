@@ -233,9 +233,9 @@ def pack_weight(w: torch.Tensor, alloc: Callable[[int], torch.Tensor]) -> torch.
     lib = _usable(w)
     if lib is None or w.dim() != 2 or not tileable(*w.shape):
         return None
-    base = ctypes.c_int64()
-    out = alloc(lib.pack_weight_bf16_cpu_plan(w.data_ptr(), *w.shape, ctypes.byref(base)))
-    lib.pack_weight_bf16_cpu(w.data_ptr(), *w.shape, base.value, out.data_ptr())
+    pairs = ctypes.c_int64()
+    out = alloc(lib.pack_weight_bf16_cpu_plan(w.data_ptr(), *w.shape, ctypes.byref(pairs)))
+    lib.pack_weight_bf16_cpu(w.data_ptr(), *w.shape, pairs.value, out.data_ptr())
     return out
 
 

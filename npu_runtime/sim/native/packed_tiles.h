@@ -2,21 +2,28 @@
 //
 // Decode reads every weight once per token and waits on memory for nearly all of it, so the
 // bytes a weight occupies set the token rate. A bf16 weight spends 8 bits on its exponent,
-// yet a trained (or initialised) matrix uses few exponents: 15 consecutive ones hold all but
-// about 1e-4 of its values. Here each weight keeps its sign and 7 mantissa bits in a byte and
-// its exponent as a 4-bit code (0: exponent 0, i.e. zero or subnormal; c in 1..15: base + c - 1),
-// and the few 64-value units holding any other exponent are kept whole beside the rest. A
-// vector of 32 weights decodes in a few instructions (four on AVX-512, a dozen on AVX2), fewer
-// than the cycles its bytes take to arrive, and the products are bit for bit those of bf16:
-// nothing about the arithmetic changes.
+// yet a trained (or initialised) matrix uses few exponents: the 8 most used exponent pairs
+// (exponent >> 1) hold all but 1e-4 to 1e-3 of its values. So each weight keeps the low byte of
+// its bf16 as it is (the exponent's last bit and the mantissa) and a 4-bit nibble for the high
+// byte (sign, and which of the matrix's 8 pairs), and the few 64-value units holding any other
+// exponent are kept whole beside the rest. The high byte is then one 16-entry byte lookup
+// (vpshufb) and the bf16 is one byte interleave (vpunpck*bw) of low and high bytes: a few
+// instructions per 32 weights on AVX2 as on AVX-512, fewer than the cycles their bytes take
+// to arrive, and the products are bit for bit those of bf16: nothing about the arithmetic
+// changes.
 //
 // Layout of W[n][k] (n a multiple of 16, k of 4), all offsets in bytes from the buffer's start:
-//   header   64 bytes: int64 base, escapes, n, k
+//   header   64 bytes: int64 pairs (byte p: the exponent pair nibble p & 7 stands for),
+//            int64 escapes, n, k
 //   units    [n/16 blocks][k/4 units][96]: a unit is two K-pairs of a block's 16 rows, i.e.
-//            two 64-byte tile vectors A and B of 32 values each (element e = row % 16 * 2 + k % 2):
-//              32 bytes of codes: byte e = code(A[e]) | code(B[e]) << 4
-//              64 bytes of sign|mantissa (s << 7 | m): 16-byte lane L = A[8L..8L+7], B[8L..8L+7]
-//            (the byte order a lane-local shuffle widens to 16 bits without crossing lanes)
+//            two 64-byte tile vectors A and B of 32 values each (element e = row % 16 * 2 + k % 2),
+//            each value at byte position q(e) = e with bits 3 and 4 swapped:
+//              32 bytes of nibbles: byte q(e) = nibble(A[e]) | nibble(B[e]) << 4,
+//                                   nibble = sign << 3 | index of exponent >> 1 among the pairs
+//              32 bytes: byte q(e) = low byte of A[e]
+//              32 bytes: byte q(e) = low byte of B[e]
+//            (q is the order a 128-bit-lane byte interleave turns back into e: bytes 0-7 and
+//            16-23 widen to elements 0-15, bytes 8-15 and 24-31 to 16-31)
 //   bitmap   [blocks][ceil(units/64)] uint64: bit u set = unit u is escaped (its 96 bytes unused)
 //   starts   [blocks + 1] int64: index of each block's first escaped unit
 //   escapes  [escapes][64] bf16: A then B, as plain tile vectors
@@ -35,10 +42,10 @@ constexpr int64_t kLanes = 16;       // outputs per block
 constexpr int64_t kHeader = 64;
 constexpr int64_t kUnitBytes = 96;
 constexpr int64_t kUnitValues = 64;
-constexpr int kCodes = 15;           // exponents a code can stand for
+constexpr int kPairs = 8;            // exponent pairs a nibble can stand for
 
 struct Header {
-  int64_t base, escapes, n, k;
+  int64_t pairs, escapes, n, k;
 };
 
 inline int64_t units(int64_t k) { return k / 4; }   // per block: two K-pairs each
@@ -56,69 +63,57 @@ struct Layout {
   int64_t nbytes(int64_t escapes) const { return escaped + escapes * kUnitValues * 2; }
 };
 
-// code -> exponent << 7 as bf16 bits: the exponent field a code stands for in a 16-bit lane.
-inline uint16_t exponent_bits(int64_t base, int code) {
-  return code ? static_cast<uint16_t>((base + code - 1) << 7) : 0;
+// nibble -> the high byte of the bf16 it stands for (sign, exponent >> 1), for all 16 nibbles.
+inline void high_bytes(int64_t pairs, uint8_t out[16]) {
+  for (int i = 0; i < 16; ++i) out[i] = static_cast<uint8_t>((i >> 3) << 7 | (pairs >> (8 * (i & 7)) & 0x7F));
 }
 
 #if NATIVE_AVX512BF16
-// code -> exponent << 7, for 16-bit lanes; entries 16-31 repeat 0-15 (vpermw reads 5 index bits).
+// The 16 high bytes in each 128-bit lane, for vpshufb.
 struct Table {
   __m512i t;
-  explicit Table(int64_t base = 0) {
-    alignas(64) uint16_t v[32];
-    for (int i = 0; i < 32; ++i) v[i] = exponent_bits(base, i & 15);
-    t = _mm512_load_si512(v);
+  explicit Table(int64_t pairs = 0) {
+    alignas(16) uint8_t v[16];
+    high_bytes(pairs, v);
+    t = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i *>(v)));
   }
 };
 
-// One unit's two tile vectors, as bf16 bits.
+// One unit's two tile vectors, as bf16 bits. The nibbles go in twice, A's (low) in the lower
+// half and B's (high) in the upper, so one lookup makes the 64 high bytes beside the 64 low ones.
 inline void decode_unit(const uint8_t *c, const Table &table, native::P16 &a, native::P16 &b) {
-  const __m512i dup_a = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
-  const __m512i dup_b = _mm512_broadcast_i32x4(_mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15));
-  const __m512i keep = _mm512_set1_epi16(static_cast<short>(0x807F));   // sign and mantissa of s|m s|m
-  const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(c)));
-  const __m512i sm = _mm512_loadu_si512(c + 32);
-  // (dup & keep) | exponent: 0xEA is the truth table of (x & y) | z.
-  a.v = _mm512_ternarylogic_epi32(_mm512_shuffle_epi8(sm, dup_a), keep, _mm512_permutexvar_epi16(codes, table.t), 0xEA);
-  b.v = _mm512_ternarylogic_epi32(_mm512_shuffle_epi8(sm, dup_b), keep,
-                                  _mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), table.t), 0xEA);
+  const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(c)));
+  const __m512i nibbles = _mm512_and_si512(_mm512_mask_srli_epi16(both, 0xFFFF0000u, both, 4), _mm512_set1_epi8(0x0F));
+  const __m512i high = _mm512_shuffle_epi8(table.t, nibbles);
+  const __m512i low = _mm512_loadu_si512(c + 32);
+  // Lanes 0-1 of each interleave are A's, lanes 2-3 B's; unpacklo holds elements 0-15, unpackhi 16-31.
+  const __m512i lo = _mm512_unpacklo_epi8(low, high), hi = _mm512_unpackhi_epi8(low, high);
+  a.v = _mm512_shuffle_i64x2(lo, hi, 0x44);
+  b.v = _mm512_shuffle_i64x2(lo, hi, 0xEE);
 }
 #else
-// code -> exponent << 7, split into its low and high byte: two 16-entry vpshufb tables.
 struct Table {
-  __m256i lo, hi;
-  explicit Table(int64_t base = 0) {
-    alignas(16) uint8_t l[16], h[16];
-    for (int i = 0; i < 16; ++i) l[i] = exponent_bits(base, i) & 0xFF, h[i] = exponent_bits(base, i) >> 8;
-    lo = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i *>(l)));
-    hi = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i *>(h)));
-  }
-  // 16-bit lanes holding a code (0-15) -> its exponent bits; code 0 looks up 0 in both tables,
-  // which is what the empty byte of each lane reads.
-  __m256i operator()(__m256i code) const {
-    return _mm256_or_si256(_mm256_shuffle_epi8(lo, code), _mm256_shuffle_epi8(hi, _mm256_slli_epi16(code, 8)));
+  __m256i t;
+  explicit Table(int64_t pairs = 0) {
+    alignas(16) uint8_t v[16];
+    high_bytes(pairs, v);
+    t = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i *>(v)));
   }
 };
 
-// One unit's two tile vectors, as bf16 bits: each 32-byte half of the sign|mantissa bytes holds
-// pairs 0-7 (lane 0) and 8-15 (lane 1) of both vectors, so no shuffle crosses a lane.
+// One unit's two tile vectors, as bf16 bits: each interleave of 16 low and 16 high bytes is
+// one half of a tile vector (pairs 0-7 from unpacklo, 8-15 from unpackhi), with no lane crossing.
 inline void decode_unit(const uint8_t *c, const Table &table, native::P16 &a, native::P16 &b) {
-  const __m256i dup_a = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
-  const __m256i dup_b = _mm256_broadcastsi128_si256(_mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15));
-  const __m256i keep = _mm256_set1_epi16(static_cast<short>(0x807F));
-  const __m256i nibble = _mm256_set1_epi16(0x0F);
-  const __m256i c0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(c)));
-  const __m256i c1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(c + 16)));
-  const __m256i s0 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(c + 32));
-  const __m256i s1 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(c + 64));
-  auto merge = [&](__m256i sm, __m256i dup, __m256i code) {
-    return _mm256_or_si256(_mm256_and_si256(_mm256_shuffle_epi8(sm, dup), keep), table(code));
-  };
-  a.lo = merge(s0, dup_a, _mm256_and_si256(c0, nibble));
-  a.hi = merge(s1, dup_a, _mm256_and_si256(c1, nibble));
-  b.lo = merge(s0, dup_b, _mm256_srli_epi16(c0, 4));
-  b.hi = merge(s1, dup_b, _mm256_srli_epi16(c1, 4));
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(c));
+  const __m256i ha = _mm256_shuffle_epi8(table.t, _mm256_and_si256(codes, nibble));
+  const __m256i hb = _mm256_shuffle_epi8(table.t, _mm256_and_si256(_mm256_srli_epi16(codes, 4), nibble));
+  const __m256i la = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(c + 32));
+  const __m256i lb = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(c + 64));
+  a.lo = _mm256_unpacklo_epi8(la, ha);
+  a.hi = _mm256_unpackhi_epi8(la, ha);
+  b.lo = _mm256_unpacklo_epi8(lb, hb);
+  b.hi = _mm256_unpackhi_epi8(lb, hb);
 }
 #endif
 
@@ -140,7 +135,7 @@ struct View {
     bitmap = reinterpret_cast<const uint64_t *>(p + at.bitmap);
     starts = reinterpret_cast<const int64_t *>(p + at.starts);
     escaped = reinterpret_cast<const uint16_t *>(p + at.escaped);
-    table = Table(h.base);
+    table = Table(h.pairs);
   }
 };
 
