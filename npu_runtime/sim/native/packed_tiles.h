@@ -13,7 +13,7 @@
 // changes.
 //
 // Layout of W[n][k] (n a multiple of 16, k of 4), all offsets in bytes from the buffer's start:
-//   header   64 bytes: int64 pairs (byte p: the exponent pair nibble p & 7 stands for),
+//   header   64 bytes: int64 pairs (byte i: the exponent pair that index i stands for),
 //            int64 escapes, n, k
 //   units    [n/16 blocks][k/4 units][96]: a unit is two K-pairs of a block's 16 rows, i.e.
 //            two 64-byte tile vectors A and B of 32 values each (element e = row % 16 * 2 + k % 2),
