@@ -11,10 +11,10 @@ compiler on first use, into the cache (keyed by the source hash and flags), and 
 ctypes. The best class this CPU runs is picked once, by each library's own probe
 (`__builtin_cpu_supports`, and for AMX the kernel's permission); `LLAMA_NPU_ISA` forces a lower
 one, or `torch` (no native library; `LLAMA_NPU_NATIVE=0` is the same). `amx-emulated` runs the
-AMX GEMM on any AVX2 CPU with the tile instructions emulated as specified (`EMULATIONS`): 4x slower,
-for testing that path where no AMX CPU is at hand. The library is parallel with OpenMP and
-binds to the runtime torch has already loaded (torch is imported first), so both share one
-thread team and torch's `set_num_threads` governs both.
+AMX GEMM on any AVX2 CPU with the tile instructions emulated as specified (`EMULATIONS`), about
+4x slower than the `avx512bf16` GEMM, for testing that path where no AMX CPU is at hand. The
+library is parallel with OpenMP and binds to the runtime torch has already loaded (torch is
+imported first), so both share one thread team and torch's `set_num_threads` governs both.
 """
 from __future__ import annotations
 

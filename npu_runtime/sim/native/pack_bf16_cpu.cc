@@ -2,9 +2,10 @@
 //
 // A plan picks the matrix's 8 exponent pairs and sizes the buffer: the pairs are the ones most
 // used in a sample of the values (any 8 are correct; the most used leave fewer units whole),
-// and the count of units that must be kept whole is exact. Packing then takes a block of 16
-// rows at a time: it finds the block's escaped units on the row-major values, puts the block in
-// tile order through a small buffer, and encodes 16 or 32 values per vector instruction.
+// and the count of units that must be kept whole is exact. Packing flags those units again (the
+// plan's result does not cross the C interface), then takes a block of 16 rows at a time: it
+// puts the block in tile order through a small buffer and encodes 16 or 32 values per vector
+// instruction.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -89,30 +90,23 @@ inline uint32_t outside(const uint16_t *p, int64_t left, const Pairs &pairs) {
 }
 #endif
 
-// flags[u] = 1 for every unit of block blk that holds a value whose exponent pair the matrix has no nibble for.
-void flag_escapes(const uint16_t *w, int64_t k, int64_t blk, const Pairs &pairs, std::vector<uint8_t> &flags) {
-  flags.assign(packed::units(k), 0);
-  for (int64_t r = 0; r < kLanes; ++r) {
-    const uint16_t *row = w + (blk * kLanes + r) * k;
-    for (int64_t c = 0; c < k; c += 32)
-      for (uint32_t bad = outside(row + c, k - c, pairs); bad; bad &= bad - 1) flags[(c + __builtin_ctz(bad)) / 4] = 1;
-  }
-}
-
-std::vector<int64_t> escapes_per_block(const uint16_t *w, int64_t n, int64_t k, int64_t table) {
-  const int64_t blocks = n / kLanes;
+// flags[b * units + u] = 1 for every unit u of block b holding a value whose exponent pair the
+// matrix has no index for, found on the row-major values. Packing reads the block counts (for
+// where each block's whole units go) and the flags themselves from this one pass.
+std::vector<uint8_t> escaped_units(const uint16_t *w, int64_t n, int64_t k, int64_t table) {
+  const int64_t blocks = n / kLanes, units = packed::units(k);
   const Pairs pairs(table);
-  std::vector<int64_t> count(blocks, 0);
-#pragma omp parallel
-  {
-    std::vector<uint8_t> flags;
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < blocks; ++b) {
-      flag_escapes(w, k, b, pairs, flags);
-      for (uint8_t f : flags) count[b] += f;
+  std::vector<uint8_t> flags(blocks * units, 0);
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    uint8_t *f = flags.data() + b * units;
+    for (int64_t r = 0; r < kLanes; ++r) {
+      const uint16_t *row = w + (b * kLanes + r) * k;
+      for (int64_t c = 0; c < k; c += 32)
+        for (uint32_t bad = outside(row + c, k - c, pairs); bad; bad &= bad - 1) f[(c + __builtin_ctz(bad)) / 4] = 1;
     }
   }
-  return count;
+  return flags;
 }
 
 // One unit (tile vectors a, b) into its 96 bytes: nibbles, A's low bytes, B's low bytes, each
@@ -161,19 +155,19 @@ extern "C" int64_t pack_weight_bf16_cpu_plan(const uint16_t *w, int64_t n, int64
   int64_t pairs = 0;
   for (int i = 0; i < kPairs; ++i) pairs |= static_cast<int64_t>(order[i]) << (8 * i);
   *table = pairs;
-  int64_t escapes = 0;
-  for (int64_t c : escapes_per_block(w, n, k, pairs)) escapes += c;
-  return packed::Layout(n, k).nbytes(escapes);
+  const std::vector<uint8_t> flags = escaped_units(w, n, k, pairs);
+  return packed::Layout(n, k).nbytes(std::count(flags.begin(), flags.end(), 1));
 }
 
 // W[n][k] packed into out, which holds pack_weight_bf16_cpu_plan's bytes for this table.
 extern "C" void pack_weight_bf16_cpu(const uint16_t *w, int64_t n, int64_t k, int64_t table, uint8_t *out) {
   const packed::Layout at(n, k);
   const int64_t blocks = at.blocks, units = at.units, words = at.words, kp = k / 2;
-  const std::vector<int64_t> count = escapes_per_block(w, n, k, table);
+  const std::vector<uint8_t> escaped = escaped_units(w, n, k, table);
   const Pairs pairs(table);
   std::vector<int64_t> starts(blocks + 1, 0);
-  for (int64_t b = 0; b < blocks; ++b) starts[b + 1] = starts[b] + count[b];
+  for (int64_t b = 0; b < blocks; ++b)
+    starts[b + 1] = starts[b] + std::count(escaped.begin() + b * units, escaped.begin() + (b + 1) * units, 1);
   const packed::Header header{table, starts[blocks], n, k};
   std::memcpy(out, &header, sizeof header);
   uint8_t *unit = out + packed::kHeader;
@@ -184,11 +178,10 @@ extern "C" void pack_weight_bf16_cpu(const uint16_t *w, int64_t n, int64_t k, in
   const uint32_t *src = reinterpret_cast<const uint32_t *>(w);
 #pragma omp parallel
   {
-    std::vector<uint8_t> flags;
     std::vector<uint32_t> tiles(kp * kLanes);   // one block in tile order: [K/2][16] pairs
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
-      flag_escapes(w, k, b, pairs, flags);
+      const uint8_t *flags = escaped.data() + b * units;
       const uint32_t *rows = src + b * kLanes * kp;
       for (int64_t p = 0; p < kp; ++p)
         for (int64_t l = 0; l < kLanes; ++l) tiles[p * kLanes + l] = rows[l * kp + p];
