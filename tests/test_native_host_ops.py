@@ -97,9 +97,15 @@ def test_rope_is_bit_exact(monkeypatch, rows, heads, head_dim):
     assert torch.equal(native.view(torch.int16), ref.view(torch.int16))
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,pos", [(32, 8, 64, 0), (32, 8, 64, 300), (6, 2, 20, 17), (4, 4, 16, 40)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,pos", [
+    (32, 8, 64, 0), (32, 8, 64, 300),      # Llama 3.2 1B's heads; one position, and a parallel pass
+    (6, 2, 20, 17), (4, 4, 16, 40),        # head dims known only at run time; groups of 3 and 1
+    (8, 2, 128, 100), (4, 4, 32, 5),       # the other compiled head dims
+    (10, 2, 64, 70),                       # a group of 5: a chunk of 4 heads, then 1
+])
 def test_decode_attention_matches_the_reference(monkeypatch, heads, kv_heads, head_dim, pos):
-    """The host's single-query attention, native and torch, against the plain f32 reference."""
+    """The host's single-query attention, native and torch, against the plain f32 reference.
+    The native kernel takes a KV head's query heads in chunks, compiled for the common head dims."""
     g = torch.Generator().manual_seed(pos + head_dim)
     cache = KVCache(2, kv_heads, 320, head_dim)
     k = torch.randn(pos + 1, kv_heads * head_dim, generator=g).bfloat16()
