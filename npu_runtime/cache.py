@@ -91,6 +91,7 @@ class BOSet:
     # memory for its whole life, and rebuilding the view on every call is a handful of tensor
     # ops, which in decode cost more than copying the row itself.
     views: dict[int, torch.Tensor] = field(default_factory=dict)
+    io: tuple = ((), ())    # `KernelCache._io(set, None)`, set with the activations
 
 
 @dataclass
@@ -273,6 +274,7 @@ class KernelCache:
                 if key not in self._acts:
                     self._acts[key] = self.device.bo(slot.nbytes)
                 s.bos[i] = self._acts[key]
+        s.io = self._io(s, None)
 
     def preload(self, name: str, bo_key: str, statics: dict[str, torch.Tensor], share_key: str | None = None) -> None:
         """Upload a BO set's static slots once. With `share_key`, reuse another group's identical weight BO."""
@@ -311,34 +313,39 @@ class KernelCache:
             self._bind_activations(s)
         prof = self.profiler.enabled
         t0 = time.perf_counter() if prof else 0.0
-        group = s.group
-        for i, slot in enumerate(group.slots):
-            if slot.role is not Role.INPUT:
-                continue
+        ins, outs = s.io if rows is None else self._io(s, rows)
+        for slot, view, bo, nbytes in ins:
             t = inputs[slot.name]
-            nbytes = self._span(group, slot, rows)
-            view = self._view(s, i, nbytes)
             if t.numel() != view.numel():
                 raise ValueError(f"{name}.{slot.name}: {t.numel()} elements for a {nbytes}-byte span of {slot.shape}")
             if t.dtype == view.dtype and t.is_contiguous():
                 copy_tensor(view, t)
             else:
                 view.view(-1).copy_(t.reshape(-1))
-            s.bos[i].sync(Sync.TO_DEVICE, nbytes)
+            bo.sync(Sync.TO_DEVICE, nbytes)
         t1 = time.perf_counter() if prof else 0.0
         kernel.run(s.bos)
         t2 = time.perf_counter() if prof else 0.0
         out = {}
-        for i, slot in enumerate(group.slots):
-            if slot.role is not Role.OUTPUT:
-                continue
-            nbytes = self._span(group, slot, rows)
-            s.bos[i].sync(Sync.FROM_DEVICE, nbytes)
-            out[slot.name] = self._view(s, i, nbytes)
+        for slot, view, bo, nbytes in outs:
+            bo.sync(Sync.FROM_DEVICE, nbytes)
+            out[slot.name] = view
         s.calls += 1
         if prof:
-            self.profiler.record_call(group.kind, t1 - t0, t2 - t1, time.perf_counter() - t2)
+            self.profiler.record_call(s.group.kind, t1 - t0, t2 - t1, time.perf_counter() - t2)
         return out
+
+    def _io(self, s: BOSet, rows: int | None) -> tuple[tuple, tuple]:
+        """The set's inputs and outputs as (slot, view, BO, bytes) for a call on `rows` rows.
+
+        For whole slots (every decode call) they are resolved once, when the set's activations
+        are bound: walking all of a group's slots on each call, most of them weights, and slicing
+        views for the few it moves measured 1-3 % of a decode step on the Zen 4 VM."""
+        def side(role: Role) -> tuple:
+            return tuple((slot, self._view(s, i, n), s.bos[i], n)
+                         for i, slot in enumerate(s.group.slots) if slot.role is role
+                         for n in (self._span(s.group, slot, rows),))
+        return side(Role.INPUT), side(Role.OUTPUT)
 
     @staticmethod
     def _view(s: BOSet, i: int, nbytes: int) -> torch.Tensor:
