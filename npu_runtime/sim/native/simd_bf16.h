@@ -104,14 +104,6 @@ inline float reduce_max(F16 a) {
   const __m128 p = _mm_max_ps(q, _mm_movehl_ps(q, q));
   return _mm_cvtss_f32(_mm_max_ss(p, _mm_movehdup_ps(p)));
 }
-
-inline P16 load_pairs(const void *p) { return {_mm512_loadu_si512(p)}; }
-inline void store_pairs(void *p, P16 a) { _mm512_storeu_si512(p, a.v); }
-inline W16 widen(P16 a) { return {(__m512bh)a.v}; }
-inline X2 bcast_pair(uint32_t pair) { return {(__m512bh)_mm512_set1_epi32(static_cast<int>(pair))}; }
-// acc[i] += w[i].odd x.odd + w[i].even x.even
-inline F16 dot(F16 acc, W16 w, X2 x) { return {_mm512_dpbf16_ps(acc.v, w.v, x.v)}; }
-// The even and the odd element of each pair, as f32 (for the AMX tile step's emulation).
 // Lane j is reduce_add(s[j]), bit for bit: the same tree for sixteen vectors at once, with the
 // halves, quarters and pairs of different vectors side by side, so each sum costs about three
 // instructions instead of seven.
@@ -131,6 +123,14 @@ inline F16 reduce_add16(const F16 *s) {
   // Element 4k + m of t is vector k + 4m's sum.
   return {_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), t)};
 }
+
+inline P16 load_pairs(const void *p) { return {_mm512_loadu_si512(p)}; }
+inline void store_pairs(void *p, P16 a) { _mm512_storeu_si512(p, a.v); }
+inline W16 widen(P16 a) { return {(__m512bh)a.v}; }
+inline X2 bcast_pair(uint32_t pair) { return {(__m512bh)_mm512_set1_epi32(static_cast<int>(pair))}; }
+// acc[i] += w[i].odd x.odd + w[i].even x.even
+inline F16 dot(F16 acc, W16 w, X2 x) { return {_mm512_dpbf16_ps(acc.v, w.v, x.v)}; }
+// The even and the odd element of each pair, as f32 (for the AMX tile step's emulation).
 inline F16 evens(P16 a) { return {_mm512_castsi512_ps(_mm512_slli_epi32(a.v, 16))}; }
 inline F16 odds(P16 a) { return {_mm512_castsi512_ps(_mm512_and_si512(a.v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))}; }
 
