@@ -341,11 +341,12 @@ class KernelCache:
         For whole slots (every decode call) they are resolved once, when the set's activations
         are bound: walking all of a group's slots on each call, most of them weights, and slicing
         views for the few it moves measured 1-3 % of a decode step on the Zen 4 VM."""
-        def side(role: Role) -> tuple:
-            return tuple((slot, self._view(s, i, n), s.bos[i], n)
-                         for i, slot in enumerate(s.group.slots) if slot.role is role
-                         for n in (self._span(s.group, slot, rows),))
-        return side(Role.INPUT), side(Role.OUTPUT)
+        moved: dict[Role, list] = {Role.INPUT: [], Role.OUTPUT: []}
+        for i, slot in enumerate(s.group.slots):
+            if slot.role in moved:
+                n = self._span(s.group, slot, rows)
+                moved[slot.role].append((slot, self._view(s, i, n), s.bos[i], n))
+        return tuple(moved[Role.INPUT]), tuple(moved[Role.OUTPUT])
 
     @staticmethod
     def _view(s: BOSet, i: int, nbytes: int) -> torch.Tensor:
