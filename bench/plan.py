@@ -17,6 +17,11 @@ A TTFT of a short prompt takes about a second, so one hiccup of the host (it sha
 well as its memory) moves a single run by a fifth or more; those are timed `short_runs` times
 per round, which costs seconds and gives a median of nine. Decode is timed after the first of
 them only, as for every other length.
+
+The bandwidth also jumps within seconds, which rounds minutes apart cannot pair up: after the
+rounds, `turns` turns of `turn_steps` decode steps per runtime, all runtimes loaded and taking
+turns burst by burst (`bench.turns`), give the decode figures and ratios; the rounds' decode
+runs stay in the report beside them.
 """
 from __future__ import annotations
 
@@ -48,6 +53,8 @@ class Plan:
     short_runs: int = 3               # ... but this many TTFT runs for prompts up to short_limit tokens
     short_limit: int = 512
     warmup: int = 1
+    turns: int = 12                   # decode turns after the rounds (bench.turns); 0: none
+    turn_steps: int = 16              # decode steps per runtime per turn
     max_context: int = DEFAULT_MAX_CONTEXT   # our KV cache and llama.cpp's n_ctx: the same positions
     bandwidth_bytes: int = GIB
     gguf_types: tuple[str, ...] = ("bf16", "q8_0")
@@ -57,6 +64,8 @@ class Plan:
     def __post_init__(self) -> None:
         if self.decode_length not in self.prompt_lengths:
             raise ValueError("the decode prompt must be one of the measured prompt lengths")
+        if self.turns and not 0 < self.turn_steps <= self.n_decode:
+            raise ValueError("a decode turn's steps must be among the n_decode positions the rounds time")
         if max(self.prompt_lengths) + self.n_decode >= self.max_context:
             raise ValueError("the longest prompt plus its decode steps must fit the context")
 
@@ -66,6 +75,7 @@ class Plan:
 
 FULL = Plan()
 QUICK = Plan(prompt_lengths=(32,), decode_length=32, n_decode=4, rounds=2, runs=1, short_runs=1, warmup=1,
+             turns=2, turn_steps=2,
              max_context=128,
              bandwidth_bytes=GIB // 4, gguf_types=("bf16",), quick=True,
              notes=("quick smoke run: fewer, shorter measurements and a 256 MiB bandwidth matrix; "

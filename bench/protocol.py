@@ -8,6 +8,10 @@ every runtime does the same number of steps. Each prompt length gets `warmup` un
 then `runs` timed ones (`runs × short_runs` for prompts up to `short_limit` tokens, the decode
 steps following only the first `runs`); the parent takes medians.
 
+A child can instead serve decode turns (`serve_turns`, see `bench.turns`): stay loaded and
+decode a short burst each time the parent asks, so the runtimes' bursts can alternate within
+seconds of each other.
+
 Standard library only: the llama.cpp side imports this under an interpreter that has nothing
 but llama-cpp-python.
 """
@@ -24,6 +28,7 @@ from pathlib import Path
 
 JOB_FILE = "job.json"
 RESULT_FILE = "result.json"
+TURN_FDS = "turn_fds"     # job key: the child's (command, reply) pipe descriptors when it serves turns
 
 
 def peak_rss_bytes() -> int:
@@ -67,6 +72,31 @@ def measure(runner, prompts: dict[int, list[int]], decode_length: int, n_decode:
     return {"ttft_s": ttft, "decode_tok_s": decode}
 
 
+def serve_turns(runner, prompt: list[int], n_decode: int, commands, replies) -> int:
+    """Decode bursts on request until the commands end: a line "n" in → n greedy steps → their seconds out.
+
+    Positions stay among those the rounds time (the prompt's length up to n_decode past it): a
+    burst that would go further first prefills the prompt again, untimed. Returns the bursts served.
+    """
+    end = len(prompt) + n_decode
+    pos = end
+    served = 0
+    for line in commands:
+        steps = int(line)
+        if not 0 < steps <= n_decode:
+            raise ValueError(f"a burst of {steps} decode steps; the plan times 1..{n_decode}")
+        if pos + steps > end:
+            tok, pos = runner.prefill(prompt).top1, len(prompt)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            tok = runner.decode_step(tok, pos).top1
+            pos += 1
+        replies.write(f"{time.perf_counter() - t0!r}\n")
+        replies.flush()
+        served += 1
+    return served
+
+
 def process_age_s() -> float | None:
     """Seconds since this process started (interpreter start-up included), from /proc."""
     try:
@@ -94,8 +124,14 @@ def child_main(make_runner: Callable[[dict], tuple[object, dict]], argv: list[st
         result["load_s"] = age if age is not None else time.perf_counter() - t0
         result["info"] = info
         prompts = {int(k): v for k, v in job["prompts"].items()}
-        result.update(measure(runner, prompts, job["decode_length"], job["n_decode"], job["runs"], job["warmup"],
-                              job.get("short_runs", 1), job.get("short_limit", 0)))
+        if TURN_FDS in job:
+            cmd_fd, reply_fd = job[TURN_FDS]
+            with os.fdopen(cmd_fd, "r") as commands, os.fdopen(reply_fd, "w") as replies:
+                result["turns"] = serve_turns(runner, prompts[job["decode_length"]], job["n_decode"], commands,
+                                              replies)
+        else:
+            result.update(measure(runner, prompts, job["decode_length"], job["n_decode"], job["runs"],
+                                  job["warmup"], job.get("short_runs", 1), job.get("short_limit", 0)))
     except Exception as e:  # reported by the parent as this runtime's note
         result["error"] = f"{type(e).__name__}: {e}"
         result["traceback"] = traceback.format_exc()

@@ -37,7 +37,12 @@ def model_table(m: dict) -> str:
 
     rows = [row(f"TTFT @{n} tokens (s)", f"ttft@{n}", [_num(s.get("ttft_s", {}).get(n), ".3f") for s in sides.values()],
                 f"ttft@{n}") for n in lengths]
-    rows.append(row("decode (tokens/s)", "decode", [_num(s.get("decode_tok_s"), ".2f") for s in sides.values()], "decode"))
+    turns = any(s.get("runs", {}).get("decode_turns_tok_s") for s in sides.values())
+    rows.append(row("decode, in turns (tokens/s)" if turns else "decode (tokens/s)", "decode",
+                    [_num(s.get("decode_tok_s"), ".2f") for s in sides.values()], "decode"))
+    if turns:
+        rows.append(row("decode, in rounds (tokens/s)", "decode_rounds",
+                        [_num(s.get("decode_rounds_tok_s"), ".2f") for s in sides.values()], "decode_rounds"))
     rows.append(row("decode, % of the bf16 bound", "bound",
                     [_num(m["bound_fraction"].get(k), ".0%") for k in sides], None))
     rows.append(row("load: process start to ready (s)", "load", [_num(s.get("load_s"), ".2f") for s in sides.values()],
@@ -56,6 +61,14 @@ def _short_runs(plan: dict) -> str:
             f"a median of {plan['rounds'] * n})")
 
 
+def _turns(plan: dict) -> str:
+    if not plan.get("turns"):
+        return ""
+    return (f" Then decode in {plan['turns']} turns: every runtime loaded at once, each decoding "
+            f"{plan['turn_steps']} tokens per turn in a shuffled order, one at a time; decode rates are the "
+            "medians of those bursts and decode ratios the medians of the ratios within each turn.")
+
+
 def markdown(data: dict) -> str:
     bw = data.get("bandwidth")
     lines = [f"# Bench {data['created']}", ""]
@@ -65,7 +78,8 @@ def markdown(data: dict) -> str:
                  f"{data['plan']['n_decode']} decode tokens after the {data['plan']['decode_length']}-token prompt, "
                  f"median of {data['plan']['rounds'] * data['plan']['runs']} timed runs: {data['plan']['rounds']} rounds "
                  f"in which the runtimes take turns, each starting afresh and running every measurement "
-                 f"{data['plan']['runs']}× after {data['plan']['warmup']} warm-up{_short_runs(data['plan'])}.")
+                 f"{data['plan']['runs']}× after {data['plan']['warmup']} warm-up{_short_runs(data['plan'])}."
+                 f"{_turns(data['plan'])}")
     if mc.get("cpu_class", "native") != "native":
         env = ", ".join(f"{k}={v}" for k, v in mc["class_env"].items())
         lines.append(f"**Run as CPU class `{mc['cpu_class']}`** on this machine: every runtime kept off the "
@@ -75,8 +89,9 @@ def markdown(data: dict) -> str:
     if bw:
         samples = bw["samples"]
         lines.append(f"**Memory bandwidth: {bw['bytes_per_s'] / GB:.1f} GB/s** — {bw['method']} over a "
-                     f"{bw['matrix_bytes'] / GIB:.2f} GiB matrix; median of {len(samples)} samples taken at the start "
-                     f"and after each runtime in each round (each the fastest of {len(samples[0]['pass_s'])} passes), range "
+                     f"{bw['matrix_bytes'] / GIB:.2f} GiB matrix; median of {len(samples)} samples taken at the start, "
+                     f"after each runtime in each round and after the decode turns (each the fastest of "
+                     f"{len(samples[0]['pass_s'])} passes), range "
                      f"{bw['min_bytes_per_s'] / GB:.1f}–{bw['max_bytes_per_s'] / GB:.1f} GB/s.")
     else:
         lines.append("Memory bandwidth: not measured.")

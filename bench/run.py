@@ -3,8 +3,10 @@
 Children run one after another, never side by side: each has the whole machine (both cores,
 all the memory bandwidth) while it is timed, and its peak memory is its own. The runtimes take
 turns over the plan's rounds (one child per runtime per round) and their rounds are merged, so
-a drift of the host's bandwidth falls on all of them alike. A runtime that cannot run
-(llama.cpp not built, a crash) becomes a note and empty cells, never a lost bench.
+a drift of the host's bandwidth falls on all of them alike. Decode is then timed once more in
+short alternating bursts (`bench.turns`), which pairs each runtime's decode with its peers'
+within seconds. A runtime that cannot run (llama.cpp not built, a crash) becomes a note and
+empty cells, never a lost bench.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from bench.plan import Plan, prompt_ids
 from bench.protocol import JOB_FILE, RESULT_FILE
 from bench.render import markdown
 from bench.summary import BF16_RUNTIMES, HF, OURS, summarize_model
+from bench.turns import decode_turns
 from llama_base.config import LlamaConfig
 from llama_runtime.models import EMBEDDED, resolve_checkpoint
 from verify.report import write_report
@@ -37,13 +40,18 @@ BANDWIDTH_SPREAD = 1.15   # max/min of the bandwidth samples above which the rep
 SIDE_TIMEOUT_S = 3600   # a runtime that has not finished by then is hung, not slow
 
 
+def child_env() -> dict:
+    """Every child's environment: offline, quiet, and the project importable from any interpreter."""
+    return dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
+                PYTHONPATH=os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])))
+
+
 def run_side(module: str, job: dict, workdir: Path, python: str = sys.executable,
              log: Callable[[str], None] = print) -> dict:
     """Run one runtime's child on `job`; its result dict (with `error` when it failed)."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / JOB_FILE).write_text(json.dumps(job))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])))
+    env = child_env()
     before = cpu_sample()
     with open(workdir / "child.log", "w") as out:
         try:
@@ -140,6 +148,14 @@ def bench_model(model: str, plan: Plan, device: str, llamacpp, work: Path, notes
                              "on average: its times may be slow.")
             sample_bandwidth(f"{model} {name} round {r + 1}")
     raw = {name: merge_rounds(results) for name, results in rounds.items()}
+    if plan.turns:
+        peaks = {name: r["peak_rss_bytes"] for name, r in raw.items() if r.get("peak_rss_bytes")}
+        jobs = [(name, module, {**base, **extra}, python) for name, module, extra, python in sides]
+        rates = decode_turns(model, jobs, plan.turns, plan.turn_steps, work / model, child_env(), PROJECT_ROOT, notes,
+                             log, peaks)
+        for name, series in rates.items():
+            raw[name]["decode_turns_tok_s"] = series
+        sample_bandwidth(f"{model} decode turns")
     return cfg, raw, str(folder)
 
 

@@ -1,7 +1,9 @@
 """From raw runs to the bench's verdict: medians, ratios ours/peer, the decode bound, targets.
 
 Ratios are always ours ÷ peer, whatever the metric, so one rule reads them: for TTFT and
-memory below 1 is better for us, for tokens/s above 1 is. Targets are the project's; each is
+memory below 1 is better for us, for tokens/s above 1 is. The decode ratio is paired where the
+decode turns ran (the median of the ratios within each turn, `bench.turns`); the ratio of the
+rounds' medians is kept beside it. Targets are the project's; each is
 PASS or MISS, or n/a when a run did not produce the value it needs (a skipped llama.cpp, a
 prompt length the quick plan leaves out), so a missing number never passes silently.
 """
@@ -45,19 +47,30 @@ class Target:
         return {**asdict(self), "status": self.status}
 
 
+def paired_ratio(ours: list[float | None] | None, peer: list[float | None] | None) -> float | None:
+    """The median over turns of ours ÷ peer within the turn, over the turns both decoded in."""
+    pairs = [a / b for a, b in zip(ours or [], peer or []) if a is not None and b]
+    return statistics.median(pairs) if pairs else None
+
+
 def side_summary(raw: dict) -> dict:
-    """Medians of one runtime's runs (raw runs kept alongside)."""
+    """Medians of one runtime's runs (raw runs kept alongside). Its decode rate is the median of
+    its decode turns where it had any (`bench.turns`), else of its rounds."""
     if "error" in raw and not raw.get("ttft_s"):
         return {"error": raw["error"], "peak_rss_bytes": raw.get("peak_rss_bytes")}
+    turns = [r for r in raw.get("decode_turns_tok_s") or [] if r is not None]
+    rounds = median(raw.get("decode_tok_s"))
     return {
         "ttft_s": {int(n): median(v) for n, v in raw.get("ttft_s", {}).items()},
-        "decode_tok_s": median(raw.get("decode_tok_s")),
+        "decode_tok_s": median(turns) if turns else rounds,
+        "decode_rounds_tok_s": rounds,
         "peak_rss_bytes": raw.get("peak_rss_bytes"),
         "load_s": raw.get("load_s"),
         "wall_s": raw.get("wall_s"),
         "other_cores": raw.get("other_cores"),
         "info": raw.get("info", {}),
-        "runs": {"ttft_s": raw.get("ttft_s", {}), "decode_tok_s": raw.get("decode_tok_s", [])},
+        "runs": {"ttft_s": raw.get("ttft_s", {}), "decode_tok_s": raw.get("decode_tok_s", []),
+                 "decode_turns_tok_s": raw.get("decode_turns_tok_s", [])},
         **({"error": raw["error"]} if "error" in raw else {}),
     }
 
@@ -69,7 +82,9 @@ def ratios(sides: dict[str, dict], lengths: tuple[int, ...]) -> dict[str, dict[s
         if peer == OURS:
             continue
         r = {f"ttft@{n}": ratio(ours.get("ttft_s", {}).get(n), s.get("ttft_s", {}).get(n)) for n in lengths}
-        r["decode"] = ratio(ours.get("decode_tok_s"), s.get("decode_tok_s"))
+        turns = paired_ratio(*(x.get("runs", {}).get("decode_turns_tok_s") for x in (ours, s)))
+        r["decode_rounds"] = ratio(ours.get("decode_rounds_tok_s"), s.get("decode_rounds_tok_s"))
+        r["decode"] = turns if turns is not None else r["decode_rounds"]
         r["peak_rss"] = ratio(ours.get("peak_rss_bytes"), s.get("peak_rss_bytes"))
         r["load"] = ratio(ours.get("load_s"), s.get("load_s"))
         out[peer] = r

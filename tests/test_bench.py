@@ -2,6 +2,7 @@
 and one quick end-to-end run on the embedded model. Nothing here asserts a speed."""
 from __future__ import annotations
 
+import io
 import json
 import math
 import subprocess
@@ -20,9 +21,11 @@ from bench.bound import decode_bound_tokens_per_s, decode_bytes_per_token, kv_ca
 from bench.gguf_convert import trim_tokenizer_files
 from bench.llamacpp_build import AMX_SWITCHES, cmake_args
 from bench.plan import QUICK, prompt_ids
-from bench.protocol import measure
+from bench.protocol import measure, serve_turns
+from bench.render import model_table as render_model_table
 from bench.run import merge_rounds, run_side
-from bench.summary import HF, LLAMACPP_BF16, OURS, ratio, summarize_model
+from bench.summary import HF, LLAMACPP_BF16, OURS, paired_ratio, ratio, summarize_model
+from bench.turns import decode_turns
 from llama_base.config import LlamaConfig
 from llama_runtime.fixtures import ensure_embedded_model, llama_tokenizer_dir
 from llama_runtime.host_ops import KVCache
@@ -101,6 +104,80 @@ def test_protocol_times_short_prompts_more_often_and_decodes_after_the_first_run
     assert len(out["decode_tok_s"]) == 1 and len(r.steps) == 2 * 3   # after the warm-up and the first timed run
 
 
+def test_turns_decode_bursts_within_the_positions_the_rounds_time():
+    """Bursts continue where the last one stopped; one that would pass n_decode positions after
+    the prompt prefills it again first, so turns time the same positions as the rounds."""
+    r = _Scripted()
+    replies = io.StringIO()
+    assert serve_turns(r, [0, 1, 2, 3], 3, ["2\n", "1\n", "2\n"], replies) == 3
+    assert r.prefills == [4, 4]
+    assert [pos for _, pos in r.steps] == [4, 5, 6, 4, 5]
+    assert r.steps[:3] == [(4, 4), (5, 5), (6, 6)]          # greedy tokens fed back across bursts
+    assert all(float(x) >= 0 for x in replies.getvalue().split())
+    with pytest.raises(ValueError, match="1..3"):
+        serve_turns(r, [0, 1, 2, 3], 3, ["4\n"], io.StringIO())
+
+
+def test_decode_ratio_pairs_bursts_of_the_same_turn():
+    """A turn where the host was fast for both counts as one ratio, whatever the absolute rates;
+    a turn one side missed is left out of the pairs."""
+    raw = {OURS: _raw({32: [0.1]}, [9.0, 30.0], 1, decode_turns_tok_s=[10.0, 20.0, None, 12.0]),
+           LLAMACPP_BF16: _raw({32: [0.1]}, [11.0, 10.0], 1, decode_turns_tok_s=[8.0, 16.0, 9.0, 12.0]),
+           HF: _raw({32: [0.1]}, [5.0], 1)}
+    m = summarize_model("1b", LLAMA_1B, False, (32,), 128, raw, None)
+    lc = m["ratios"][LLAMACPP_BF16]
+    assert lc["decode"] == pytest.approx(1.25)                  # pairs 1.25, 1.25, 1.0
+    assert lc["decode_rounds"] == pytest.approx(19.5 / 10.5)    # the rounds' medians, kept beside it
+    assert m["runtimes"][OURS]["decode_tok_s"] == 12.0 and m["runtimes"][OURS]["decode_rounds_tok_s"] == 19.5
+    assert m["ratios"][HF]["decode"] == pytest.approx(19.5 / 5.0)   # HF had no turns: rounds against rounds
+    assert paired_ratio([1.0, None], [None, 2.0]) is None
+    table = render_model_table(m)
+    assert "| decode, in turns (tokens/s) | 12.00 |" in table and "| decode, in rounds (tokens/s) | 19.50 |" in table
+
+
+_FLAKY_SIDE = """
+from bench.protocol import child_main
+
+class Runner:
+    calls = 0
+    class R:
+        top1 = 1
+    def prefill(self, ids):
+        return self.R()
+    def decode_step(self, token, pos):
+        Runner.calls += 1
+        if Runner.calls > {ok_steps}:
+            raise RuntimeError("device lost")
+        return self.R()
+
+raise SystemExit(child_main(lambda job: (Runner(), {{}})))
+"""
+
+
+def test_a_side_that_fails_in_the_turns_is_left_out_and_the_others_go_on(tmp_path, monkeypatch):
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "steady_side.py").write_text(_FLAKY_SIDE.format(ok_steps=10**6))
+    (mods / "flaky_side.py").write_text(_FLAKY_SIDE.format(ok_steps=2 * 2))    # warm-up and one turn of 2 steps
+    monkeypatch.setenv("PYTHONPATH", str(mods))
+    job = {"prompts": {"4": [0, 1, 2, 3]}, "decode_length": 4, "n_decode": 2}
+    sides = [("steady", "steady_side", job, sys.executable), ("flaky", "flaky_side", job, sys.executable),
+             ("absent", "no_such_side", job, sys.executable)]
+    notes: list[str] = []
+    rates = decode_turns("m", sides, 3, 2, tmp_path / "w", bench_run.child_env(), tmp_path, notes, lambda _: None)
+    assert set(rates) == {"steady", "flaky"} and len(rates["steady"]) == 3 and None not in rates["steady"]
+    assert rates["flaky"][0] > 0 and rates["flaky"][1:] == [None, None]
+    assert any("absent left out of the decode turns" in n and "No module named" in n for n in notes)
+    assert any("flaky failed in the decode turns: RuntimeError: device lost" in n for n in notes)
+
+
+def test_turns_are_skipped_when_the_runtimes_do_not_fit_in_memory_together(tmp_path):
+    notes: list[str] = []
+    rates = decode_turns("m", [("x", "no_such_side", {}, sys.executable)], 2, 2, tmp_path, {}, tmp_path, notes,
+                         lambda _: None, peaks={"x": 1 << 60})
+    assert rates == {} and "decode turns skipped" in notes[0] and not (tmp_path / "x").exists()
+
+
 def _raw(ttft: dict[int, list[float]], decode: list[float], peak: int, **extra) -> dict:
     return {"ttft_s": {str(k): v for k, v in ttft.items()}, "decode_tok_s": decode, "peak_rss_bytes": peak, **extra}
 
@@ -165,11 +242,18 @@ def test_runtimes_take_turns_round_by_round_and_their_rounds_merge(monkeypatch, 
         return {"ttft_s": {"32": [0.1 * k]}, "decode_tok_s": [float(k)], "peak_rss_bytes": 100 * k,
                 "load_s": 1.0 / k, "other_cores": 0.0, "wall_s": 2.0, "info": {"round": workdir.name}}
 
+    def fake_turns(model, sides, turns, steps, workdir, env, cwd, notes, log, peaks):
+        order.append(("turns", [name for name, *_ in sides], turns, steps, peaks))
+        return {OURS: [4.0, 6.0], HF: [2.0, None]}
+
     monkeypatch.setattr(bench_run, "run_side", fake_side)
+    monkeypatch.setattr(bench_run, "decode_turns", fake_turns)
     _, raw, _ = bench_run.bench_model(EMBEDDED, QUICK, "sim", None, tmp_path, [], samples.append, lambda _: None)
     assert order == [("bench.side_ours", "round1"), ("bench.side_hf", "round1"),
-                     ("bench.side_ours", "round2"), ("bench.side_hf", "round2")]
-    assert len(samples) == 4                                   # bandwidth after every child
+                     ("bench.side_ours", "round2"), ("bench.side_hf", "round2"),
+                     ("turns", [OURS, HF], QUICK.turns, QUICK.turn_steps, {OURS: 300, HF: 400})]
+    assert len(samples) == 5                                   # bandwidth after every child and after the turns
+    assert raw[OURS]["decode_turns_tok_s"] == [4.0, 6.0] and raw[HF]["decode_turns_tok_s"] == [2.0, None]
     ours = raw[OURS]
     assert ours["ttft_s"] == {"32": [pytest.approx(0.1), pytest.approx(0.3)]} and ours["decode_tok_s"] == [1.0, 3.0]
     assert ours["peak_rss_bytes"] == 300 and ours["wall_s"] == 4.0 and ours["info"] == {"round": "round1"}
@@ -248,7 +332,7 @@ def test_quick_bench_on_the_embedded_model_writes_both_reports(reports, capsys):
     data = json.loads(jpath.read_text())
     bw = data["bandwidth"]
     assert [x["after"] for x in bw["samples"]] == ["start"] + [f"{EMBEDDED} {side} round {r}" for r in (1, 2)
-                                                               for side in (OURS, HF)]
+                                                               for side in (OURS, HF)] + [f"{EMBEDDED} decode turns"]
     assert 0 < bw["min_bytes_per_s"] <= bw["bytes_per_s"] <= bw["max_bytes_per_s"] and bw["method"] in md
     (m,) = data["models"]
     assert set(m["runtimes"]) == {OURS, HF}
@@ -257,7 +341,11 @@ def test_quick_bench_on_the_embedded_model_writes_both_reports(reports, capsys):
         assert set(s["ttft_s"]) == {"32"} and s["ttft_s"]["32"] > 0 and len(s["runs"]["ttft_s"]["32"]) == 2
         assert s["decode_tok_s"] > 0 and s["peak_rss_bytes"] > 0 and "other_cores" in s
     ours, hf = m["runtimes"][OURS], m["runtimes"][HF]
-    assert math.isclose(m["ratios"][HF]["decode"], ours["decode_tok_s"] / hf["decode_tok_s"])
+    turns = {k: s["runs"]["decode_turns_tok_s"] for k, s in m["runtimes"].items()}
+    assert all(len(t) == QUICK.turns and all(r > 0 for r in t) for t in turns.values())
+    assert math.isclose(m["ratios"][HF]["decode"], paired_ratio(turns[OURS], turns[HF]))
+    assert math.isclose(m["ratios"][HF]["decode_rounds"], ours["decode_rounds_tok_s"] / hf["decode_rounds_tok_s"])
+    assert "| decode, in turns (tokens/s) |" in md and "then decode in 2 turns" in md.lower()
     assert math.isclose(m["decode_bound_tok_s"], data["bandwidth"]["bytes_per_s"] / m["decode_bytes_per_token"])
     assert [t["name"] for t in m["targets"]] == ["decode ≥ 1.0× HF", "load ≤ 3 s (warm cache)"]
     assert all(t["status"] in ("PASS", "MISS") for t in m["targets"])

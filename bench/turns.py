@@ -1,0 +1,146 @@
+"""Decode in turns: every runtime loaded at once, short decode bursts taken in alternation.
+
+The hosts this runs on share their memory system with other guests, and its bandwidth jumps
+between levels (seen: about 33 and about 53 GB/s) within seconds. A decode timed once per round
+lands on whichever level holds for those seconds, so one round can hand one runtime the fast
+level and its peer the slow one, and a ratio of single runs says more about the host than about
+the runtimes (rounds of the same two programs have ranged from 1.03× to 1.76×). Here every
+runtime stays loaded in its own child, idle between bursts, and each turn runs one burst of
+`turn_steps` decode steps of every runtime, in a shuffled order, so the bursts of one turn are
+seconds apart. A decode ratio is then the median over turns of the ratio within each turn, and
+a runtime's decode rate the median of its bursts.
+
+Only one child runs at a time: the others block on their command pipe, so the one being timed
+has both cores and the memory system to itself, as in the rounds. They do share the machine's
+memory, which is why the turns are skipped (with a note) when the runtimes' peaks from the
+rounds do not fit in what is available.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import select
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+from bench import BenchError
+from bench.machine import MEMINFO
+from bench.protocol import JOB_FILE, RESULT_FILE, TURN_FDS
+
+TURN_TIMEOUT_S = 1800     # a burst (the first one loads the runtime) not answered by then: hung
+MEMORY_HEADROOM = 1.25    # the runtimes' peaks times this must fit in the available memory
+
+
+class TurnChild:
+    """One runtime's child, serving bursts over a pair of pipes (`bench.protocol.serve_turns`)."""
+
+    def __init__(self, name: str, module: str, job: dict, workdir: Path, python: str, env: dict, cwd: Path):
+        self.name = name
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        cmd_r, cmd_w = os.pipe()
+        reply_r, reply_w = os.pipe()
+        (workdir / JOB_FILE).write_text(json.dumps({**job, TURN_FDS: [cmd_r, reply_w]}))
+        with open(workdir / "child.log", "w") as out:
+            self.proc = subprocess.Popen([python, "-m", module, str(workdir)], env=env, stdout=out,
+                                         stderr=subprocess.STDOUT, cwd=cwd, pass_fds=(cmd_r, reply_w))
+        os.close(cmd_r)
+        os.close(reply_w)
+        self.commands = os.fdopen(cmd_w, "w")
+        self.replies = os.fdopen(reply_r, "r")
+
+    def burst(self, steps: int) -> float:
+        """Seconds the child took for `steps` decode steps; BenchError if it died or hung."""
+        try:
+            self.commands.write(f"{steps}\n")
+            self.commands.flush()
+        except BrokenPipeError:
+            raise BenchError(self._failure()) from None
+        ready, _, _ = select.select([self.replies], [], [], TURN_TIMEOUT_S)
+        line = self.replies.readline() if ready else ""
+        if not line:
+            raise BenchError(self._failure() if ready else f"no answer after {TURN_TIMEOUT_S} s: stopped")
+        return float(line)
+
+    def _failure(self) -> str:
+        self.close()
+        result_file = self.workdir / RESULT_FILE
+        if result_file.is_file():
+            err = json.loads(result_file.read_text()).get("error")
+            if err:
+                return err
+        tail = (self.workdir / "child.log").read_text(errors="replace").strip().splitlines()[-3:]
+        return f"exit status {self.proc.returncode}: " + " | ".join(tail)
+
+    def close(self) -> None:
+        """End the child: closing its commands ends its loop; one that does not leave is killed."""
+        for f in (self.commands, self.replies):
+            try:
+                f.close()
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def available_bytes() -> int | None:
+    try:
+        for line in MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def decode_turns(model: str, sides: list[tuple[str, str, dict, str]], turns: int, steps: int, workdir: Path,
+                 env: dict, cwd: Path, notes: list[str], log: Callable[[str], None] = print,
+                 peaks: dict[str, int] | None = None) -> dict[str, list[float | None]]:
+    """Each side's decode rate (tokens/s) in each of `turns` turns, None where it had none.
+
+    `sides` are (name, module, job, python) as for the rounds. Each child's first burst is a
+    warm-up (it loads the runtime and prefills): untimed, taken before the next child starts,
+    so no two runtimes ever load at once. A child that fails is left out with a note.
+    """
+    need = int(sum((peaks or {}).values()) * MEMORY_HEADROOM)
+    have = available_bytes()
+    if have is not None and need > have:
+        notes.append(f"{model}: decode turns skipped: the runtimes' peaks need {need / 2**30:.1f} GiB together, "
+                     f"{have / 2**30:.1f} GiB is available; decode is from the rounds alone.")
+        return {}
+    children: dict[str, TurnChild] = {}
+    rates: dict[str, list[float | None]] = {}
+    try:
+        for name, module, job, python in sides:
+            log(f"[bench] {model}: {name} loading for the decode turns ...")
+            child = TurnChild(name, module, job, workdir / name.replace(" ", "-") / "turns", python, env, cwd)
+            try:
+                child.burst(steps)
+            except BenchError as e:
+                notes.append(f"{model}: {name} left out of the decode turns: {str(e).splitlines()[0]}")
+                continue
+            children[name] = child
+            rates[name] = []
+        rng = random.Random(0)
+        log(f"[bench] {model}: {turns} decode turns of {steps} steps each ...")
+        for _ in range(turns):
+            for series in rates.values():
+                series.append(None)
+            order = list(children)
+            rng.shuffle(order)
+            for name in order:
+                try:
+                    rates[name][-1] = steps / children[name].burst(steps)
+                except BenchError as e:
+                    notes.append(f"{model}: {name} failed in the decode turns: {str(e).splitlines()[0]}")
+                    children.pop(name)
+    finally:
+        for child in children.values():
+            child.close()
+    return rates
+
