@@ -43,11 +43,17 @@ class TurnChild:
         cmd_r, cmd_w = os.pipe()
         reply_r, reply_w = os.pipe()
         (workdir / JOB_FILE).write_text(json.dumps({**job, TURN_FDS: [cmd_r, reply_w]}))
-        with open(workdir / "child.log", "w") as out:
-            self.proc = subprocess.Popen([python, "-m", module, str(workdir)], env=env, stdout=out,
-                                         stderr=subprocess.STDOUT, cwd=cwd, pass_fds=(cmd_r, reply_w))
-        os.close(cmd_r)
-        os.close(reply_w)
+        try:
+            with open(workdir / "child.log", "w") as out:
+                self.proc = subprocess.Popen([python, "-m", module, str(workdir)], env=env, stdout=out,
+                                             stderr=subprocess.STDOUT, cwd=cwd, pass_fds=(cmd_r, reply_w))
+        except OSError as e:
+            os.close(cmd_w)
+            os.close(reply_r)
+            raise BenchError(f"could not start {python}: {e}") from None
+        finally:          # the child's ends: it holds its own copies
+            os.close(cmd_r)
+            os.close(reply_w)
         self.commands = os.fdopen(cmd_w, "w")
         self.replies = os.fdopen(reply_r, "r")
 
@@ -59,9 +65,13 @@ class TurnChild:
         except BrokenPipeError:
             raise BenchError(self._failure()) from None
         ready, _, _ = select.select([self.replies], [], [], TURN_TIMEOUT_S)
-        line = self.replies.readline() if ready else ""
+        if not ready:
+            self.proc.kill()
+            self.close()
+            raise BenchError(f"no answer after {TURN_TIMEOUT_S} s: stopped")
+        line = self.replies.readline()
         if not line:
-            raise BenchError(self._failure() if ready else f"no answer after {TURN_TIMEOUT_S} s: stopped")
+            raise BenchError(self._failure())
         return float(line)
 
     def _failure(self) -> str:
@@ -118,8 +128,8 @@ def decode_turns(model: str, sides: list[tuple[str, str, dict, str]], turns: int
     try:
         for name, module, job, python in sides:
             log(f"[bench] {model}: {name} loading for the decode turns ...")
-            child = TurnChild(name, module, job, workdir / name.replace(" ", "-") / "turns", python, env, cwd)
             try:
+                child = TurnChild(name, module, job, workdir / name.replace(" ", "-") / "turns", python, env, cwd)
                 child.burst(steps)
             except BenchError as e:
                 notes.append(f"{model}: {name} left out of the decode turns: {str(e).splitlines()[0]}")

@@ -162,13 +162,14 @@ def test_a_side_that_fails_in_the_turns_is_left_out_and_the_others_go_on(tmp_pat
     monkeypatch.setenv("PYTHONPATH", str(mods))
     job = {"prompts": {"4": [0, 1, 2, 3]}, "decode_length": 4, "n_decode": 2}
     sides = [("steady", "steady_side", job, sys.executable), ("flaky", "flaky_side", job, sys.executable),
-             ("absent", "no_such_side", job, sys.executable)]
+             ("absent", "no_such_side", job, sys.executable), ("unbuilt", "steady_side", job, str(tmp_path / "nopy"))]
     notes: list[str] = []
     rates = decode_turns("m", sides, 3, 2, tmp_path / "w", bench_run.child_env(), tmp_path, notes, lambda _: None)
     assert set(rates) == {"steady", "flaky"} and len(rates["steady"]) == 3 and None not in rates["steady"]
     assert rates["flaky"][0] > 0 and rates["flaky"][1:] == [None, None]
     assert any("absent left out of the decode turns" in n and "No module named" in n for n in notes)
     assert any("flaky failed in the decode turns: RuntimeError: device lost" in n for n in notes)
+    assert any("unbuilt left out of the decode turns: could not start" in n for n in notes)
 
 
 def test_turns_are_skipped_when_the_runtimes_do_not_fit_in_memory_together(tmp_path):

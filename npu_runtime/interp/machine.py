@@ -82,6 +82,7 @@ class Machine:
             "arith.remui": _binop(lambda a, b: a % b), "arith.minui": _binop(min),
             "arith.index_cast": _unop(int), "arith.cmpi": self._cmpi,
             "arith.addf": _binop(np.add), "arith.mulf": _binop(np.multiply), "arith.divf": _binop(np.divide),
+            "arith.maximumf": _binop(np.maximum), "arith.minimumf": _binop(np.minimum),   # both propagate NaN
             "arith.extf": _unop(lambda x: np.asarray(x).astype(np.float32)),
             "arith.truncf": _unop(lambda x: np.asarray(x).astype(DTYPES["bf16"])),
             "math.rsqrt": _unop(lambda x: np.float32(1.0) / np.sqrt(np.float32(x))),
