@@ -74,14 +74,19 @@ def other_cores(before: CpuSample, after: CpuSample) -> float | None:
     return max(others, 0.0) / (after.at_s - before.at_s)
 
 
-def describe(cpu_class: str = "native") -> dict:
-    mem = 0
+def meminfo_bytes(field: str) -> int | None:
+    """A /proc/meminfo field (MemTotal, MemAvailable, ...) in bytes; None where it cannot be read."""
     try:
         for line in MEMINFO.read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem = int(line.split()[1]) * 1024
-    except OSError:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
         pass
+    return None
+
+
+def describe(cpu_class: str = "native") -> dict:
+    mem = meminfo_bytes("MemTotal") or 0
     flags = cpu_flags()
     return {
         "cpu": _cpuinfo_field("model name") or platform.processor(),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import signal
 import sys
 import time
 import traceback
@@ -95,6 +96,13 @@ def serve_turns(runner, prompt: list[int], n_decode: int, commands, replies) -> 
         replies.flush()
         served += 1
     return served
+
+
+def exit_description(workdir: Path, returncode: int) -> str:
+    """For the parent: how a child that wrote no error of its own ended, with the last lines of its log."""
+    how = f"killed by {signal.Signals(-returncode).name}" if returncode < 0 else f"exit status {returncode}"
+    tail = (workdir / "child.log").read_text(errors="replace").strip().splitlines()[-3:]
+    return f"{how}: " + " | ".join(tail)
 
 
 def process_age_s() -> float | None:

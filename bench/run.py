@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ from bench.bandwidth import Bandwidth, measure_bandwidth
 from bench.bandwidth import summarize as summarize_bandwidth
 from bench.machine import cpu_sample, describe, other_cores
 from bench.plan import Plan, prompt_ids
-from bench.protocol import JOB_FILE, RESULT_FILE
+from bench.protocol import JOB_FILE, RESULT_FILE, exit_description
 from bench.render import markdown
 from bench.summary import BF16_RUNTIMES, HF, OURS, summarize_model
 from bench.turns import decode_turns
@@ -64,9 +63,7 @@ def run_side(module: str, job: dict, workdir: Path, python: str = sys.executable
     if rc is None:
         result["error"] = f"no result after {SIDE_TIMEOUT_S} s: stopped"
     elif rc != 0 and "error" not in result:
-        how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}"
-        tail = (workdir / "child.log").read_text(errors="replace").strip().splitlines()[-3:]
-        result["error"] = f"{how}: " + " | ".join(tail)
+        result["error"] = exit_description(workdir, rc)
     after = cpu_sample()
     result["wall_s"] = after.at_s - before.at_s
     result["other_cores"] = other_cores(before, after)

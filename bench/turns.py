@@ -26,8 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench import BenchError
-from bench.machine import MEMINFO
-from bench.protocol import JOB_FILE, RESULT_FILE, TURN_FDS
+from bench.machine import meminfo_bytes
+from bench.protocol import JOB_FILE, RESULT_FILE, TURN_FDS, exit_description
 
 TURN_TIMEOUT_S = 1800     # a burst (the first one loads the runtime) not answered by then: hung
 MEMORY_HEADROOM = 1.25    # the runtimes' peaks times this must fit in the available memory
@@ -77,12 +77,8 @@ class TurnChild:
     def _failure(self) -> str:
         self.close()
         result_file = self.workdir / RESULT_FILE
-        if result_file.is_file():
-            err = json.loads(result_file.read_text()).get("error")
-            if err:
-                return err
-        tail = (self.workdir / "child.log").read_text(errors="replace").strip().splitlines()[-3:]
-        return f"exit status {self.proc.returncode}: " + " | ".join(tail)
+        err = json.loads(result_file.read_text()).get("error") if result_file.is_file() else None
+        return err or exit_description(self.workdir, self.proc.returncode)
 
     def close(self) -> None:
         """End the child: closing its commands ends its loop; one that does not leave is killed."""
@@ -98,16 +94,6 @@ class TurnChild:
             self.proc.wait()
 
 
-def available_bytes() -> int | None:
-    try:
-        for line in MEMINFO.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def decode_turns(model: str, sides: list[tuple[str, str, dict, str]], turns: int, steps: int, workdir: Path,
                  env: dict, cwd: Path, notes: list[str], log: Callable[[str], None] = print,
                  peaks: dict[str, int] | None = None) -> dict[str, list[float | None]]:
@@ -118,7 +104,7 @@ def decode_turns(model: str, sides: list[tuple[str, str, dict, str]], turns: int
     so no two runtimes ever load at once. A child that fails is left out with a note.
     """
     need = int(sum((peaks or {}).values()) * MEMORY_HEADROOM)
-    have = available_bytes()
+    have = meminfo_bytes("MemAvailable")
     if have is not None and need > have:
         notes.append(f"{model}: decode turns skipped: the runtimes' peaks need {need / 2**30:.1f} GiB together, "
                      f"{have / 2**30:.1f} GiB is available; decode is from the rounds alone.")
