@@ -7,6 +7,8 @@ a tile divides its dimension and fits the 64 KiB L1 of an AIE2P core with double
 """
 from __future__ import annotations
 
+from llama_base import q4nx
+
 # NPU2 (Strix, AIE2P): 8 columns x 4 compute rows; 64 KiB data memory per core.
 ARRAY_COLS, ARRAY_ROWS = 8, 4
 L1_BYTES = 64 * 1024
@@ -81,6 +83,50 @@ def gemv_tiling(m: int, k: int) -> dict:
 def gemv_l1_bytes(tile_m: int, k: int) -> int:
     """x, a double-buffered tile_m x k slab of W and the output tile."""
     return (k + 2 * tile_m * k + tile_m) * BF16
+
+
+def gemv_q4nx_tiling(m: int, k: int) -> dict:
+    """y[m] = W[m,k] · x[k] with W in Q4NX, dequantized inside the product (FusedDQP).
+
+    Each core owns whole row-blocks (`q4nx.ROWS` rows), so its share of W is one contiguous
+    run; the herd is the most cores up to a column of the array that split the row-blocks
+    evenly. A core streams its rows one Q4NX block at a time (`tile_k` columns: 5 KiB),
+    double-buffered, whatever K is, so no K is too long for L1.
+    """
+    cores = _largest_divisor(m // q4nx.ROWS, ARRAY_COLS)
+    return {"M": m, "K": k, "herd": (cores, 1), "tile_m": q4nx.ROWS, "tile_k": min(q4nx.COLS, k)}
+
+
+def gemm_q4nx_l1_bytes(tm: int, tn: int, tk: int) -> int:
+    """Double-buffered A tiles and Q4NX W tiles, the W tile dequantized to bf16, the f32
+    accumulator and the bf16 output tile."""
+    return 2 * tm * tk * BF16 + 2 * q4nx.nbytes(tn, tk) + tn * tk * BF16 + tm * tn * (4 + BF16)
+
+
+def gemm_q4nx_tiling(m: int, n: int, k: int) -> dict:
+    """C[m,n] = A[m,k] · W[n,k]^T with W in Q4NX: each core dequantizes its W tile to bf16 in L1
+    and runs the bf16 product on it (prefill is compute-bound: the dequantization is one
+    operation per weight against `tile_m` multiply-adds, and the DMAs move 5/16 of the bytes).
+
+    As `gemm_tiling`, with a W tile of whole row-blocks (`q4nx.ROWS` rows) and whole groups
+    (`q4nx.GROUP` columns), so it is a contiguous part of each row-block's blocks.
+    """
+    hm = GEMM_HERD[0]
+    hn = _largest_divisor(n // q4nx.ROWS, GEMM_HERD[1])
+    tk = _largest_divisor(k, 64, q4nx.GROUP)
+    tn = _largest_divisor(n // hn, 64, q4nx.ROWS)
+    per_row = max(m // hm, 1)
+    tms = sorted((d for d in range(1, min(per_row, 64) + 1) if per_row % d == 0),
+                 key=lambda d: (d % 8 == 0, d), reverse=True)
+    for tm in tms:
+        if gemm_q4nx_l1_bytes(tm, tn, tk) > L1_BUDGET:
+            continue
+        for k_l2 in range(k, tk - 1, -tk):
+            l2 = 2 * (hm * tm * k_l2 * BF16 + q4nx.nbytes(hn * tn, k_l2)) + (hm * tm * hn * tn * 4 if k_l2 < k else 0)
+            if k % k_l2 == 0 and l2 <= L2_BYTES:
+                return {"M": m, "N": n, "K": k, "herd": (hm, hn), "tile_m": tm, "tile_n": tn,
+                        "tile_k": tk, "tile_k_l2": k_l2}
+    raise ValueError(f"no Q4NX GEMM tiling of {m}x{n}x{k} fits L1 ({L1_BUDGET} B) and L2 ({L2_BYTES} B)")
 
 
 def elementwise_tiling(rows: int, dim: int) -> dict:

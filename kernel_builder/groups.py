@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from kernel_builder import backend_presets as presets
+from llama_base import q4nx
 from llama_base.config import LAYER_TENSORS, LlamaConfig
 
 
@@ -35,8 +36,12 @@ class Role(str, Enum):
     OUTPUT = "output"              # read back by the host after every call
 
 
-DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32}
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32,
+                                   q4nx.NAME: torch.uint8}
 ITEMSIZE: dict[str, int] = {"bf16": 2, "f32": 4, "i32": 4}
+# Weight formats a group can be declared with: "bf16", or a quantized format whose slots hold a
+# matrix of the declared (logical) shape as bytes laid out by its declaration (`llama_base.q4nx`).
+QUANTS = ("bf16", q4nx.NAME)
 
 
 @dataclass(frozen=True)
@@ -55,8 +60,18 @@ class Slot:
         return n
 
     @property
+    def quantized(self) -> bool:
+        return self.dtype == q4nx.NAME
+
+    @property
     def nbytes(self) -> int:
-        return self.numel * ITEMSIZE[self.dtype]
+        return q4nx.nbytes(*self.shape) if self.quantized else self.numel * ITEMSIZE[self.dtype]
+
+    @property
+    def storage_shape(self) -> tuple[int, ...]:
+        """The shape of the buffer's contents as `torch_dtype` elements: the declared shape, or
+        the bytes of a quantized matrix."""
+        return (self.nbytes,) if self.quantized else self.shape
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -96,14 +111,17 @@ class KernelGroup:
     launches: tuple[Launch, ...]
     options: tuple[tuple[str, Any], ...] = field(default=())
     ctx_len: int = 0           # attention only: positions of K/V it reads (>= seq_len)
+    quant: str = "bf16"        # the format of its weight slots (QUANTS)
 
     @property
     def name(self) -> str:
-        """Unique per compiled shape: prefill groups exist once per sequence bucket (and context)."""
+        """Unique per compiled shape and weight format: prefill groups exist once per sequence
+        bucket (and context)."""
+        fmt = "" if self.quant == "bf16" else f"_{self.quant}"
         if self.kind not in PREFILL_KINDS:
-            return self.kind
+            return self.kind + fmt
         ctx = f"_c{self.ctx_len}" if self.ctx_len and self.ctx_len != self.seq_len else ""
-        return f"{self.kind}_s{self.seq_len}{ctx}"
+        return f"{self.kind}_s{self.seq_len}{ctx}{fmt}"
 
     def slot(self, name: str) -> Slot:
         for s in self.slots:
@@ -132,6 +150,7 @@ class KernelGroup:
                 for l in self.launches
             ],
             "options": {k: v for k, v in self.options},
+            "quant": self.quant,
         }
 
     def fingerprint(self) -> str:
@@ -175,36 +194,60 @@ def _slot(name: str, shape, role: Role, dtype: str = "bf16") -> Slot:
     return Slot(name, tuple(int(d) for d in shape), dtype, role)
 
 
-def _group(kind: str, seq: int, slots, launches, ctx: int = 0) -> KernelGroup:
+def _weight(name: str, shape, quant: str) -> Slot:
+    """A linear layer's weight [out, in], held in the group's weight format."""
+    if quant not in QUANTS:
+        raise ValueError(f"unknown weight format {quant!r}: expected one of {', '.join(QUANTS)}")
+    return _slot(name, shape, Role.STATIC, quant)
+
+
+def matmul_op(op: str, quant: str) -> str:
+    """The launch op of a GEMM or GEMV on weights in `quant`: quantized weights have kernels of
+    their own (dequantization fused into the product), so they are other ops."""
+    return op if quant == "bf16" else f"{op}_{quant}"
+
+
+def _gemm(seq: int, n: int, k: int, quant: str) -> dict:
+    return presets.gemm_tiling(seq, n, k) if quant == "bf16" else presets.gemm_q4nx_tiling(seq, n, k)
+
+
+def _gemv(n: int, k: int, quant: str) -> dict:
+    return presets.gemv_tiling(n, k) if quant == "bf16" else presets.gemv_q4nx_tiling(n, k)
+
+
+def _group(kind: str, seq: int, slots, launches, ctx: int = 0, quant: str = "bf16") -> KernelGroup:
     if kind in PREFILL_KINDS:
         slots = [Slot(s.name, s.shape, s.dtype, s.role,
                       s.role is not Role.STATIC and len(s.shape) == 2 and s.shape[0] == seq) for s in slots]
-    g = KernelGroup(kind, seq, tuple(slots), tuple(launches), tuple(sorted(presets.group_options(kind).items())), ctx)
+    g = KernelGroup(kind, seq, tuple(slots), tuple(launches), tuple(sorted(presets.group_options(kind).items())), ctx,
+                    quant)
     g.validate()
     return g
 
 
-def rms_gemms_rope(cfg: LlamaConfig, seq: int) -> KernelGroup:
+def rms_gemms_rope(cfg: LlamaConfig, seq: int, quant: str = "bf16") -> KernelGroup:
     h, q, kv, d = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.head_dim
     I, S, M, O = Role.INPUT, Role.STATIC, Role.INTERMEDIATE, Role.OUTPUT
     slots = [
         _slot("x", (seq, h), I), _slot("rope_lut", (seq, d), I),
-        _slot("attn_norm", (h,), S), _slot("wq", (q, h), S), _slot("wk", (kv, h), S), _slot("wv", (kv, h), S),
+        _slot("attn_norm", (h,), S), _weight("wq", (q, h), quant), _weight("wk", (kv, h), quant),
+        _weight("wv", (kv, h), quant),
         _slot("normed", (seq, h), M), _slot("q_raw", (seq, q), M), _slot("k_raw", (seq, kv), M),
         _slot("q", (seq, q), O), _slot("k", (seq, kv), O), _slot("v", (seq, kv), O),
     ]
+    gemm = matmul_op("gemm", quant)
     launches = [
         _launch("rmsnorm", "rmsnorm", ["x", "attn_norm"], ["normed"], rows=seq, dim=h, eps=cfg.rms_norm_eps,
                 **presets.elementwise_tiling(seq, h)),
-        _launch("q_gemm", "gemm", ["normed", "wq"], ["q_raw"], **presets.gemm_tiling(seq, q, h)),
-        _launch("k_gemm", "gemm", ["normed", "wk"], ["k_raw"], **presets.gemm_tiling(seq, kv, h)),
-        _launch("v_gemm", "gemm", ["normed", "wv"], ["v"], **presets.gemm_tiling(seq, kv, h)),
+        _launch("q_gemm", gemm, ["normed", "wq"], ["q_raw"], **_gemm(seq, q, h, quant)),
+        _launch("k_gemm", gemm, ["normed", "wk"], ["k_raw"], **_gemm(seq, kv, h, quant)),
+        _launch("v_gemm", gemm, ["normed", "wv"], ["v"], **_gemm(seq, kv, h, quant)),
         _launch("rope_q", "rope", ["q_raw", "rope_lut"], ["q"], rows=seq, heads=cfg.num_attention_heads,
                 head_dim=d, herd=presets.ROPE_HERD_PREFILL),
         _launch("rope_k", "rope", ["k_raw", "rope_lut"], ["k"], rows=seq, heads=cfg.num_key_value_heads,
                 head_dim=d, herd=presets.ROPE_HERD_PREFILL),
     ]
-    return _group("rms_gemms_rope", seq, slots, launches)
+    return _group("rms_gemms_rope", seq, slots, launches, quant=quant)
 
 
 def flash_attn(cfg: LlamaConfig, seq: int, ctx: int | None = None) -> KernelGroup:
@@ -232,15 +275,16 @@ def flash_attn(cfg: LlamaConfig, seq: int, ctx: int | None = None) -> KernelGrou
     return _group("flash_attn", seq, slots, launches, ctx)
 
 
-def _ffn_tail(cfg: LlamaConfig, rows: int, op: str, tiling) -> tuple[list[Slot], list[Launch]]:
+def _ffn_tail(cfg: LlamaConfig, rows: int, base: str, tiling, quant: str) -> tuple[list[Slot], list[Launch]]:
     """O projection, residual, RMSNorm, SwiGLU MLP, residual: shared by o_ffn and o_gemv_ffn."""
     h, q, f = cfg.hidden_size, cfg.q_dim, cfg.intermediate_size
     I, S, M, O = Role.INPUT, Role.STATIC, Role.INTERMEDIATE, Role.OUTPUT
-    shp = (lambda n: (rows, n)) if op == "gemm" else (lambda n: (n,))
+    shp = (lambda n: (rows, n)) if base == "gemm" else (lambda n: (n,))
+    op = matmul_op(base, quant)
     slots = [
         _slot("attn", shp(q), I), _slot("x_res", shp(h), I),
-        _slot("wo", (h, q), S), _slot("ffn_norm", (h,), S),
-        _slot("w_gate", (f, h), S), _slot("w_up", (f, h), S), _slot("w_down", (h, f), S),
+        _weight("wo", (h, q), quant), _slot("ffn_norm", (h,), S),
+        _weight("w_gate", (f, h), quant), _weight("w_up", (f, h), quant), _weight("w_down", (h, f), quant),
         _slot("o", shp(h), M), _slot("h1", shp(h), M), _slot("normed", shp(h), M),
         _slot("gate", shp(f), M), _slot("up", shp(f), M), _slot("act", shp(f), M), _slot("down", shp(h), M),
         _slot("out", shp(h), O),
@@ -259,69 +303,75 @@ def _ffn_tail(cfg: LlamaConfig, rows: int, op: str, tiling) -> tuple[list[Slot],
     return slots, launches
 
 
-def o_ffn(cfg: LlamaConfig, seq: int) -> KernelGroup:
-    slots, launches = _ffn_tail(cfg, seq, "gemm", lambda n, k: presets.gemm_tiling(seq, n, k))
-    return _group("o_ffn", seq, slots, launches)
+def o_ffn(cfg: LlamaConfig, seq: int, quant: str = "bf16") -> KernelGroup:
+    slots, launches = _ffn_tail(cfg, seq, "gemm", lambda n, k: _gemm(seq, n, k, quant), quant)
+    return _group("o_ffn", seq, slots, launches, quant=quant)
 
 
-def rms_gemv_rope(cfg: LlamaConfig) -> KernelGroup:
+def rms_gemv_rope(cfg: LlamaConfig, quant: str = "bf16") -> KernelGroup:
     h, q, kv, d = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.head_dim
     I, S, M, O = Role.INPUT, Role.STATIC, Role.INTERMEDIATE, Role.OUTPUT
     slots = [
         _slot("x", (h,), I), _slot("rope_lut", (d,), I),
-        _slot("attn_norm", (h,), S), _slot("wq", (q, h), S), _slot("wk", (kv, h), S), _slot("wv", (kv, h), S),
+        _slot("attn_norm", (h,), S), _weight("wq", (q, h), quant), _weight("wk", (kv, h), quant),
+        _weight("wv", (kv, h), quant),
         _slot("normed", (h,), M), _slot("q_raw", (q,), M), _slot("k_raw", (kv,), M),
         _slot("q", (q,), O), _slot("k", (kv,), O), _slot("v", (kv,), O),
     ]
+    gemv = matmul_op("gemv", quant)
     launches = [
         _launch("rmsnorm", "rmsnorm", ["x", "attn_norm"], ["normed"], rows=1, dim=h, eps=cfg.rms_norm_eps,
                 **presets.elementwise_tiling(1, h)),
-        _launch("q_gemv", "gemv", ["normed", "wq"], ["q_raw"], **presets.gemv_tiling(q, h)),
-        _launch("k_gemv", "gemv", ["normed", "wk"], ["k_raw"], **presets.gemv_tiling(kv, h)),
-        _launch("v_gemv", "gemv", ["normed", "wv"], ["v"], **presets.gemv_tiling(kv, h)),
+        _launch("q_gemv", gemv, ["normed", "wq"], ["q_raw"], **_gemv(q, h, quant)),
+        _launch("k_gemv", gemv, ["normed", "wk"], ["k_raw"], **_gemv(kv, h, quant)),
+        _launch("v_gemv", gemv, ["normed", "wv"], ["v"], **_gemv(kv, h, quant)),
         _launch("rope_q", "rope", ["q_raw", "rope_lut"], ["q"], rows=1, heads=cfg.num_attention_heads,
                 head_dim=d, herd=presets.ROPE_HERD_DECODE),
         _launch("rope_k", "rope", ["k_raw", "rope_lut"], ["k"], rows=1, heads=cfg.num_key_value_heads,
                 head_dim=d, herd=presets.ROPE_HERD_DECODE),
     ]
-    return _group("rms_gemv_rope", 1, slots, launches)
+    return _group("rms_gemv_rope", 1, slots, launches, quant=quant)
 
 
-def o_gemv_ffn(cfg: LlamaConfig) -> KernelGroup:
-    slots, launches = _ffn_tail(cfg, 1, "gemv", presets.gemv_tiling)
-    return _group("o_gemv_ffn", 1, slots, launches)
+def o_gemv_ffn(cfg: LlamaConfig, quant: str = "bf16") -> KernelGroup:
+    slots, launches = _ffn_tail(cfg, 1, "gemv", lambda n, k: _gemv(n, k, quant), quant)
+    return _group("o_gemv_ffn", 1, slots, launches, quant=quant)
 
 
-def lm_head_rows(cfg: LlamaConfig) -> int:
-    """Rows per vocab partition; the last partition is zero-padded when the vocab does not divide."""
-    return -(-cfg.vocab_size // LM_HEAD_PARTITIONS)
+def lm_head_rows(cfg: LlamaConfig, quant: str = "bf16") -> int:
+    """Rows per vocab partition; the last partition is zero-padded when the vocab does not divide.
+    Quantized partitions are whole row-blocks of their format."""
+    rows = -(-cfg.vocab_size // LM_HEAD_PARTITIONS)
+    return rows if quant == "bf16" else -(-rows // q4nx.ROWS) * q4nx.ROWS
 
 
-def lm_head_gemv(cfg: LlamaConfig) -> KernelGroup:
-    h, p = cfg.hidden_size, lm_head_rows(cfg)
+def lm_head_gemv(cfg: LlamaConfig, quant: str = "bf16") -> KernelGroup:
+    h, p = cfg.hidden_size, lm_head_rows(cfg, quant)
     slots = [_slot("x", (h,), Role.INPUT)]
-    slots += [_slot(f"w_p{i}", (p, h), Role.STATIC) for i in range(LM_HEAD_PARTITIONS)]
+    slots += [_weight(f"w_p{i}", (p, h), quant) for i in range(LM_HEAD_PARTITIONS)]
     slots += [_slot(f"logits_p{i}", (p,), Role.OUTPUT) for i in range(LM_HEAD_PARTITIONS)]
     launches = [
-        _launch(f"gemv_p{i}", "gemv", ["x", f"w_p{i}"], [f"logits_p{i}"], **presets.gemv_tiling(p, h))
+        _launch(f"gemv_p{i}", matmul_op("gemv", quant), ["x", f"w_p{i}"], [f"logits_p{i}"], **_gemv(p, h, quant))
         for i in range(LM_HEAD_PARTITIONS)
     ]
-    return _group("lm_head_gemv", 1, slots, launches)
+    return _group("lm_head_gemv", 1, slots, launches, quant=quant)
 
 
-def build_group(kind: str, cfg: LlamaConfig, seq_len: int = 1, ctx_len: int | None = None) -> KernelGroup:
+def build_group(kind: str, cfg: LlamaConfig, seq_len: int = 1, ctx_len: int | None = None,
+                quant: str = "bf16") -> KernelGroup:
+    """The declaration of one group; attention has no weights, so it is the same in every format."""
     if kind == "flash_attn":
         return flash_attn(cfg, seq_len, ctx_len)
     builders = {"rms_gemms_rope": rms_gemms_rope, "o_ffn": o_ffn}
     if kind in builders:
-        return builders[kind](cfg, seq_len)
-    return {"rms_gemv_rope": rms_gemv_rope, "o_gemv_ffn": o_gemv_ffn, "lm_head_gemv": lm_head_gemv}[kind](cfg)
+        return builders[kind](cfg, seq_len, quant)
+    return {"rms_gemv_rope": rms_gemv_rope, "o_gemv_ffn": o_gemv_ffn, "lm_head_gemv": lm_head_gemv}[kind](cfg, quant)
 
 
-def all_groups(cfg: LlamaConfig, buckets: tuple[int, ...]) -> list[KernelGroup]:
+def all_groups(cfg: LlamaConfig, buckets: tuple[int, ...], quant: str = "bf16") -> list[KernelGroup]:
     """Every group a session can call: the prefill kinds once per bucket, decode and LM head once."""
-    out = [build_group(k, cfg, s) for s in buckets for k in PREFILL_KINDS]
-    return out + [build_group(k, cfg) for k in DECODE_KINDS + ("lm_head_gemv",)]
+    out = [build_group(k, cfg, s, quant=quant) for s in buckets for k in PREFILL_KINDS]
+    return out + [build_group(k, cfg, quant=quant) for k in DECODE_KINDS + ("lm_head_gemv",)]
 
 
 def prefill_buckets(cfg: LlamaConfig, max_seq: int | None = None) -> tuple[int, ...]:

@@ -1,0 +1,149 @@
+"""Q4NX, the 4-bit weight format: its byte layout, declared once, and its bit-exact codec.
+
+Q4NX is per-group 4-bit affine quantization along the input dimension, the format of the Ryzen
+AI NPU papers this design follows: every run of `GROUP` consecutive weights of one output row
+shares a bf16 `scale` and a bf16 `min`, and weight `w = q * scale + min` for a 4-bit `q`. bf16,
+because the NPU's vector unit multiplies bf16; a per-group min (not a symmetric zero point)
+because the weights of a group are rarely centred on zero.
+
+A weight matrix W [N, K] (output rows, input columns; N a multiple of `ROWS`, K of `GROUP`) is
+stored as blocks of `ROWS` x `COLS` weights: row-block by row-block, and within a row-block
+column-block by column-block, the last one narrower when K is not a multiple of `COLS` (its
+width is still a multiple of `GROUP`). A block of width c holds, in this order:
+
+- the 4-bit values, column-major: column j of the block is `ROWS // 2` bytes, byte i holding
+  row i in its low nibble and row i + ROWS/2 in its high nibble;
+- the scales, bf16 [c / GROUP][ROWS] (group-major, so one group's scales for the block's rows
+  are one vector);
+- the mins, bf16 [c / GROUP][ROWS].
+
+That is 20 bytes per column of a block, 5120 for a whole 32 x 256 block: 5 bits per weight.
+A row-block is one contiguous run of 20 K bytes, so a core that owns a slab of output rows
+reads it with one DMA; within it a block's values arrive before the scales that finish its
+sums. The half-split nibble order lets a 16-lane vector take the low nibbles of a column's
+bytes as rows 0-15 and the high ones as rows 16-31 with one mask and one shift.
+
+Everything that reads or writes Q4NX bytes (the quantizer, the kernel-group declarations and
+MLIR builders, the NPU kernels, the simulated device's CPU kernels, the interpreter) takes its
+numbers from here; `unpack` below is the reference decoder the tests hold every kernel to.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ROWS = 32            # output rows per block
+COLS = 256           # input columns per (full) block
+GROUP = 32           # input columns sharing one scale and one min
+LEVELS = 15          # largest 4-bit value
+NIBBLE_BYTES_PER_COL = ROWS // 2
+BYTES_PER_COL = NIBBLE_BYTES_PER_COL + 2 * 2 * ROWS // GROUP   # nibbles + a bf16 scale and min per row, per GROUP columns
+NAME = "q4nx"
+
+
+class Q4nxShapeError(ValueError):
+    """A matrix shape the format cannot hold."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where everything of one Q4NX matrix [n, k] lives in its byte buffer."""
+
+    n: int
+    k: int
+
+    def __post_init__(self):
+        if self.n <= 0 or self.k <= 0 or self.n % ROWS or self.k % GROUP:
+            raise Q4nxShapeError(f"a Q4NX matrix needs rows in multiples of {ROWS} and columns in multiples "
+                                 f"of {GROUP}; [{self.n}, {self.k}] is neither")
+
+    @property
+    def nbytes(self) -> int:
+        return self.n * self.k * BYTES_PER_COL // ROWS
+
+    @property
+    def row_block_bytes(self) -> int:
+        return self.k * BYTES_PER_COL
+
+    @property
+    def row_blocks(self) -> int:
+        return self.n // ROWS
+
+    def col_blocks(self) -> list[tuple[int, int]]:
+        """(first column, width) of each block of a row-block."""
+        return [(c, min(COLS, self.k - c)) for c in range(0, self.k, COLS)]
+
+    def block_offset(self, row_block: int, col0: int) -> int:
+        """Byte offset of the block of `row_block` that starts at column `col0`."""
+        return row_block * self.row_block_bytes + col0 * BYTES_PER_COL
+
+
+def nbytes(n: int, k: int) -> int:
+    return Layout(n, k).nbytes
+
+
+def fits(n: int, k: int) -> bool:
+    return n > 0 and k > 0 and n % ROWS == 0 and k % GROUP == 0
+
+
+def _blocks(layout: Layout):
+    """(col0, width, quant slice, scale slice, min slice) of every block within a row-block."""
+    for c0, c in layout.col_blocks():
+        at = c0 * BYTES_PER_COL
+        q_end = at + c * NIBBLE_BYTES_PER_COL
+        s_end = q_end + c // GROUP * ROWS * 2
+        yield c0, c, slice(at, q_end), slice(q_end, s_end), slice(s_end, s_end + c // GROUP * ROWS * 2)
+
+
+def pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """The Q4NX bytes (uint8 [nbytes]) of values q (integers 0..15, [n, k]) with bf16 scales and
+    mins ([n, k / GROUP])."""
+    n, k = q.shape
+    layout = Layout(n, k)
+    if scale.shape != (n, k // GROUP) or minimum.shape != (n, k // GROUP):
+        raise Q4nxShapeError(f"scales {tuple(scale.shape)} / mins {tuple(minimum.shape)} do not match [{n}, {k}]")
+    q8 = q.to(torch.uint8).view(layout.row_blocks, ROWS, k)
+    out = torch.empty(layout.row_blocks, layout.row_block_bytes, dtype=torch.uint8)
+    half = ROWS // 2
+    sc = scale.to(torch.bfloat16).view(layout.row_blocks, ROWS, k // GROUP)
+    mn = minimum.to(torch.bfloat16).view(layout.row_blocks, ROWS, k // GROUP)
+    for c0, c, qs, ss, ms in _blocks(layout):
+        cols = q8[:, :, c0:c0 + c]                                   # [rb, ROWS, c]
+        nib = (cols[:, :half] | (cols[:, half:] << 4)).transpose(1, 2)   # [rb, c, ROWS/2]
+        out[:, qs] = nib.reshape(layout.row_blocks, -1)
+        g0, g1 = c0 // GROUP, (c0 + c) // GROUP
+        out[:, ss] = sc[:, :, g0:g1].transpose(1, 2).contiguous().view(torch.uint8).reshape(layout.row_blocks, -1)
+        out[:, ms] = mn[:, :, g0:g1].transpose(1, 2).contiguous().view(torch.uint8).reshape(layout.row_blocks, -1)
+    return out.view(-1)
+
+
+def unpack(buf: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q uint8 [n, k], scale bf16 [n, k / GROUP], min bf16 [n, k / GROUP]) from Q4NX bytes."""
+    layout = Layout(n, k)
+    if buf.dtype != torch.uint8 or buf.numel() != layout.nbytes:
+        raise Q4nxShapeError(f"a Q4NX [{n}, {k}] matrix is {layout.nbytes} bytes of uint8, "
+                             f"got {buf.numel()} {buf.dtype}")
+    rb, half = layout.row_blocks, ROWS // 2
+    b = buf.reshape(rb, layout.row_block_bytes)
+    q = torch.empty(rb, ROWS, k, dtype=torch.uint8)
+    sc = torch.empty(rb, ROWS, k // GROUP, dtype=torch.bfloat16)
+    mn = torch.empty(rb, ROWS, k // GROUP, dtype=torch.bfloat16)
+    for c0, c, qs, ss, ms in _blocks(layout):
+        nib = b[:, qs].reshape(rb, c, half).transpose(1, 2)          # [rb, ROWS/2, c]
+        q[:, :half, c0:c0 + c] = nib & 15
+        q[:, half:, c0:c0 + c] = nib >> 4
+        g0, g1 = c0 // GROUP, (c0 + c) // GROUP
+        sc[:, :, g0:g1] = b[:, ss].contiguous().view(torch.bfloat16).view(rb, g1 - g0, ROWS).transpose(1, 2)
+        mn[:, :, g0:g1] = b[:, ms].contiguous().view(torch.bfloat16).view(rb, g1 - g0, ROWS).transpose(1, 2)
+    return q.view(n, k), sc.view(n, k // GROUP), mn.view(n, k // GROUP)
+
+
+def dequantize(buf: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The bf16 weights [n, k] a Q4NX buffer stands for: q * scale + min in f32 (the product is
+    exact; the sum rounds once) and rounded to bf16, nearest-even. Prefill's kernels multiply
+    these numbers, and the verification reference runs on them."""
+    q, sc, mn = unpack(buf, n, k)
+    s = sc.float().repeat_interleave(GROUP, dim=1)
+    m = mn.float().repeat_interleave(GROUP, dim=1)
+    return (q.float() * s + m).to(torch.bfloat16)
