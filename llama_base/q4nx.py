@@ -147,3 +147,37 @@ def dequantize(buf: torch.Tensor, n: int, k: int) -> torch.Tensor:
     s = sc.float().repeat_interleave(GROUP, dim=1)
     m = mn.float().repeat_interleave(GROUP, dim=1)
     return (q.float() * s + m).to(torch.bfloat16)
+
+
+FIXED_BITS = 15      # decode's activations: a group's largest |x| scaled to below 2^FIXED_BITS
+
+
+def fixed_point(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group of GROUP activations as integers X (f32 holding int16 values) and the group's
+    power-of-two unit u, x ~ X * u.
+
+    u = 2^(e - 14) for the group's largest |x| in [2^e, 2^(e+1)): a bf16 has 8 significant bits, so
+    every x within 2^7 of the largest is exact and a smaller one is off by less than u / 2. A
+    group of zeros has u = 1.
+    """
+    g = x.float().view(-1, GROUP)
+    top = g.abs().amax(1)
+    e = torch.frexp(top).exponent - 1             # top in [2^e, 2^(e+1))
+    u = torch.where(top > 0, torch.ldexp(torch.ones_like(top), e - (FIXED_BITS - 1)), torch.ones_like(top))
+    return torch.round(g / u[:, None]), u
+
+
+def gemv_reference(buf: torch.Tensor, x: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Decode's product y = W x (f32 [n]) for Q4NX W, as the fused kernels compute it.
+
+    Dequantization is folded into the sums: per group, y += (scale * u) * sum(q * X) +
+    min * sum(x), with X, u from `fixed_point`. sum(q * X) is an exact integer (at most
+    15 * 2^15 * 32 < 2^24, so even f32 holds it exactly in any order), which is why every CPU
+    class gets the same bits for it; only the per-group combination rounds, in f32.
+    """
+    q, sc, mn = unpack(buf, n, k)
+    X, u = fixed_point(x)
+    g = k // GROUP
+    sums = torch.einsum("ngc,gc->ng", q.float().view(n, g, GROUP), X.view(g, GROUP))
+    xs = x.float().view(g, GROUP).sum(1)
+    return (sums * (sc.float() * u) + mn.float() * xs).sum(1)

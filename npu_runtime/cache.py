@@ -286,7 +286,7 @@ class KernelCache:
             bo = self._statics.get(pool_key)
             if bo is None or bo.size != slot.nbytes:
                 t = statics[slot.name]
-                if tuple(t.shape) != slot.shape or t.dtype != slot.torch_dtype:
+                if tuple(t.shape) != slot.storage_shape or t.dtype != slot.torch_dtype:
                     raise ValueError(f"{name}.{slot.name}: got {tuple(t.shape)} {t.dtype}, "
                                      f"declared {slot.shape} {slot.dtype}")
                 bo = self.device.bo(slot.nbytes, self._kernel(name), i)

@@ -184,7 +184,7 @@ class SimKernel:
                                       f"needs {slot.nbytes}")
                 raw = bo.device_view(for_write=slot.name in self._written)
                 if bo.packing is None:
-                    views[slot.name] = raw[: slot.nbytes].view(slot.torch_dtype).view(slot.shape)
+                    views[slot.name] = raw[: slot.nbytes].view(slot.torch_dtype).view(slot.storage_shape)
                 elif bo.packing == packing:
                     views[slot.name] = PackedWeight(raw, bo.packing.n, bo.packing.k)
                 else:

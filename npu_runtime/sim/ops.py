@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kernel_builder.groups import Launch
+from llama_base import q4nx
 from npu_runtime.sim import native_cpu
 from npu_runtime.sim.weight_tiles import PackedWeight, dense
 
@@ -88,6 +89,20 @@ def gemv(l: Launch, x: torch.Tensor, w: torch.Tensor | PackedWeight, out: torch.
     torch.mv(dense(w), x, out=out)
 
 
+@_native(lambda l, x, w, out: native_cpu.gemv_q4nx_batch_call([(w, x, out)]))
+def gemv_q4nx(l: Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """y[M] = W[M,K] · x[K] with W in Q4NX bytes, dequantization folded into the sums
+    (`q4nx.gemv_reference`: the contract the native kernels meet bit for bit in their sums)."""
+    out.copy_(q4nx.gemv_reference(w, x, l.p("M"), l.p("K")))
+
+
+@_native(lambda l, a, w, out: native_cpu.gemm_q4nx_call(a, w, out))
+def gemm_q4nx(l: Launch, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """C[M,N] = A[M,K] · W[N,K]ᵀ with W in Q4NX bytes: W dequantized to bf16 (`q4nx.dequantize`),
+    then the bf16 product with f32 accumulation, as the NPU's prefill runs it."""
+    torch.mm(a, q4nx.dequantize(w, l.p("N"), l.p("K")).t(), out=out)
+
+
 @_native(lambda l, x, lut, out: native_cpu.rope_call(x, lut, out, l.p("rows"), l.p("heads"), l.p("head_dim")))
 def rope(l: Launch, x: torch.Tensor, lut: torch.Tensor, out: torch.Tensor) -> None:
     """Half-split rotation of every head by its position's angles (LUT row = cos | sin)."""
@@ -142,6 +157,14 @@ def _torch_gemvs(jobs) -> None:
         torch.mv(dense(w), x, out=y)
 
 
+def _each(steps) -> None:
+    for step in steps:
+        step()
+
+
+_GEMV_OPS = ("gemv", "gemv_q4nx")   # independent runs of one of these are batched (`plan`)
+
+
 def bind(step: Launch | list[Launch], views: dict[str, torch.Tensor]) -> Callable[[], None]:
     """A plan step fixed to one BO set's views: its native kernel with pointers and sizes bound
     where the op has one (the same kernel a call of the op would pick), else a call of the op.
@@ -151,6 +174,9 @@ def bind(step: Launch | list[Launch], views: dict[str, torch.Tensor]) -> Callabl
     """
     if isinstance(step, list):
         jobs = [(views[l.reads[1]], views[l.reads[0]], views[l.writes[0]]) for l in step]
+        if step[0].op == "gemv_q4nx":
+            return (native_cpu.gemv_q4nx_batch_call(jobs)
+                    or partial(_each, [partial(OPS[l.op], l, *(views[a] for a in l.args)) for l in step]))
         return _gemv_call(jobs) or partial(_torch_gemvs, jobs)
     op = OPS[step.op]
     args = tuple(views[a] for a in step.args)
@@ -159,7 +185,7 @@ def bind(step: Launch | list[Launch], views: dict[str, torch.Tensor]) -> Callabl
 
 
 def plan(launches: tuple[Launch, ...]) -> list[Launch | list[Launch]]:
-    """Launch order for the simulator: runs of mutually independent GEMVs become one batch.
+    """Launch order for the simulator: runs of mutually independent GEMVs of one op become one batch.
 
     Same launches, same results: a batch only groups GEMVs whose inputs none of them writes,
     so their order never mattered (Q/K/V of a layer, gate and up, the LM-head partitions).
@@ -168,14 +194,14 @@ def plan(launches: tuple[Launch, ...]) -> list[Launch | list[Launch]]:
     batch: list[Launch] = []
     written: set[str] = set()
     for l in launches:
-        if l.op == "gemv" and not (set(l.reads) & written):
+        if l.op in _GEMV_OPS and batch and l.op == batch[0].op and not (set(l.reads) & written):
             batch.append(l)
             written |= set(l.writes)
             continue
         if batch:
             steps.append(batch)
             batch, written = [], set()
-        if l.op == "gemv":
+        if l.op in _GEMV_OPS:
             batch, written = [l], set(l.writes)
         else:
             steps.append(l)
@@ -188,6 +214,8 @@ OPS = {
     "rmsnorm": rmsnorm,
     "gemm": gemm,
     "gemv": gemv,
+    "gemm_q4nx": gemm_q4nx,
+    "gemv_q4nx": gemv_q4nx,
     "rope": rope,
     "swiglu": swiglu,
     "add": add,
