@@ -7,6 +7,7 @@ PROMPT    ?= What is the capital of Japan?
 MODEL     ?= instruct
 N_TOKENS  ?= 32
 DEVICE    ?= auto
+QUANT     ?= bf16
 MAX_CONTEXT ?=
 TEMPERATURE ?= 0
 TOP_K     ?= 0
@@ -18,13 +19,13 @@ PORT      ?=
 QUEUE_SIZE ?=
 export PROMPT
 
-RUN_ARGS = --model "$(MODEL)" --device "$(DEVICE)" --n-tokens "$(N_TOKENS)" \
+RUN_ARGS = --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)" --n-tokens "$(N_TOKENS)" \
 	--temperature "$(TEMPERATURE)" --top-k "$(TOP_K)" --top-p "$(TOP_P)" \
 	--repetition-penalty "$(REPETITION_PENALTY)" $(if $(SEED),--seed "$(SEED)") \
 	$(if $(MAX_CONTEXT),--max-context "$(MAX_CONTEXT)")
 
 # Empty HOST/PORT/QUEUE_SIZE leave the server's own defaults (127.0.0.1, 8000, 16).
-SERVE_ARGS = --model "$(MODEL)" --device "$(DEVICE)" $(if $(MAX_CONTEXT),--max-context "$(MAX_CONTEXT)") \
+SERVE_ARGS = --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)" $(if $(MAX_CONTEXT),--max-context "$(MAX_CONTEXT)") \
 	$(if $(HOST),--host "$(HOST)") $(if $(PORT),--port "$(PORT)") $(if $(QUEUE_SIZE),--queue-size "$(QUEUE_SIZE)")
 
 .PHONY: help install test run chat serve compile verify verify-full verify-mlir diagnosis profile bench clean
@@ -44,7 +45,7 @@ help:
 	@echo "make test         the test suite"
 	@echo "make clean        remove caches, reports and build files"
 	@echo "variables: PROMPT MODEL=instruct|base|embedded|llama1b-shape|tiny|<folder> N_TOKENS DEVICE=auto|npu|sim|interp"
-	@echo "           MAX_CONTEXT TEMPERATURE TOP_K TOP_P REPETITION_PENALTY SEED"
+	@echo "           QUANT=bf16|q4nx (4-bit weights) MAX_CONTEXT TEMPERATURE TOP_K TOP_P REPETITION_PENALTY SEED"
 	@echo "           make serve: HOST (127.0.0.1) PORT (8000) QUEUE_SIZE (16) MODEL DEVICE MAX_CONTEXT"
 
 $(VENV)/.installed: pyproject.toml

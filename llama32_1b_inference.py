@@ -148,7 +148,7 @@ def is_chat_model(config, tokenizer: Tokenizer) -> bool:
 def build_session(model: str | None = None, device: str = "auto", max_context: int | None = None,
                   profile: bool = False, cache_dir: Path | None = None, allow_compile: bool = True,
                   buckets: tuple[int, ...] | None = None, chat: bool | None = None,
-                  log: Callable[[str], None] = print) -> Session:
+                  log: Callable[[str], None] = print, quant: str = "bf16") -> Session:
     """Load the model, open the device, compile or load every group and upload the weights.
 
     Ends by freezing what the process holds in the garbage collector's permanent generation:
@@ -164,10 +164,10 @@ def build_session(model: str | None = None, device: str = "auto", max_context: i
     if resolved.fallback_note:
         log(f"[model] {resolved.fallback_note} Get Llama: accept the licence of meta-llama/Llama-3.2-1B-Instruct "
             "on huggingface.co and set HF_TOKEN, or pass MODEL=/path/to/folder.")
-    weights = load_weights(resolved.folder)
+    weights = load_weights(resolved.folder, quant, log)
     cfg = weights.config
     log(f"[model] {resolved.name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
-        f"{weights.nbytes() / 1e9:.2f} GB bf16 ({resolved.folder})")
+        f"{weights.nbytes() / 1e9:.2f} GB {weights.quant} ({resolved.folder})")
     tokenizer = Tokenizer(resolved.folder, cfg)
     prof = Profiler() if profile else NULL_PROFILER
     kc = KernelCache(dev, cache_dir, profiler=prof, allow_compile=allow_compile)

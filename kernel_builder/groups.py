@@ -401,12 +401,15 @@ def static_tensors(group: KernelGroup, weights, layer: int | None) -> dict[str, 
             t = getattr(weights.layers[layer], s.name)
         elif s.name.startswith("w_p"):
             i, rows = int(s.name[3:]), s.shape[0]
-            t = weights.lm_head[i * rows:(i + 1) * rows]
-            if t.shape[0] < rows:
-                t = torch.cat([t, t.new_zeros(rows - t.shape[0], t.shape[1])])
+            # Rows of a quantized head are bytes of whole row-blocks (a partition is whole ones).
+            per_row = s.nbytes // rows if s.quantized else 1
+            t = weights.lm_head[i * rows * per_row:(i + 1) * rows * per_row]
+            if t.shape[0] < rows * per_row:
+                t = torch.cat([t, t.new_zeros((rows * per_row - t.shape[0],) + tuple(t.shape[1:]))])
         else:
             raise KeyError(f"no weight source for static slot {s.name!r} of {group.name}")
-        if tuple(t.shape) != s.shape:
-            raise ValueError(f"{group.name}.{s.name}: weight shape {tuple(t.shape)} != declared {s.shape}")
+        if tuple(t.shape) != s.storage_shape or t.dtype != s.torch_dtype:
+            raise ValueError(f"{group.name}.{s.name}: weight {tuple(t.shape)} {t.dtype} != declared "
+                             f"{s.storage_shape} {s.torch_dtype} ({s.dtype})")
         out[s.name] = t
     return out

@@ -149,16 +149,18 @@ def dequantize(buf: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return (q.float() * s + m).to(torch.bfloat16)
 
 
-FIXED_BITS = 15      # decode's activations: a group's largest |x| scaled to below 2^FIXED_BITS
+FIXED_BITS = 14      # decode's activations: a group's largest |x| scaled to below 2^FIXED_BITS
 
 
 def fixed_point(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each group of GROUP activations as integers X (f32 holding int16 values) and the group's
     power-of-two unit u, x ~ X * u.
 
-    u = 2^(e - 14) for the group's largest |x| in [2^e, 2^(e+1)): a bf16 has 8 significant bits, so
-    every x within 2^7 of the largest is exact and a smaller one is off by less than u / 2. A
-    group of zeros has u = 1.
+    u = 2^(e + 1 - FIXED_BITS) for the group's largest |x| in [2^e, 2^(e+1)), so |X| < 2^FIXED_BITS:
+    a bf16 has 8 significant bits, so every x within 2^6 of the largest is exact and a smaller
+    one is off by less than u / 2, 2^-14 of the largest. 14 bits, not 15, so that X splits into
+    two signed bytes (256 Xh + Xl, both in [-128, 127]) for the CPU's byte dot products. A group
+    of zeros has u = 1.
     """
     g = x.float().view(-1, GROUP)
     top = g.abs().amax(1)

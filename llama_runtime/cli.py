@@ -10,6 +10,7 @@ import sys
 import traceback
 from typing import Callable
 
+from kernel_builder.groups import QUANTS
 from llama_base.errors import PromptError, UserError
 from llama_runtime.sampling import SamplingParams
 from npu_runtime.devices import DEVICE_KINDS
@@ -40,6 +41,8 @@ def parser() -> argparse.ArgumentParser:
                    help="instruct | base | embedded | llama1b-shape | tiny | a local folder | a HF repo id (default: instruct)")
     p.add_argument("--n-tokens", "-n", type=positive_int, default=32, help="tokens to generate (default 32)")
     p.add_argument("--device", choices=DEVICE_KINDS, default="auto")
+    p.add_argument("--quant", choices=QUANTS, default="bf16",
+                   help="weight format: bf16, or q4nx (4-bit, made from the checkpoint on first use and cached)")
     p.add_argument("--max-context", type=positive_int, help="KV cache length in positions (default 4096)")
     p.add_argument("--system", help="system prompt for chat models")
     p.add_argument("--raw", action="store_true", help="no chat template, even for instruct models")
@@ -131,7 +134,7 @@ def run_cli(build_session: Callable, argv: list[str] | None = None) -> int:
         if prompt is not None and not prompt.strip():
             raise PromptError("the prompt is empty")
         session = build_session(args.model, args.device, args.max_context, profile=args.profile,
-                                allow_compile=not args.run_only, chat=False if args.raw else None)
+                                allow_compile=not args.run_only, chat=False if args.raw else None, quant=args.quant)
         k = session.kc.stats
         print(f"[kernels] {len(session.model.all_groups())} groups: {k.compiled} compiled, "
               f"{k.loaded_from_disk} from cache ({session.kc.dir}); ready in {session.build_s:.1f} s", flush=True)

@@ -55,11 +55,12 @@ class DeviceModel:
         self.profiler = profiler or NULL_PROFILER
         self.max_context = max_context
         self.buckets = tuple(buckets) if buckets else prefill_buckets(cfg, max_context)
+        self.quant = weights.quant
         self.prefill_groups = {
-            s: PrefillGroups(*(build_group(k, cfg, s) for k in PREFILL_KINDS)) for s in self.buckets
+            s: PrefillGroups(*(build_group(k, cfg, s, quant=self.quant) for k in PREFILL_KINDS)) for s in self.buckets
         }
-        self.decode_groups = {k: build_group(k, cfg) for k in DECODE_KINDS}
-        self.lm_head = lm_head_gemv(cfg)
+        self.decode_groups = {k: build_group(k, cfg, quant=self.quant) for k in DECODE_KINDS}
+        self.lm_head = lm_head_gemv(cfg, self.quant)
         self._extra: dict[str, KernelGroup] = {}
         for g in self.all_groups():
             kc.compile_and_cache(g)

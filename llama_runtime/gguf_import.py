@@ -127,22 +127,24 @@ def gguf_config(reader) -> LlamaConfig:
         raise CheckpointError(f"GGUF metadata is missing {e.args[0]!r}") from None
 
 
+def gguf_tensor_name(gguf_name: str, cfg: LlamaConfig) -> tuple[str, str, tuple[int, ...]]:
+    """(HF name, the runtime's short name or "" for a global tensor, expected HF shape) of a GGUF tensor."""
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _GGUF_LAYER:
+        short = _GGUF_LAYER[m.group(2)]
+        return f"model.layers.{m.group(1)}.{LAYER_TENSORS[short]}", short, layer_shapes(cfg)[short]
+    if gguf_name in _GGUF_GLOBAL:
+        name = _GGUF_GLOBAL[gguf_name]
+        return name, "", (cfg.hidden_size,) if name == "model.norm.weight" else (cfg.vocab_size, cfg.hidden_size)
+    raise CheckpointError(f"GGUF tensor {gguf_name!r} has no HF Llama counterpart")
+
+
 def gguf_tensors(reader, cfg: LlamaConfig):
     """Yield (HF name, bf16 tensor) for every tensor, dequantized, re-laid-out and shape-checked."""
     from gguf.quants import dequantize
 
-    shapes = layer_shapes(cfg)
     for t in reader.tensors:
-        m = _LAYER_RE.fullmatch(t.name)
-        if m and m.group(2) in _GGUF_LAYER:
-            short = _GGUF_LAYER[m.group(2)]
-            name, shape = f"model.layers.{m.group(1)}.{LAYER_TENSORS[short]}", shapes[short]
-        elif t.name in _GGUF_GLOBAL:
-            name = _GGUF_GLOBAL[t.name]
-            shape = (cfg.hidden_size,) if name == "model.norm.weight" else (cfg.vocab_size, cfg.hidden_size)
-            short = ""
-        else:
-            raise CheckpointError(f"GGUF tensor {t.name!r} has no HF Llama counterpart")
+        name, short, shape = gguf_tensor_name(t.name, cfg)
         w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # owned, writable copy
         if tuple(w.shape) != shape:
             raise CheckpointError(f"GGUF tensor {t.name!r} has shape {list(w.shape)}, expected {list(shape)}")

@@ -22,6 +22,7 @@ _DTYPES = {
     "BF16": (torch.bfloat16, 2),
     "F16": (torch.float16, 2),
     "F32": (torch.float32, 4),
+    "U8": (torch.uint8, 1),     # quantized weights' bytes (llama_runtime.q4nx_weights)
 }
 _MAX_HEADER = 100 * 1024 * 1024
 
@@ -83,7 +84,7 @@ class SafetensorsFile:
         dtype, shape, begin, end = self._entries[name]
         if dtype not in _DTYPES:
             raise CheckpointError(
-                f"{self.path}: tensor {name!r} has dtype {dtype}; expected BF16 (or F16/F32, converted)"
+                f"{self.path}: tensor {name!r} has dtype {dtype}; expected BF16 (or F16/F32, converted; U8 bytes)"
             )
         tdtype, itemsize = _DTYPES[dtype]
         count = int(np.prod(shape)) if shape else 1
@@ -133,6 +134,11 @@ class Checkpoint:
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The tensor as bf16 with the expected shape, or a one-line error naming it."""
+        t = self.get_raw(name, shape)
+        return t if t.dtype == torch.bfloat16 else t.to(torch.bfloat16)
+
+    def get_raw(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor as stored (a zero-copy view), with the expected shape, or a one-line error."""
         if name not in self._where:
             raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
         st = self._where[name]
@@ -141,5 +147,4 @@ class Checkpoint:
             raise CheckpointError(
                 f"{self.folder}: tensor {name!r} has shape {list(found)}, expected {list(shape)}"
             )
-        t = st.tensor(name)
-        return t if t.dtype == torch.bfloat16 else t.to(torch.bfloat16)
+        return st.tensor(name)

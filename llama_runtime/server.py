@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from kernel_builder.groups import QUANTS
 from llama_base.errors import UserError
 from llama_runtime.cli import positive_int, user_error
 from llama_runtime.openai_request import (
@@ -280,6 +281,7 @@ def parser() -> argparse.ArgumentParser:
                                             "/v1/completions) for one model on one device.")
     p.add_argument("--model", "-m", default="instruct", help="as for make run (default: instruct)")
     p.add_argument("--device", choices=DEVICE_KINDS, default="auto")
+    p.add_argument("--quant", choices=QUANTS, default="bf16", help="weight format (bf16 or q4nx)")
     p.add_argument("--max-context", type=positive_int, help="KV cache length in positions (default 4096)")
     p.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT}; 0 picks a free one)")
@@ -311,7 +313,8 @@ def serve(build_session: Callable, argv: list[str] | None = None) -> int:
     sock = None
     try:
         sock = _listen(args.host, args.port)
-        session = build_session(args.model, args.device, args.max_context, allow_compile=not args.run_only, log=log)
+        session = build_session(args.model, args.device, args.max_context, allow_compile=not args.run_only, log=log,
+                                quant=args.quant)
     except (UserError, KeyboardInterrupt) as e:
         if sock is not None:
             sock.close()

@@ -38,14 +38,18 @@ class LlamaWeights:
     layers: list[LayerWeights]
     source: str = ""
     checkpoint: Checkpoint | None = None   # the mapping behind the tensors, when loaded from disk
+    quant: str = "bf16"          # the linear weights' format: bf16 tensors, or a quantized format's bytes
+    backing: "LlamaWeights | None" = None  # the bf16 weights a quantized model takes its norms and embedding from
 
     def release_pages(self) -> None:
         """Let the OS drop file pages already copied elsewhere (see `Checkpoint.release_pages`)."""
         if self.checkpoint is not None:
             self.checkpoint.release_pages()
+        if self.backing is not None:
+            self.backing.release_pages()
 
     def nbytes(self) -> int:
-        """bf16 bytes of distinct tensors (a tied LM head counts once)."""
+        """Bytes of distinct tensors as held (a tied LM head counts once)."""
         tensors = [self.embed, self.final_norm] + [t for lw in self.layers for t in lw.by_name().values()]
         if self.lm_head.data_ptr() != self.embed.data_ptr():
             tensors.append(self.lm_head)

@@ -21,7 +21,7 @@ import torch
 from kernel_builder.groups import KernelGroup
 from npu_runtime.api import Counters, DeviceError, Sync, copy_tensor
 from npu_runtime.sim import native_cpu, ops
-from npu_runtime.sim.weight_tiles import PackedWeight, Packing, packing_for
+from npu_runtime.sim.weight_tiles import DeviceQ4nx, PackedWeight, Packing, Q4nxPacking, packing_for
 
 _VIEW_SETS = 256   # cached BO-list bindings per loaded group (one per layer in practice)
 _HUGE = 2 << 20    # buffers from this size up ask for transparent huge pages
@@ -59,7 +59,7 @@ class SimBO:
     checkpoint weight once, instead of copying 2.5 GB into host buffers only to pack them.
     """
 
-    def __init__(self, device: "SimDevice", nbytes: int, packing: Packing | None = None):
+    def __init__(self, device: "SimDevice", nbytes: int, packing: Packing | Q4nxPacking | None = None):
         self.size = nbytes
         self.packing = packing
         self._dev_counters = device.counters
@@ -186,7 +186,8 @@ class SimKernel:
                 if bo.packing is None:
                     views[slot.name] = raw[: slot.nbytes].view(slot.torch_dtype).view(slot.storage_shape)
                 elif bo.packing == packing:
-                    views[slot.name] = PackedWeight(raw, bo.packing.n, bo.packing.k)
+                    form = DeviceQ4nx if isinstance(packing, Q4nxPacking) else PackedWeight
+                    views[slot.name] = form(raw, bo.packing.n, bo.packing.k)
                 else:
                     raise DeviceError(f"{self.group.name}: buffer for {slot.name} holds a packed weight "
                                       f"this argument does not read")
@@ -224,7 +225,7 @@ class SimDevice:
         self.counters.bos_allocated += 1
         self.counters.bytes_allocated += nbytes
         packing = kernel.packings[arg] if kernel is not None else None
-        if packing is not None and nbytes != packing.n * packing.k * 2:
+        if packing is not None and nbytes != packing.nbytes:
             packing = None
         return SimBO(self, nbytes, packing)
 

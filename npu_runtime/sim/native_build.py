@@ -10,16 +10,23 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from llama_base import q4nx
 from llama_base.paths import cache_root
 
 _NATIVE = Path(__file__).resolve().parent / "native"
 _SRCS = [_NATIVE / f"{name}_bf16_cpu.cc"
          for name in ("matmul", "pack", "eltwise", "attention", "flash_attention", "matmul_tiles")]
-_HEADERS = [_NATIVE / "simd_bf16.h", _NATIVE / "packed_tiles.h", _NATIVE / "tiles_bf16.h"]
-_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
+_SRCS.append(_NATIVE / "q4nx_cpu.cc")
+_HEADERS = [_NATIVE / "simd_bf16.h", _NATIVE / "packed_tiles.h", _NATIVE / "tiles_bf16.h", _NATIVE / "q4nx_blocks.h"]
+# The Q4NX layout as the kernels see it: from its one declaration.
+_Q4NX = [f"-DQ4NX_{name}={value}" for name, value in
+         (("ROWS", q4nx.ROWS), ("COLS", q4nx.COLS), ("GROUP", q4nx.GROUP), ("FIXED_BITS", q4nx.FIXED_BITS))]
+_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", *_Q4NX]
 # ISA classes, best first: the compiler flags each library is built with. The AVX2 build gets
 # no AVX-512 flag at all, so nothing in it can fault on a CPU without AVX-512.
-_AVX512BF16 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+# VNNI's word dot product (vpdpwssd) is in every CPU with AVX512-BF16 (Cooper Lake, Sapphire
+# Rapids, Zen 4): the Q4NX GEMV's integer sums use it.
+_AVX512BF16 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"]
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 ISAS = {
     "amx": [*_AVX512BF16, "-mamx-tile", "-mamx-bf16"],

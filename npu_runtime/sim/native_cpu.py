@@ -33,7 +33,6 @@ from npu_runtime.sim.native_build import ALL_CLASSES, CPU_FLAGS, EMULATIONS, ISA
 
 TORCH = "torch"                 # no native library: the simulator's torch bodies
 ENV_ISA = "LLAMA_NPU_ISA"
-_Q4NX_K_STEP = 2 * q4nx.GROUP   # the native Q4NX kernels take columns in pairs of groups
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -128,9 +127,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.flash_attention_bf16_cpu_max_head_dim.restype = i64
     lib.flash_max_head_dim = lib.flash_attention_bf16_cpu_max_head_dim()
     lib.tiles_dot_bf16_cpu.argtypes = [ptr, ptr, ptr]
-    if hasattr(lib, "gemv_q4nx_cpu_batch"):
-        lib.gemv_q4nx_cpu_batch.argtypes = [ptr, ctypes.c_int]
-        lib.gemm_q4nx_cpu.argtypes = [ptr, ptr, ptr, i64, i64, i64]
+    lib.gemv_q4nx_cpu_batch.argtypes = [ptr, ctypes.c_int]
+    lib.gemm_q4nx_cpu.argtypes = [ptr, ptr, ptr, i64, i64, i64]
     lib.isa = lib.native_cpu_isa().decode()
     return lib
 
@@ -261,7 +259,7 @@ def gemv_batch_call(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]])
 
 def _q4nx_bytes(w: torch.Tensor, n: int, k: int) -> bool:
     """w holds a Q4NX [n, k] matrix (`llama_base.q4nx`) the native kernels can take."""
-    return (w.dtype == torch.uint8 and w.is_contiguous() and q4nx.fits(n, k) and k % _Q4NX_K_STEP == 0
+    return (w.dtype == torch.uint8 and w.is_contiguous() and q4nx.fits(n, k)
             and w.numel() == q4nx.nbytes(n, k))
 
 
@@ -270,7 +268,7 @@ def gemv_q4nx_batch_call(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tens
     The sums are `q4nx.gemv_reference`'s, bit for bit per group (exact integers); the groups
     combine in f32 in the kernel's order."""
     lib = _usable(*(t for _, x, y in jobs for t in (x, y)))
-    if lib is None or not hasattr(lib, "gemv_q4nx_cpu_batch") or not all(_q4nx_bytes(w, y.numel(), x.numel()) for w, x, y in jobs):
+    if lib is None or not all(_q4nx_bytes(w, y.numel(), x.numel()) for w, x, y in jobs):
         return None
     desc = (ctypes.c_int64 * (5 * len(jobs)))()
     for i, (w, x, y) in enumerate(jobs):
@@ -282,7 +280,7 @@ def gemm_q4nx_call(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> Calla
     """out[M, N] = a[M, K] · Wᵀ with W [N, K] in Q4NX bytes, dequantized to bf16 as it streams
     (`q4nx.dequantize`'s numbers), bound; None if unavailable."""
     lib = _usable(a, out)
-    if lib is None or not hasattr(lib, "gemm_q4nx_cpu") or a.dim() != 2 or out.dim() != 2 or a.shape[0] != out.shape[0]:
+    if lib is None or a.dim() != 2 or out.dim() != 2 or a.shape[0] != out.shape[0]:
         return None
     (m, k), n = a.shape, out.shape[1]
     if not _q4nx_bytes(w, n, k):

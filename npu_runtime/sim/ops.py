@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from kernel_builder.groups import Launch
 from llama_base import q4nx
 from npu_runtime.sim import native_cpu
-from npu_runtime.sim.weight_tiles import PackedWeight, dense
+from npu_runtime.sim.weight_tiles import DeviceQ4nx, PackedWeight, declared_q4nx, dense
 
 _BLOCK_ELEMS = 1 << 19        # f32 temporaries of 2 MiB: resident in L2/L3 while used
 
@@ -89,18 +89,28 @@ def gemv(l: Launch, x: torch.Tensor, w: torch.Tensor | PackedWeight, out: torch.
     torch.mv(dense(w), x, out=out)
 
 
-@_native(lambda l, x, w, out: native_cpu.gemv_q4nx_batch_call([(w, x, out)]))
-def gemv_q4nx(l: Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    """y[M] = W[M,K] · x[K] with W in Q4NX bytes, dequantization folded into the sums
+def _device_q4nx(w: torch.Tensor | DeviceQ4nx) -> torch.Tensor | None:
+    """The device-form bytes the native Q4NX kernels read; None for declared-form bytes."""
+    return w.data if isinstance(w, DeviceQ4nx) else None
+
+
+def _gemv_q4nx_call(jobs) -> Callable[[], None] | None:
+    dev = [(_device_q4nx(w), x, y) for w, x, y in jobs]
+    return None if any(w is None for w, _, _ in dev) else native_cpu.gemv_q4nx_batch_call(dev)
+
+
+@_native(lambda l, x, w, out: _gemv_q4nx_call([(w, x, out)]))
+def gemv_q4nx(l: Launch, x: torch.Tensor, w: torch.Tensor | DeviceQ4nx, out: torch.Tensor) -> None:
+    """y[M] = W[M,K] · x[K] with W in Q4NX, dequantization folded into the sums
     (`q4nx.gemv_reference`: the contract the native kernels meet bit for bit in their sums)."""
-    out.copy_(q4nx.gemv_reference(w, x, l.p("M"), l.p("K")))
+    out.copy_(q4nx.gemv_reference(declared_q4nx(w), x, l.p("M"), l.p("K")))
 
 
-@_native(lambda l, a, w, out: native_cpu.gemm_q4nx_call(a, w, out))
-def gemm_q4nx(l: Launch, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    """C[M,N] = A[M,K] · W[N,K]ᵀ with W in Q4NX bytes: W dequantized to bf16 (`q4nx.dequantize`),
+@_native(lambda l, a, w, out: None if _device_q4nx(w) is None else native_cpu.gemm_q4nx_call(a, _device_q4nx(w), out))
+def gemm_q4nx(l: Launch, a: torch.Tensor, w: torch.Tensor | DeviceQ4nx, out: torch.Tensor) -> None:
+    """C[M,N] = A[M,K] · W[N,K]ᵀ with W in Q4NX: W dequantized to bf16 (`q4nx.dequantize`),
     then the bf16 product with f32 accumulation, as the NPU's prefill runs it."""
-    torch.mm(a, q4nx.dequantize(w, l.p("N"), l.p("K")).t(), out=out)
+    torch.mm(a, q4nx.dequantize(declared_q4nx(w), l.p("N"), l.p("K")).t(), out=out)
 
 
 @_native(lambda l, x, lut, out: native_cpu.rope_call(x, lut, out, l.p("rows"), l.p("heads"), l.p("head_dim")))
@@ -175,7 +185,7 @@ def bind(step: Launch | list[Launch], views: dict[str, torch.Tensor]) -> Callabl
     if isinstance(step, list):
         jobs = [(views[l.reads[1]], views[l.reads[0]], views[l.writes[0]]) for l in step]
         if step[0].op == "gemv_q4nx":
-            return (native_cpu.gemv_q4nx_batch_call(jobs)
+            return (_gemv_q4nx_call(jobs)
                     or partial(_each, [partial(OPS[l.op], l, *(views[a] for a in l.args)) for l in step]))
         return _gemv_call(jobs) or partial(_torch_gemvs, jobs)
     op = OPS[step.op]

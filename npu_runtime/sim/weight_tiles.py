@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kernel_builder.groups import KernelGroup, Role
+from llama_base import q4nx
 from npu_runtime.sim import native_cpu
 
 LANES = 16                       # outputs per block: one vector of 16 f32 sums
@@ -86,6 +87,10 @@ class Packing:
     n: int
     k: int
 
+    @property
+    def nbytes(self) -> int:
+        return self.n * self.k * 2
+
     def pack(self, buf: torch.Tensor, alloc: Callable[[int], torch.Tensor]) -> torch.Tensor:
         """A BO's row-major bytes (uint8) packed into a buffer from `alloc(nbytes)`."""
         out = native_cpu.pack_weight(buf.view(torch.bfloat16).view(self.n, self.k), alloc)
@@ -116,20 +121,97 @@ def dense(w: torch.Tensor | PackedWeight) -> torch.Tensor:
     return w.dense() if isinstance(w, PackedWeight) else w
 
 
-def packing_for(group: KernelGroup, index: int) -> Packing | None:
+# ---- Q4NX -------------------------------------------------------------------------------------
+#
+# A Q4NX weight keeps its bytes and its size on the simulated device, rearranged for a CPU that
+# streams it: each group (32 columns of a row-block) becomes one contiguous run of its values,
+# its scales and its mins (640 bytes), and the values (512 bytes: 32 columns of 16) are held in
+# units of 4 columns with the columns innermost: unit byte 4 i + t is column t's byte i (rows i
+# and i + 16). Then one 32-bit lane of a vector holds one row's values for 4 consecutive
+# columns, which is what the CPU's byte dot products (vpdpbusd, vpmaddubsw) multiply against 4
+# activations: the GEMV needs no shuffle, where the declared column-major order needs a
+# cross-lane interleave of every column pair; and a row-block is read as one forward stream,
+# where the declared order sends three (values, scales, mins) through each block, which the
+# hardware prefetchers follow at two thirds of the bandwidth of one.
+_UNIT_COLS = 4
+
+
+def _regroup(src: torch.Tensor, dst: torch.Tensor, n: int, k: int, to_device: bool) -> torch.Tensor:
+    layout = q4nx.Layout(n, k)
+    units, per_col = q4nx.GROUP // _UNIT_COLS, q4nx.NIBBLE_BYTES_PER_COL
+    group_bytes = q4nx.GROUP * q4nx.BYTES_PER_COL
+    declared = (src if to_device else dst).view(layout.row_blocks, layout.row_block_bytes)
+    device = (dst if to_device else src).view(layout.row_blocks, k // q4nx.GROUP, group_bytes)
+    vals, aux = units * _UNIT_COLS * per_col, q4nx.ROWS * 2      # per group: value bytes, scale (min) bytes
+    for c0, c in layout.col_blocks():
+        g0, g, at = c0 // q4nx.GROUP, c // q4nx.GROUP, c0 * q4nx.BYTES_PER_COL
+        ends = at + g * vals, at + g * (vals + aux), at + g * (vals + 2 * aux)
+        declared_parts = (declared[:, at:ends[0]].view(-1, g, units, _UNIT_COLS, per_col).transpose(3, 4),
+                          declared[:, ends[0]:ends[1]].view(-1, g, aux),
+                          declared[:, ends[1]:ends[2]].view(-1, g, aux))
+        grp = device[:, g0:g0 + g]
+        device_parts = (grp[..., :vals].view(-1, g, units, per_col, _UNIT_COLS), grp[..., vals:vals + aux],
+                        grp[..., vals + aux:])
+        for d, v in zip(declared_parts, device_parts):
+            (v if to_device else d).copy_(d if to_device else v)
+    return dst
+
+
+@dataclass(frozen=True)
+class Q4nxPacking:
+    """A BO's device-side layout: a Q4NX [n, k] weight with each group's values in 4-column units."""
+
+    n: int
+    k: int
+
+    @property
+    def nbytes(self) -> int:
+        return q4nx.nbytes(self.n, self.k)
+
+    def pack(self, buf: torch.Tensor, alloc: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        return _regroup(buf, alloc(self.nbytes), self.n, self.k, to_device=True)
+
+    def unpack(self, dev: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return _regroup(dev, out, self.n, self.k, to_device=False)
+
+
+class DeviceQ4nx:
+    """A Q4NX weight as a kernel sees it on the simulated device: the device-form bytes."""
+
+    __slots__ = ("data", "n", "k")
+
+    def __init__(self, data: torch.Tensor, n: int, k: int):
+        self.data, self.n, self.k = data, n, k
+
+    def declared(self) -> torch.Tensor:
+        """The Q4NX bytes as declared, for kernels without a device-form path (a copy)."""
+        return _regroup(self.data, torch.empty_like(self.data), self.n, self.k, to_device=False)
+
+
+def declared_q4nx(w: torch.Tensor | DeviceQ4nx) -> torch.Tensor:
+    return w.declared() if isinstance(w, DeviceQ4nx) else w
+
+
+_Q4NX_OPS = {"gemm_q4nx", "gemv_q4nx"}
+
+
+def packing_for(group: KernelGroup, index: int) -> Packing | Q4nxPacking | None:
     """The layout a BO for the group's argument `index` should have on the simulated device.
 
-    Packs only a static bf16 matrix that every launch using it reads as a GEMM or GEMV weight,
-    with N a multiple of 16 and K of 4, and only where the native kernels run and read this
-    layout.
+    Packs only a static matrix that every launch using it reads as the weight of a GEMM or GEMV
+    of its format, and only where the native kernels run and read that layout: a bf16 one with
+    N a multiple of 16 and K of 4 into packed tiles, a Q4NX one into 4-column units.
     """
     slot = group.slots[index]
-    if (slot.role is not Role.STATIC or slot.dtype != "bf16" or len(slot.shape) != 2
-            or not native_cpu.tileable(*slot.shape) or native_cpu.tile_rows() != LANES
-            or native_cpu.packed_header() != HEADER):
+    if slot.role is not Role.STATIC or len(slot.shape) != 2 or not native_cpu.available():
         return None
+    ops = _Q4NX_OPS if slot.quantized else _WEIGHT_OPS
     uses = [l for l in group.launches if slot.name in l.args]
-    if not uses or any(l.op not in _WEIGHT_OPS or l.args.index(slot.name) != 1 or slot.name in l.writes
-                       for l in uses):
+    if not uses or any(l.op not in ops or l.args.index(slot.name) != 1 or slot.name in l.writes for l in uses):
+        return None
+    if slot.quantized:
+        return Q4nxPacking(*slot.shape)
+    if (slot.dtype != "bf16" or not native_cpu.tileable(*slot.shape) or native_cpu.tile_rows() != LANES
+            or native_cpu.packed_header() != HEADER):
         return None
     return Packing(*slot.shape)

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "packed_tiles.h"
+#include "q4nx_blocks.h"
 #include "simd_bf16.h"
 #include "tiles_bf16.h"
 
@@ -139,6 +140,26 @@ void gemm_tile_unpacking(const uint32_t *a, int64_t kp, const packed::View &w, i
     for (int j = 0; j < V; ++j) nv::store_bf16(c + i * ldc + j * kLanes, acc[i][j]);
 }
 
+// Rows r0.. of A against a panel of V blocks already decoded into `panel`.
+template <int V>
+void gemm_plain_rows(const uint32_t *a, int64_t r0, int64_t m, int64_t kp, const uint32_t *panel, uint16_t *c,
+                     int64_t ldc) {
+  int64_t r = r0;
+  for (; r + kRows <= m; r += kRows) gemm_tile<kRows, V>(a + r * kp, kp, panel, c + r * ldc, ldc);
+  const uint32_t *ar = a + r * kp;
+  uint16_t *cr = c + r * ldc;
+  switch (m > r ? m - r : 0) {   // the last rows of a prompt that is not a multiple of the tile
+    case 7: gemm_tile<7, V>(ar, kp, panel, cr, ldc); break;
+    case 6: gemm_tile<6, V>(ar, kp, panel, cr, ldc); break;
+    case 5: gemm_tile<5, V>(ar, kp, panel, cr, ldc); break;
+    case 4: gemm_tile<4, V>(ar, kp, panel, cr, ldc); break;
+    case 3: gemm_tile<3, V>(ar, kp, panel, cr, ldc); break;
+    case 2: gemm_tile<2, V>(ar, kp, panel, cr, ldc); break;
+    case 1: gemm_tile<1, V>(ar, kp, panel, cr, ldc); break;
+    default: break;
+  }
+}
+
 // Rows of A against a panel of V blocks: the first tile unpacks the panel into `panel`, the
 // rest read it from there (a thread's L2).
 template <int V>
@@ -155,21 +176,23 @@ void gemm_rows(const uint32_t *a, int64_t m, int64_t kp, const packed::View &w, 
     case 1: gemm_tile_unpacking<1, V>(a, kp, w, blk, panel, c, ldc); break;
     default: return;
   }
-  int64_t r = kRows;
-  for (; r + kRows <= m; r += kRows) gemm_tile<kRows, V>(a + r * kp, kp, panel, c + r * ldc, ldc);
-  const uint32_t *ar = a + r * kp;
-  uint16_t *cr = c + r * ldc;
-  switch (m > r ? m - r : 0) {   // the last rows of a prompt that is not a multiple of the tile
-    case 7: gemm_tile<7, V>(ar, kp, panel, cr, ldc); break;
-    case 6: gemm_tile<6, V>(ar, kp, panel, cr, ldc); break;
-    case 5: gemm_tile<5, V>(ar, kp, panel, cr, ldc); break;
-    case 4: gemm_tile<4, V>(ar, kp, panel, cr, ldc); break;
-    case 3: gemm_tile<3, V>(ar, kp, panel, cr, ldc); break;
-    case 2: gemm_tile<2, V>(ar, kp, panel, cr, ldc); break;
-    case 1: gemm_tile<1, V>(ar, kp, panel, cr, ldc); break;
-    default: break;
-  }
+  gemm_plain_rows<V>(a, kRows, m, kp, panel, c, ldc);
 }
+
+// The packed tiles as a BlockSource, for the tile GEMM (which decodes whole panels first).
+struct PackedSource final : nv::BlockSource {
+  packed::View w;
+  explicit PackedSource(const uint8_t *p) : w(p) {}
+  void decode(int64_t blk, uint32_t *out) const override {
+    packed::Cursor cur(w, blk);
+    nv::P16 a, b;
+    for (int64_t u = 0; u < w.u; ++u) {
+      cur.unit(u, a, b);
+      nv::store_pairs(out + 2 * u * kLanes, a);
+      nv::store_pairs(out + (2 * u + 1) * kLanes, b);
+    }
+  }
+};
 
 }  // namespace
 
@@ -207,7 +230,7 @@ extern "C" void gemm_packed_bf16_cpu(const uint16_t *a, const uint8_t *w, uint16
   const int64_t kp = k / 2, blocks = n / kLanes, panels = (blocks + kVecs - 1) / kVecs;
   const uint32_t *a32 = reinterpret_cast<const uint32_t *>(a);
   const packed::View view(w);
-  if (native::tiles_gemm(a, view, c, m, n, k)) return;
+  if (native::tiles_gemm(a, PackedSource(w), c, m, n, k)) return;
 #pragma omp parallel
   {
     std::vector<uint32_t> panel(kVecs * kp * kLanes);   // kVecs blocks of plain tiles
@@ -218,6 +241,29 @@ extern "C" void gemm_packed_bf16_cpu(const uint16_t *a, const uint8_t *w, uint16
         gemm_rows<kVecs>(a32, m, kp, view, b, panel.data(), c + b * kLanes, n);
       else
         gemm_rows<1>(a32, m, kp, view, b, panel.data(), c + b * kLanes, n);
+    }
+  }
+}
+
+// C[m][n] = A[m][k] · Wᵀ with W in Q4NX, dequantized to bf16 as q4nx.dequantize does: on tiles
+// where the library has them, else threads take panels of kVecs 16-row blocks, decode each into
+// the thread's buffer once and run every row of A over it.
+extern "C" void gemm_q4nx_cpu(const uint16_t *a, const uint8_t *w, uint16_t *c, int64_t m, int64_t n, int64_t k) {
+  const int64_t kp = k / 2, blocks = n / kLanes, panels = (blocks + kVecs - 1) / kVecs;
+  const uint32_t *a32 = reinterpret_cast<const uint32_t *>(a);
+  const q4nx::Source source(w, k);
+  if (native::tiles_gemm(a, source, c, m, n, k)) return;
+#pragma omp parallel
+  {
+    std::vector<uint32_t> panel(kVecs * kp * kLanes);
+#pragma omp for schedule(static)
+    for (int64_t pn = 0; pn < panels; ++pn) {
+      const int64_t b = pn * kVecs, nb = blocks - b < kVecs ? blocks - b : kVecs;
+      for (int64_t j = 0; j < nb; ++j) source.decode(b + j, panel.data() + j * kp * kLanes);
+      if (nb == kVecs)
+        gemm_plain_rows<kVecs>(a32, 0, m, kp, panel.data(), c + b * kLanes, n);
+      else
+        gemm_plain_rows<1>(a32, 0, m, kp, panel.data(), c + b * kLanes, n);
     }
   }
 }

@@ -1,5 +1,6 @@
 // Prefill's GEMM on AMX tiles (tiles_bf16.h) for the libraries that have them: C[m][n] =
-// A[m][k] · Wᵀ with W in the packed tiles of packed_tiles.h, each output rounded to bf16 once.
+// A[m][k] · Wᵀ with W from a BlockSource (the packed tiles of packed_tiles.h, or Q4NX dequantized
+// by q4nx_blocks.h), each output rounded to bf16 once.
 //
 // A decoded weight block is already the B operand TDPBF16PS reads: K-pair p of block j is row p
 // of a tile 16 outputs wide, each 32-bit element a (k even, k odd) pair. So a thread decodes a
@@ -29,17 +30,6 @@ static_assert(kLanes * 4 == tiles::kRowBytes, "a weight block is one tile wide")
 constexpr int64_t kSlab = 2 * tiles::kRows;           // rows of A per pass
 constexpr int64_t kPanelBytes = 512 * 1024;
 
-// One block's K-pairs, decoded in order into `out` (kp rows of 16 pairs).
-void decode_block(const packed::View &w, int64_t blk, uint32_t *out) {
-  packed::Cursor cur(w, blk);
-  native::P16 a, b;
-  for (int64_t u = 0; u < w.u; ++u) {
-    cur.unit(u, a, b);
-    native::store_pairs(out + 2 * u * kLanes, a);
-    native::store_pairs(out + (2 * u + 1) * kLanes, b);
-  }
-}
-
 // 32 rows (from `a`, row stride lda elements) against blocks j, j + 1 of the panel: four
 // accumulator tiles over all K, stored as f32 to `sums` ([4][16][16]).
 void slab_pair(const uint16_t *a, int64_t lda, const uint32_t *b0, const uint32_t *b1, int64_t kp, float *sums) {
@@ -67,7 +57,7 @@ void slab_pair(const uint16_t *a, int64_t lda, const uint32_t *b0, const uint32_
 
 }  // namespace
 
-bool tiles_gemm(const uint16_t *a, const packed::View &w, uint16_t *c, int64_t m, int64_t n, int64_t k) {
+bool tiles_gemm(const uint16_t *a, const BlockSource &w, uint16_t *c, int64_t m, int64_t n, int64_t k) {
   const int64_t kp = k / 2, blocks = n / kLanes;
   if (kp % tiles::kPairs != 0 || m <= 0) return false;
   const int64_t per_panel = std::clamp<int64_t>(kPanelBytes / (kp * tiles::kRowBytes) / 2 * 2, 2, 8);
@@ -85,7 +75,7 @@ bool tiles_gemm(const uint16_t *a, const packed::View &w, uint16_t *c, int64_t m
 #pragma omp for schedule(static)
     for (int64_t pn = 0; pn < panels; ++pn) {
       const int64_t b = pn * per_panel, nb = std::min(per_panel, blocks - b);
-      for (int64_t j = 0; j < nb; ++j) decode_block(w, b + j, panel.data() + j * kp * kLanes);
+      for (int64_t j = 0; j < nb; ++j) w.decode(b + j, panel.data() + j * kp * kLanes);
       if (nb % 2) std::fill(panel.begin() + nb * kp * kLanes, panel.begin() + (nb + 1) * kp * kLanes, 0u);
       for (int64_t r = 0; r < m; r += kSlab) {
         const int64_t rows = std::min(kSlab, m - r);
@@ -122,7 +112,7 @@ extern "C" int tiles_dot_bf16_cpu(const uint16_t *a, const uint32_t *b, float *c
 
 extern "C" int tiles_dot_bf16_cpu(const uint16_t *, const uint32_t *, float *) { return 0; }
 
-bool tiles_gemm(const uint16_t *, const packed::View &, uint16_t *, int64_t, int64_t, int64_t) { return false; }
+bool tiles_gemm(const uint16_t *, const BlockSource &, uint16_t *, int64_t, int64_t, int64_t) { return false; }
 
 #endif
 

@@ -40,7 +40,8 @@ struct X2 { __m512bh v; };     // one bf16 pair of the activation, in every lane
 
 inline bool cpu_has_vector_isa() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") &&
+         __builtin_cpu_supports("avx512vnni");
 }
 
 inline F16 zero() { return {_mm512_setzero_ps()}; }

@@ -56,9 +56,17 @@ inline bool cpu_has_isa() {
 inline bool cpu_has_isa() { return cpu_has_vector_isa(); }
 #endif
 
+// Where a GEMM's weights come from: block `blk` (16 outputs over all K) written as plain tile
+// vectors, K-pair p at out + 16 p. The GEMMs decode a panel of blocks once and reuse it for
+// every row of A, so they need nothing else of a weight format.
+struct BlockSource {
+  virtual void decode(int64_t blk, uint32_t *out) const = 0;
+  virtual ~BlockSource() = default;
+};
+
 // Prefill's GEMM on tiles (matmul_tiles_bf16_cpu.cc); false where the build has no tiles or K
 // is not a whole number of tile steps, and the caller then runs the vector GEMM.
-bool tiles_gemm(const uint16_t *a, const packed::View &w, uint16_t *c, int64_t m, int64_t n, int64_t k);
+bool tiles_gemm(const uint16_t *a, const BlockSource &w, uint16_t *c, int64_t m, int64_t n, int64_t k);
 
 }  // namespace native
 

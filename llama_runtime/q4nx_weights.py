@@ -1,0 +1,172 @@
+"""`QUANT=q4nx`: a checkpoint's linear weights in Q4NX, made once and cached beside the imported models.
+
+What is quantized: every linear weight of every layer (Q, K, V, O, gate, up, down) and the LM
+head (its rows padded to whole row-blocks). What stays bf16: the norms and the embedding table,
+which the host reads a row at a time, so their bytes never limit a token. The LM head is
+quantized because it is a fifth of Llama-3.2-1B's weights and decode reads all of it every
+token: kept bf16 it would cost as much as every layer's Q4NX weights together
+(docs/profile.md measures what quantizing it costs in perplexity).
+
+Where the weights come from: a GGUF whose tensors are Q4_1 (the embedded model) keeps its
+4-bit values exactly and only converts its fp16 scales and mins to bf16 (`quantize.q4_1_to_q4nx`);
+everything else is quantized from bf16 (`quantize.quantize`).
+
+The cache: `models/q4nx-<folder>-<key>/weights.safetensors` (U8 tensors holding each matrix's
+Q4NX bytes) with its SHA-256 beside it. The key hashes what decides the bytes: the source
+checkpoint's safetensors headers, sizes and modification times (or the GGUF's), and the code
+of the format and the quantizer. A build runs once, under a lock, into a temporary folder
+renamed into place (`fixtures._ensure`), so a crash leaves nothing half-written; a file whose
+hash no longer matches (damaged on disk) is rebuilt.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from llama_base import q4nx
+from llama_base.config import LAYER_TENSORS, LlamaConfig, layer_shapes
+from llama_base.errors import CheckpointError
+from llama_base.paths import models_dir
+from llama_runtime import fixtures, quantize
+from llama_runtime.safetensors_io import Checkpoint
+from llama_runtime.weights import LayerWeights, LlamaWeights
+
+FORMAT = 1
+WEIGHTS_FILE = "weights.safetensors"
+HASH_FILE = "weights.sha256"
+LM_HEAD = "lm_head.weight"
+
+
+def linear_names(cfg: LlamaConfig) -> list[str]:
+    """The short names of a layer's linear weights (the matrices Q4NX holds)."""
+    return [n for n, shape in layer_shapes(cfg).items() if len(shape) == 2]
+
+
+def lm_head_rows(cfg: LlamaConfig) -> int:
+    """The LM head's rows as stored: the vocabulary padded to whole row-blocks."""
+    return -(-cfg.vocab_size // q4nx.ROWS) * q4nx.ROWS
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _source_of(folder: Path) -> dict:
+    """What identifies a checkpoint's contents without reading them all: each safetensors file's
+    name, size, modification time and header."""
+    files = {}
+    for p in sorted(folder.glob("*.safetensors")):
+        with open(p, "rb") as f:
+            head = f.read(8)
+            header = f.read(int.from_bytes(head, "little")) if len(head) == 8 else b""
+        st = p.stat()
+        files[p.name] = [st.st_size, st.st_mtime_ns, hashlib.sha256(header).hexdigest()]
+    return {"files": files}
+
+
+def _gguf_for(folder: Path) -> Path | None:
+    """The GGUF the embedded model was imported from, when `folder` is that import."""
+    from llama_runtime import gguf_import
+
+    if folder.resolve().parent != models_dir().resolve() or folder.name != fixtures.EMBEDDED_DIR:
+        return None
+    return gguf_import.smollm2_gguf_path()
+
+
+def _quantized_tensors(folder: Path, bf16: LlamaWeights, gguf: Path | None, log: Callable[[str], None]):
+    """Yield (name, Q4NX bytes) for every layer's linear weights and the LM head."""
+    cfg = bf16.config
+    from_gguf = _gguf_tensors(gguf, cfg) if gguf is not None else {}
+    n_layers = cfg.num_hidden_layers
+    t0 = time.perf_counter()
+    for i, lw in enumerate(bf16.layers):
+        for short in linear_names(cfg):
+            name = f"model.layers.{i}.{LAYER_TENSORS[short]}"
+            yield name, from_gguf.pop(name) if name in from_gguf else quantize.quantize(getattr(lw, short))
+        bf16.release_pages()
+        if (i + 1) % max(1, n_layers // 4) == 0 or i + 1 == n_layers:
+            log(f"[quant] q4nx: {i + 1}/{n_layers} layers ({time.perf_counter() - t0:.0f} s)")
+    yield LM_HEAD, quantize.quantize(quantize.pad_rows(bf16.lm_head))
+
+
+def _gguf_tensors(path: Path, cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+    """The GGUF's Q4_1 linear weights as Q4NX bytes, values kept (others are quantized from bf16)."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    from llama_runtime.gguf_import import gguf_tensor_name, unpermute_rope_rows
+
+    out = {}
+    for t in GGUFReader(path).tensors:
+        name, short, shape = gguf_tensor_name(t.name, cfg)
+        if t.tensor_type != GGMLQuantizationType.Q4_1 or len(shape) != 2:
+            continue
+        n, k = shape
+        q, d, m = quantize.q4_1_fields(t.data, n, k)
+        heads = {"wq": cfg.num_attention_heads, "wk": cfg.num_key_value_heads}.get(short)
+        if heads:      # rows permuted for llama.cpp's RoPE: every per-row field moves with its row
+            q, d, m = (unpermute_rope_rows(x, heads) for x in (q, d, m))
+        s, mn = quantize.q4_1_to_q4nx(q, d, m)
+        out[name] = q4nx.pack(q, s, mn)
+    return out
+
+
+def _build(folder: Path, bf16: LlamaWeights, gguf: Path | None, out: Path, log: Callable[[str], None]) -> None:
+    from safetensors.torch import save_file
+
+    tensors = dict(_quantized_tensors(folder, bf16, gguf, log))
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": f"q4nx-{FORMAT}"})
+    (out / HASH_FILE).write_text(_sha256(out / WEIGHTS_FILE) + "\n")
+
+
+def ensure_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = print) -> Path:
+    """The cache folder holding `folder`'s weights in Q4NX, built now if missing, stale or damaged."""
+    gguf = _gguf_for(folder)
+    source = {"format": FORMAT, "q4nx": (q4nx.ROWS, q4nx.COLS, q4nx.GROUP),
+              "code": fixtures._code_digest(q4nx, quantize, _quantized_tensors, _gguf_tensors),
+              "checkpoint": _source_of(folder)}
+    if gguf is not None:
+        st = gguf.stat()
+        source["gguf"] = [gguf.name, st.st_size, st.st_mtime_ns]
+    key = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:16]
+    name = f"q4nx-{folder.name}-{key}"
+    target = models_dir() / name
+    if not (target / WEIGHTS_FILE).is_file():
+        log(f"[quant] making Q4NX weights of {folder.name} (once; cached in {target})")
+    path = fixtures._ensure(name, source, lambda tmp: _build(folder, bf16, gguf, tmp, log))
+    try:
+        intact = (path / HASH_FILE).read_text().strip() == _sha256(path / WEIGHTS_FILE)
+    except OSError:
+        intact = False
+    if not intact:
+        log(f"[quant] {path / WEIGHTS_FILE} does not match its hash: rebuilding it")
+        shutil.rmtree(path, ignore_errors=True)
+        path = fixtures._ensure(name, source, lambda tmp: _build(folder, bf16, gguf, tmp, log))
+    return path
+
+
+def load_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = print) -> LlamaWeights:
+    """`bf16`'s model with its linear weights and LM head in Q4NX (uint8 tensors of their bytes)."""
+    cfg = bf16.config
+    ckpt = Checkpoint(ensure_q4nx(folder, bf16, log))
+    shapes = layer_shapes(cfg)
+    layers = []
+    for i, lw in enumerate(bf16.layers):
+        fields = lw.by_name()
+        for short in linear_names(cfg):
+            fields[short] = ckpt.get_raw(f"model.layers.{i}.{LAYER_TENSORS[short]}", (q4nx.nbytes(*shapes[short]),))
+        layers.append(LayerWeights(**fields))
+    head = ckpt.get_raw(LM_HEAD, (q4nx.nbytes(lm_head_rows(cfg), cfg.hidden_size),))
+    if any(t.dtype != torch.uint8 for t in [head, *(getattr(l, s) for l in layers for s in linear_names(cfg))]):
+        raise CheckpointError(f"{ckpt.folder}: Q4NX tensors must be U8")
+    return LlamaWeights(cfg, bf16.embed, bf16.final_norm, head, layers, f"{bf16.source} (q4nx)", ckpt, quant=q4nx.NAME,
+                        backing=bf16)
