@@ -79,17 +79,17 @@ compile: install
 	$(PY) -m llama_runtime.compile --model "$(MODEL)" --device "$(DEVICE)"
 
 verify: install
-	$(PY) -m verify --model "$(MODEL)" --device "$(DEVICE)" --prompts 2 --n-tokens 32
+	$(PY) -m verify --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)" --prompts 2 --n-tokens 32
 
 verify-full: install
-	$(PY) -m verify --model "$(MODEL)" --device "$(DEVICE)" --prompts 8 --n-tokens 32
+	$(PY) -m verify --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)" --prompts 8 --n-tokens 32
 
 # The interpreter is slow: it runs on the tiny model unless MODEL names another on the command line.
 verify-mlir: install
 	$(PY) -m verify.mlir --model "$(if $(filter command line,$(origin MODEL)),$(MODEL),tiny)" --n-tokens 16
 
 diagnosis: install
-	$(PY) -m verify.diagnosis --model "$(MODEL)" --device "$(DEVICE)"
+	$(PY) -m verify.diagnosis --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)"
 
 bench: install
 	$(PY) -m bench --device "$(DEVICE)" $(if $(CPU_CLASS),--cpu-class "$(CPU_CLASS)")

@@ -7,9 +7,9 @@ quantized because it is a fifth of Llama-3.2-1B's weights and decode reads all o
 token: kept bf16 it would cost as much as every layer's Q4NX weights together
 (docs/profile.md measures what quantizing it costs in perplexity).
 
-Where the weights come from: a GGUF whose tensors are Q4_1 (the embedded model) keeps its
-4-bit values exactly and only converts its fp16 scales and mins to bf16 (`quantize.q4_1_to_q4nx`);
-everything else is quantized from bf16 (`quantize.quantize`).
+Where the weights come from: a GGUF whose linear tensors are Q4_1 (the embedded model) or Q4_0
+keeps its 4-bit values exactly and only converts its fp16 scales and mins to bf16
+(`quantize.q4_1_to_q4nx`); everything else is quantized from bf16 (`quantize.quantize`).
 
 The cache: `models/q4nx-<folder>-<key>/weights.safetensors` (U8 tensors holding each matrix's
 Q4NX bytes) with its SHA-256 beside it. The key hashes what decides the bytes: the source
@@ -100,18 +100,26 @@ def _quantized_tensors(folder: Path, bf16: LlamaWeights, gguf: Path | None, log:
 
 
 def _gguf_tensors(path: Path, cfg: LlamaConfig) -> dict[str, torch.Tensor]:
-    """The GGUF's Q4_1 linear weights as Q4NX bytes, values kept (others are quantized from bf16)."""
-    from gguf import GGMLQuantizationType, GGUFReader
+    """The GGUF's 4-bit linear weights as Q4NX bytes, their values kept: Q4_1 (w = d q + m) and
+    Q4_0 (w = d (q - 8), a min of -8 d). Linear weights stored wider (F32, F16, BF16, Q8_0) are
+    quantized from their values like any bf16 checkpoint's; any other type (k-quants, 5- and
+    6-bit types) is refused, naming the tensor: holding it would need a requantization that
+    loses more than the file's own format promised."""
+    from gguf import GGMLQuantizationType as T
+    from gguf import GGUFReader
 
     from llama_runtime.gguf_import import gguf_tensor_name, unpermute_rope_rows
 
     out = {}
     for t in GGUFReader(path).tensors:
         name, short, shape = gguf_tensor_name(t.name, cfg)
-        if t.tensor_type != GGMLQuantizationType.Q4_1 or len(shape) != 2:
+        if len(shape) != 2 or short == "" or t.tensor_type in (T.F32, T.F16, T.BF16, T.Q8_0):
             continue
+        if t.tensor_type not in (T.Q4_0, T.Q4_1):
+            raise CheckpointError(f"{path.name}: tensor {t.name!r} is {t.tensor_type.name}, which QUANT=q4nx cannot "
+                                  "hold (it takes Q4_0, Q4_1, or F32/F16/BF16/Q8_0 to quantize)")
         n, k = shape
-        q, d, m = quantize.q4_1_fields(t.data, n, k)
+        q, d, m = (quantize.q4_1_fields if t.tensor_type == T.Q4_1 else quantize.q4_0_fields)(t.data, n, k)
         heads = {"wq": cfg.num_attention_heads, "wk": cfg.num_key_value_heads}.get(short)
         if heads:      # rows permuted for llama.cpp's RoPE: every per-row field moves with its row
             q, d, m = (unpermute_rope_rows(x, heads) for x in (q, d, m))

@@ -103,6 +103,17 @@ def q4_1_fields(raw: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Te
     return q, d, m
 
 
+Q4_0_BYTES = 18                 # fp16 d, 16 bytes of nibbles; w = d * (q - 8)
+
+
+def q4_0_fields(raw: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0 as Q4_1's fields: the same values q, scale d and min -8 d (exact in f32)."""
+    b = torch.from_numpy(np.array(raw, dtype=np.uint8)).view(n, k // Q4_1_BLOCK, Q4_0_BYTES)
+    d = b[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
+    nib = b[..., 2:]
+    return torch.cat([nib & 15, nib >> 4], dim=-1).reshape(n, k), d, -8 * d
+
+
 def q4_1_to_q4nx(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """bf16 (scale, min) for Q4_1's fp16 (d, m) with the same 4-bit values (see the module doc)."""
     n, g = d.shape

@@ -39,13 +39,13 @@ class GateRun:
 
 
 def run_gate(model: str, device: str, n_prompts: int, n_tokens: int,
-             log: Callable[[str], None] = print) -> GateRun:
+             log: Callable[[str], None] = print, quant: str = "bf16") -> GateRun:
     """Run both sides on `n_prompts` prompts for up to `n_tokens` steps and write the reports."""
-    prep = prepare(model, n_prompts, log)
+    prep = prepare(model, n_prompts, log, quant)
     with tempfile.TemporaryDirectory(prefix="verify-hf-") as tmp:
         log(f"[verify] HF transformers reference: {len(prep.prompts)} prompt(s), up to {n_tokens} greedy tokens")
-        hf, hf_meta = run_in_child({"mode": "trace", "folder": str(prep.folder), "prompts": prep.prompt_ids,
-                                    "n_tokens": n_tokens, "end_ids": prep.end_ids}, Path(tmp))
+        hf, hf_meta = run_in_child(prep.hf_job("trace", prep.prompt_ids, n_tokens=n_tokens, end_ids=prep.end_ids),
+                                   Path(tmp))
     t0 = time.perf_counter()
     session = build_ours(prep, device, log)
     t1 = time.perf_counter()

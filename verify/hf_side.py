@@ -47,7 +47,7 @@ def peak_rss_mib() -> float:
 
 
 def _run_job(job: dict) -> dict[str, torch.Tensor]:
-    runner = HFRunner(job["folder"])
+    runner = HFRunner(job["folder"], job.get("q4nx"))
     if job["mode"] == "trace":
         out = {}
         for i, prompt in enumerate(job["prompts"]):

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from kernel_builder.groups import QUANTS
 from llama32_1b_inference import Session, build_session, is_chat_model
+from llama32_1b_weights import load_weights
 from llama_base.config import LlamaConfig
 from llama_runtime.models import resolve_model
 from llama_runtime.tokenizer import Tokenizer
@@ -31,6 +33,14 @@ class Prepared:
     prompts: tuple[str, ...]
     prompt_ids: list[list[int]]
     end_ids: list[int]
+    quant: str = "bf16"
+    q4nx_folder: Path | None = None   # with QUANT=q4nx: the cached Q4NX weights both sides run
+
+    def hf_job(self, mode: str, prompts: list[list[int]], **extra) -> dict:
+        """A job for the HF reference: the checkpoint, and the quantized weights it must run
+        dequantized (the numbers our kernels multiply) when there are any."""
+        return {"mode": mode, "folder": str(self.folder), "prompts": prompts,
+                "q4nx": str(self.q4nx_folder) if self.q4nx_folder else None, **extra}
 
     @property
     def label(self) -> str:
@@ -39,7 +49,7 @@ class Prepared:
         return f"`{self.name}` ({self.folder}{asked})"
 
 
-def prepare(model: str, n_prompts: int, log: Callable[[str], None] = print) -> Prepared:
+def prepare(model: str, n_prompts: int, log: Callable[[str], None] = print, quant: str = "bf16") -> Prepared:
     resolved = resolve_model(model)
     if resolved.fallback_note:
         log(f"[model] {resolved.fallback_note}")
@@ -48,13 +58,16 @@ def prepare(model: str, n_prompts: int, log: Callable[[str], None] = print) -> P
     chat = is_chat_model(cfg, tokenizer)
     prompts = prompt_set(chat, n_prompts)
     ids = [tokenizer.encode_prompt(p, chat=chat) for p in prompts]
+    q4nx_folder = None
+    if quant != "bf16":     # made (or found) now: the HF side runs first and needs the same bytes
+        q4nx_folder = load_weights(resolved.folder, quant, log).checkpoint.folder
     return Prepared(model, resolved.folder, resolved.name, tokenizer, chat, prompts, ids,
-                    sorted(tokenizer.end_token_ids))
+                    sorted(tokenizer.end_token_ids), quant, q4nx_folder)
 
 
 def build_ours(prep: Prepared, device: str, log: Callable[[str], None] = print) -> Session:
     """The session `make run` would build, on the exact folder the HF side loaded."""
-    session = build_session(str(prep.folder), device=device, log=log)
+    session = build_session(str(prep.folder), device=device, log=log, quant=prep.quant)
     for prompt, ids in zip(prep.prompts, prep.prompt_ids):
         if session.encode(prompt) != ids:
             raise VerifyError(f"the session encodes {prompt!r} differently from the verification's encoding")
@@ -65,3 +78,5 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="instruct",
                         help="instruct | base | embedded | llama1b-shape | a checkpoint folder | a HF repo id")
     parser.add_argument("--device", default="auto", choices=DEVICE_KINDS)
+    parser.add_argument("--quant", default="bf16", choices=QUANTS,
+                        help="our side's weight format; the HF side runs the same weights dequantized")

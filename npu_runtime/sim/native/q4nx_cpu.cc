@@ -19,6 +19,9 @@
 
 #include "q4nx_blocks.h"
 
+
+
+
 namespace {
 
 using q4nx::kBytesPerCol;

@@ -1,0 +1,221 @@
+"""Q4NX, the 4-bit weight format: its layout and codec, the quantizers (from bf16 and from GGUF
+Q4_1), the simulated device's form of it, and the native kernels on every CPU class against the
+format's reference (`q4nx.gemv_reference`, `q4nx.dequantize`)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kernel_builder.groups import QUANTS, Role, all_groups, build_group, lm_head_gemv, static_tensors
+from llama_base import q4nx
+from llama_runtime import quantize
+from llama_runtime.weights import synthetic_weights
+from npu_runtime.sim import native_cpu
+from npu_runtime.sim.weight_tiles import Q4nxPacking
+
+SHAPES = [(32, 256), (64, 576), (96, 64), (32, 1536)]   # 576 = 2 x 256 + a 64-wide last block
+
+
+def _rand(*shape, seed: int, scale: float = 0.02) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(torch.bfloat16)
+
+
+def _alloc(n: int) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.uint8)
+
+
+def test_the_layout_is_five_bits_a_weight_and_refuses_shapes_it_cannot_hold():
+    assert q4nx.nbytes(32, 256) == 5120                   # one whole block, as the papers size it
+    assert q4nx.nbytes(2048, 8192) * 8 == 2048 * 8192 * 5
+    layout = q4nx.Layout(64, 576)
+    assert layout.col_blocks() == [(0, 256), (256, 256), (512, 64)]
+    assert layout.block_offset(1, 512) == layout.row_block_bytes + 512 * q4nx.BYTES_PER_COL
+    for n, k in [(48, 256), (32, 48), (0, 32)]:
+        with pytest.raises(q4nx.Q4nxShapeError):
+            q4nx.Layout(n, k)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_pack_and_unpack_round_trip_every_field(n, k):
+    g = torch.Generator().manual_seed(n + k)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    s, m = _rand(n, k // 32, seed=1, scale=1.0), _rand(n, k // 32, seed=2, scale=1.0)
+    buf = q4nx.pack(q, s, m)
+    assert buf.numel() == q4nx.nbytes(n, k)
+    q2, s2, m2 = q4nx.unpack(buf, n, k)
+    assert torch.equal(q2, q) and torch.equal(s2, s) and torch.equal(m2, m)
+
+
+def test_the_bytes_are_where_the_declaration_says():
+    """Row 17, column 300 of a [64, 576] matrix: row-block 0, column block 1 (col 44 in it),
+    high nibble of byte 1 of that column; its group is the block's second."""
+    n, k = 64, 576
+    q = torch.zeros(n, k, dtype=torch.uint8)
+    q[17, 300] = 11
+    s = torch.zeros(n, k // 32, dtype=torch.bfloat16)
+    s[17, 300 // 32] = 3.0
+    buf = q4nx.pack(q, s, torch.zeros_like(s))
+    block = q4nx.Layout(n, k).block_offset(0, 256)
+    assert buf[block + 44 * 16 + 1] == 11 << 4
+    scales = block + 256 * 16
+    at = scales + (1 * 32 + 17) * 2
+    assert buf[at:at + 2].view(torch.bfloat16).item() == 3.0
+    assert int(buf.count_nonzero()) == 3                  # the value byte and the two bytes of 3.0 (0x4040)
+
+
+def test_dequantize_is_q_times_scale_plus_min_rounded_once():
+    q = torch.tensor([[15] * 32] * 32, dtype=torch.uint8)
+    s = torch.full((32, 1), 0.1, dtype=torch.bfloat16)
+    m = torch.full((32, 1), -0.7, dtype=torch.bfloat16)
+    w = q4nx.dequantize(q4nx.pack(q, s, m), 32, 32)
+    exact = 15 * s.float() + m.float()                    # the product is exact in f32
+    assert torch.equal(w, exact.to(torch.bfloat16).expand(32, 32))
+
+
+def test_the_quantizer_beats_the_range_fit_and_stays_within_a_step():
+    w = _rand(256, 512, seed=5)
+    buf = quantize.quantize(w)
+    back = q4nx.dequantize(buf, 256, 512).float()
+    _, s, _ = q4nx.unpack(buf, 256, 512)
+    err = (back - w.float()).view(256, 16, 32)
+    step = s.float().view(256, 16, 1)
+    # The least-squares refit may clamp a group's extremes a little past half a step, never a step.
+    assert bool((err.abs() < step).all())
+    g = w.float().view(-1, 32)
+    lo, hi = g.min(1).values, g.max(1).values
+    rs, rm = ((hi - lo) / 15).bfloat16().float(), lo.bfloat16().float()
+    rq = torch.round((g - rm[:, None]) / rs[:, None]).clamp(0, 15)
+    range_err = ((rq * rs[:, None] + rm[:, None]).bfloat16().float() - g).pow(2).sum()
+    assert err.pow(2).sum() < range_err
+
+
+def test_a_constant_group_is_held_exactly():
+    w = torch.full((32, 64), 0.25, dtype=torch.bfloat16)
+    assert torch.equal(q4nx.dequantize(quantize.quantize(w), 32, 64), w)
+
+
+def test_q4_1_blocks_keep_their_values_and_lose_only_the_scale_rounding():
+    """A GGUF Q4_1 tensor made here (fp16 d and m, 16 bytes of nibbles: element j low, j + 16 high):
+    the converted Q4NX keeps every 4-bit value, and its weights stay within a small fraction of a
+    step of Q4_1's own."""
+    n, k = 32, 64
+    g = torch.Generator().manual_seed(9)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    d = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3).half()
+    m = (-torch.rand(n, k // 32, generator=g) * 15 * d.float()).half()     # a group's min: up to 15 steps below 0
+    qb = q.view(n, k // 32, 32)
+    raw = torch.cat([d.view(torch.uint8).view(n, -1, 2), m.view(torch.uint8).view(n, -1, 2),
+                     qb[..., :16] | (qb[..., 16:] << 4)], dim=-1).reshape(n, -1).numpy()
+    q2, d2, m2 = quantize.q4_1_fields(raw, n, k)
+    assert torch.equal(q2, q) and torch.equal(d2, d.float()) and torch.equal(m2, m.float())
+    s, mn = quantize.q4_1_to_q4nx(q2, d2, m2)
+    got = q4nx.dequantize(q4nx.pack(q2, s, mn), n, k).float().view(n, -1, 32)
+    exact = qb.float() * d.float()[..., None] + m.float()[..., None]
+    # Off by a small part of a step, besides the bf16 rounding every dequantized weight has.
+    assert bool(((got - exact).abs() <= 0.1 * d.float()[..., None] + exact.abs() * 2 ** -8).all())
+    loss = quantize.q4_1_loss(q2, d2, m2)
+    assert 0 < loss["rms_change_over_step_rms"] < 0.2 and loss["max_change_in_steps"] < 0.2
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_the_device_form_round_trips(n, k):
+    buf = torch.randint(0, 256, (q4nx.nbytes(n, k),), generator=torch.Generator().manual_seed(k), dtype=torch.uint8)
+    p = Q4nxPacking(n, k)
+    dev = p.pack(buf, _alloc)
+    assert dev.numel() == buf.numel() and not torch.equal(dev, buf)
+    assert torch.equal(p.unpack(dev, torch.empty_like(buf)), buf)
+
+
+def test_fixed_point_is_exact_near_the_group_maximum():
+    x = torch.tensor([1.5, -0.75, 2.0 ** -6, 2.0 ** -9 * 1.5] + [0.0] * 28, dtype=torch.bfloat16)
+    X, u = q4nx.fixed_point(x)
+    assert u.tolist() == [2.0 ** (0 + 1 - q4nx.FIXED_BITS)]
+    back = X[0] * u[0]
+    assert back[:3].tolist() == x.float()[:3].tolist()       # within 2^6 of the largest: exact
+    assert abs(back[3].item() - x[3].item()) <= u[0].item() / 2
+    assert X.abs().max() < 2 ** q4nx.FIXED_BITS
+
+
+def test_the_gemv_reference_is_the_product_of_the_dequantized_weights():
+    n, k = 64, 576
+    buf = quantize.quantize(_rand(n, k, seed=3))
+    x = _rand(k, seed=4, scale=1.0)
+    ref = q4nx.dequantize(buf, n, k).float() @ x.float()
+    got = q4nx.gemv_reference(buf, x, n, k)
+    assert torch.allclose(got, ref, rtol=0, atol=float(ref.abs().max()) * 2 ** -7)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_native_q4nx_gemv_and_gemm_match_the_reference_on_every_class(native_isa, n, k):
+    if native_isa == native_cpu.TORCH:
+        pytest.skip("no native library")
+    buf = quantize.quantize(_rand(n, k, seed=n))
+    dev = Q4nxPacking(n, k).pack(buf, _alloc)
+    x = (_rand(k, seed=7, scale=1.0).float() * torch.linspace(0.01, 3, k)).to(torch.bfloat16)
+    y = torch.empty(n, dtype=torch.bfloat16)
+    native_cpu.gemv_q4nx_batch_call([(dev, x, y)])()
+    ref = q4nx.gemv_reference(buf, x, n, k)
+    # Same exact integer sums; the groups combine in another order: at most one bf16 step apart.
+    assert torch.allclose(y.float(), ref, rtol=2 ** -7, atol=1e-6)
+    a = _rand(37, k, seed=8, scale=1.0)
+    c = torch.empty(37, n, dtype=torch.bfloat16)
+    native_cpu.gemm_q4nx_call(a, dev, c)()
+    cref = (a.float() @ q4nx.dequantize(buf, n, k).float().t()).to(torch.bfloat16)
+    assert torch.allclose(c.float(), cref.float(), rtol=2 ** -7, atol=2 ** -7 * float(cref.abs().max()) / 8)
+
+
+def test_the_gemv_sums_are_the_same_bits_on_every_class():
+    classes = [c for c in native_cpu.supported_isas() + native_cpu.emulated_isas()]
+    if len(classes) < 2:
+        pytest.skip("one ISA class on this CPU")
+    n, k = 96, 576
+    buf = quantize.quantize(_rand(n, k, seed=11))
+    dev = Q4nxPacking(n, k).pack(buf, _alloc)
+    x = _rand(k, seed=12, scale=1.0)
+    outs = []
+    for isa in classes:
+        with native_cpu.use_isa(isa):
+            y = torch.empty(n, dtype=torch.bfloat16)
+            native_cpu.gemv_q4nx_batch_call([(dev, x, y)])()
+            outs.append(y)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+def test_native_kernels_refuse_declared_form_bytes_of_the_wrong_size():
+    buf = torch.zeros(q4nx.nbytes(32, 64) - 1, dtype=torch.uint8)
+    x, y = torch.zeros(64, dtype=torch.bfloat16), torch.zeros(32, dtype=torch.bfloat16)
+    assert native_cpu.gemv_q4nx_batch_call([(buf, x, y)]) is None
+
+
+def test_q4nx_groups_declare_their_weights_as_bytes(tiny_config):
+    cfg = tiny_config
+    for g in all_groups(cfg, (32,), quant=q4nx.NAME):
+        weights = [s for s in g.with_role(Role.STATIC) if len(s.shape) == 2]
+        if g.kind == "flash_attn":
+            assert not weights and g.quant == "bf16"
+            continue
+        assert g.name.endswith("_q4nx") and weights
+        assert all(s.quantized and s.nbytes == q4nx.nbytes(*s.shape) and s.storage_shape == (s.nbytes,)
+                   for s in weights)
+        assert {l.op for l in g.launches} & {"gemv_q4nx", "gemm_q4nx"}
+        assert not {l.op for l in g.launches} & {"gemv", "gemm"}
+    assert QUANTS == ("bf16", q4nx.NAME)
+    with pytest.raises(ValueError, match="unknown weight format"):
+        build_group("o_gemv_ffn", cfg, quant="q3")
+
+
+def test_the_lm_head_partitions_are_whole_row_blocks_padded_with_zeros(tiny_config):
+    """tests' TINY has a vocabulary of 250: the padded head is 256 rows, 8 partitions of 32."""
+    cfg = tiny_config
+    w = synthetic_weights(cfg, seed=1)
+    head = quantize.quantize(quantize.pad_rows(w.lm_head))
+    qw = type(w)(cfg, w.embed, w.final_norm, head, w.layers, quant=q4nx.NAME)
+    g = lm_head_gemv(cfg, q4nx.NAME)
+    parts = static_tensors(g, qw, None)
+    rows = g.slot("w_p0").shape[0]
+    assert rows % q4nx.ROWS == 0
+    dense = torch.cat([q4nx.dequantize(parts[f"w_p{i}"], rows, cfg.hidden_size) for i in range(8)])
+    assert torch.equal(dense[:cfg.vocab_size], q4nx.dequantize(head, head.numel() * 8 // 5 // cfg.hidden_size,
+                                                               cfg.hidden_size)[:cfg.vocab_size])
+    assert not dense[cfg.vocab_size:].any()
