@@ -139,7 +139,7 @@ def _build(folder: Path, bf16: LlamaWeights, gguf: Path | None, out: Path, log: 
 def ensure_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = print) -> Path:
     """The cache folder holding `folder`'s weights in Q4NX, built now if missing, stale or damaged."""
     gguf = _gguf_for(folder)
-    source = {"format": FORMAT, "q4nx": (q4nx.ROWS, q4nx.COLS, q4nx.GROUP),
+    source = {"format": FORMAT, "q4nx": [q4nx.ROWS, q4nx.COLS, q4nx.GROUP],
               "code": fixtures._code_digest(q4nx, quantize, _quantized_tensors, _gguf_tensors),
               "checkpoint": _source_of(folder)}
     if gguf is not None:

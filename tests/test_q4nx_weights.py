@@ -1,0 +1,138 @@
+"""QUANT=q4nx weights: the on-disk cache (made once, reused, rebuilt when stale or damaged), the
+GGUF path that keeps the embedded model's 4-bit values, and what the loaded model holds."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from llama32_1b_weights import load_weights
+from llama_base import q4nx
+from llama_base.config import LAYER_TENSORS
+from llama_base.errors import CheckpointError, UserError
+from llama_base.paths import ENV_CACHE
+from llama_runtime import fixtures, q4nx_weights
+from llama_runtime.checkpoint_writer import write_configs, write_sharded
+from llama_runtime.fixtures import _random_tensors
+
+
+@pytest.fixture
+def tiny_folder(tmp_path, monkeypatch, tiny_config):
+    """A random checkpoint of tests' TINY config, with the runtime's caches in tmp_path."""
+    monkeypatch.setenv(ENV_CACHE, str(tmp_path / "cache"))
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    tensors = _random_tensors(tiny_config, 3)
+    write_sharded(folder, tensors, [list(tensors)])
+    write_configs(folder, tiny_config)
+    return folder
+
+
+def _quiet(_msg: str) -> None:
+    pass
+
+
+def test_q4nx_weights_are_made_once_and_hold_every_linear_weight_and_the_head(tiny_folder, tiny_config):
+    lines: list[str] = []
+    w = load_weights(tiny_folder, "q4nx", lines.append)
+    assert w.quant == q4nx.NAME and any("making Q4NX weights" in l for l in lines)
+    bf16 = load_weights(tiny_folder)
+    for i, (lq, lb) in enumerate(zip(w.layers, bf16.layers)):
+        for short in q4nx_weights.linear_names(tiny_config):
+            t, ref = getattr(lq, short), getattr(lb, short)
+            assert t.dtype == torch.uint8 and t.numel() == q4nx.nbytes(*ref.shape)
+            err = (q4nx.dequantize(t, *ref.shape).float() - ref.float()).abs().max()
+            assert err < ref.float().abs().max() / 8       # 4 bits: a coarse but faithful copy
+        assert torch.equal(lq.attn_norm, lb.attn_norm) and torch.equal(lq.ffn_norm, lb.ffn_norm)
+    assert torch.equal(w.embed, bf16.embed)                # the embedding stays bf16
+    rows = q4nx_weights.lm_head_rows(tiny_config)
+    assert rows % q4nx.ROWS == 0 and rows >= tiny_config.vocab_size
+    head = q4nx.dequantize(w.lm_head, rows, tiny_config.hidden_size)
+    assert not head[tiny_config.vocab_size:].any()
+    made = (w.checkpoint.folder / q4nx_weights.WEIGHTS_FILE).stat().st_mtime_ns
+    again: list[str] = []
+    w2 = load_weights(tiny_folder, "q4nx", again.append)
+    assert again == [] and w2.checkpoint.folder == w.checkpoint.folder
+    assert (w2.checkpoint.folder / q4nx_weights.WEIGHTS_FILE).stat().st_mtime_ns == made
+
+
+def test_a_damaged_cache_is_rebuilt_and_a_changed_checkpoint_gets_a_new_entry(tiny_folder, tiny_config):
+    w = load_weights(tiny_folder, "q4nx", _quiet)
+    entry = w.checkpoint.folder
+    data = (entry / q4nx_weights.WEIGHTS_FILE).read_bytes()
+    del w
+    damaged = bytearray(data)
+    damaged[-1] ^= 0xFF                                    # same size: only the hash can tell
+    (entry / q4nx_weights.WEIGHTS_FILE).write_bytes(bytes(damaged))
+    lines: list[str] = []
+    w = load_weights(tiny_folder, "q4nx", lines.append)
+    assert any("does not match its hash" in l for l in lines)
+    assert (w.checkpoint.folder / q4nx_weights.WEIGHTS_FILE).read_bytes() == data
+    tensors = _random_tensors(tiny_config, 4)              # new weights, same names and shapes
+    write_sharded(tiny_folder, tensors, [list(tensors)])
+    w2 = load_weights(tiny_folder, "q4nx", _quiet)
+    assert w2.checkpoint.folder != w.checkpoint.folder
+
+
+def test_an_unknown_format_lists_the_known_ones(tiny_folder):
+    with pytest.raises(UserError, match="expected one of bf16, q4nx"):
+        load_weights(tiny_folder, "q3")
+
+
+@pytest.fixture(scope="module")
+def embedded_q4nx():
+    folder = fixtures.ensure_embedded_model()
+    return folder, load_weights(folder, "q4nx", _quiet)
+
+
+def test_the_embedded_model_keeps_its_gguf_4_bit_values(embedded_q4nx):
+    """The GGUF's Q4_1 nibbles, rows un-permuted for half-split RoPE, are the Q4NX values."""
+    from gguf import GGUFReader
+
+    from llama_runtime import quantize
+    from llama_runtime.gguf_import import smollm2_gguf_path, unpermute_rope_rows
+
+    folder, w = embedded_q4nx
+    cfg = w.config
+    tensors = {t.name: t for t in GGUFReader(smollm2_gguf_path()).tensors}
+    for gguf_name, short, heads in [("blk.3.ffn_down.weight", "w_down", None),
+                                    ("blk.0.attn_q.weight", "wq", cfg.num_attention_heads),
+                                    ("blk.7.attn_k.weight", "wk", cfg.num_key_value_heads)]:
+        t = tensors[gguf_name]
+        n, k = getattr(w.backing.layers[0], short).shape
+        q, d, m = quantize.q4_1_fields(t.data, n, k)
+        if heads:
+            q, d = unpermute_rope_rows(q, heads), unpermute_rope_rows(d, heads)
+        layer = int(gguf_name.split(".")[1])
+        q2, s2, _ = q4nx.unpack(getattr(w.layers[layer], short), n, k)
+        assert torch.equal(q2, q)
+        assert torch.equal(s2, d.to(torch.bfloat16))
+
+
+def test_the_embedded_q4nx_weights_equal_its_bf16_import_up_to_the_scale_rounding(embedded_q4nx):
+    """The bf16 import is the GGUF dequantized; the Q4NX weights differ from it only by the
+    fp16 -> bf16 rounding of scales and mins (and the dequantized weight's own bf16 rounding)."""
+    _, w = embedded_q4nx
+    for short in ("wq", "w_gate", "w_down"):
+        ref = getattr(w.backing.layers[5], short).float()
+        got = q4nx.dequantize(getattr(w.layers[5], short), *ref.shape).float()
+        assert (got - ref).abs().max() <= ref.abs().max() * 2 ** -6
+
+
+def test_a_gguf_type_q4nx_cannot_hold_is_named(tmp_path, monkeypatch, tiny_config):
+    """A GGUF whose linear weight is Q5_0: one error naming the tensor and its type."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    path = tmp_path / "bad.gguf"
+    wr = GGUFWriter(str(path), "llama")
+    h = tiny_config.hidden_size
+    q5_0_bytes = 22                                        # per block of 32: fp16 d, 4 bytes of high bits, 16 of nibbles
+    wr.add_tensor("blk.0.ffn_up.weight", np.zeros((tiny_config.intermediate_size, h // 32 * q5_0_bytes), np.uint8),
+                  raw_dtype=GGMLQuantizationType.Q5_0)
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    with pytest.raises(CheckpointError, match="'blk.0.ffn_up.weight' is Q5_0"):
+        q4nx_weights._gguf_tensors(path, tiny_config)
+    assert LAYER_TENSORS["w_up"] == "mlp.up_proj.weight"
