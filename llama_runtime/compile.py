@@ -57,11 +57,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--model", help="checkpoint (folder, repo id or alias) whose config gives the shapes")
     ap.add_argument("--max-seq", type=int, help="largest prefill bucket to build")
     ap.add_argument("--device", default="auto", choices=DEVICE_KINDS)
+    ap.add_argument("--quant", default="bf16", choices=groups.QUANTS, help="the weight format the groups read")
     ap.add_argument("--out", help="also copy each stitched .mlir here, for reading")
     args = ap.parse_args(argv)
     try:
         cfg = _config(args)
-        all_groups = groups.all_groups(cfg, groups.prefill_buckets(cfg, args.max_seq))
+        all_groups = groups.all_groups(cfg, groups.prefill_buckets(cfg, args.max_seq), args.quant)
         for target in _targets(args.device):
             kc = KernelCache(target, refresh_toolchain=True)   # a new aircc/Peano rebuilds here, never in a run
             built = cached = 0
