@@ -75,14 +75,18 @@ class DeviceModel:
         return out + list(self.decode_groups.values()) + [self.lm_head]
 
     def _preload(self, weights: LlamaWeights) -> None:
-        """Every layer's weights into its own BO sets, once; the phases share each weight's BO."""
+        """Every layer's weights into its own BO sets, once; the phases share each weight's BO.
+
+        The LM head goes first, its file pages dropped before the layers load: it is the largest
+        single weight, so the checkpoint pages resident beside the device copies never exceed
+        one layer's."""
+        self.kc.preload(self.lm_head.name, bo_key(self.lm_head, None), static_tensors(self.lm_head, weights, None))
+        weights.release_pages()
         layer_groups = [g for g in self.all_groups() if g is not self.lm_head]
         for layer in range(self.config.num_hidden_layers):
             for g in layer_groups:
                 self.kc.preload(g.name, bo_key(g, layer), static_tensors(g, weights, layer), share_key=f"L{layer}")
             weights.release_pages()
-        self.kc.preload(self.lm_head.name, bo_key(self.lm_head, None), static_tensors(self.lm_head, weights, None))
-        weights.release_pages()
 
     def bucket_for(self, n: int) -> int:
         for s in self.buckets:
