@@ -132,12 +132,22 @@ struct Chunk {
 
 // Independent GEMVs on Q4NX weights, each described by 5 int64 slots: w, x, y (addresses), n (rows), k.
 extern "C" void gemv_q4nx_cpu_batch(const int64_t *desc, int count) {
+  // Jobs that read the same activations (Q, K and V; gate and up; the LM head's partitions)
+  // share one conversion of them.
   std::vector<Activations> acts;
   acts.reserve(count);
+  std::vector<int> act_of(count);
   std::vector<Chunk> chunks;
   for (int i = 0; i < count; ++i) {
     const int64_t *d = desc + 5 * i;
-    acts.emplace_back(reinterpret_cast<const uint16_t *>(d[1]), d[4]);
+    int same = -1;
+    for (int j = 0; j < i && same < 0; ++j)
+      if (desc[5 * j + 1] == d[1] && desc[5 * j + 4] == d[4]) same = act_of[j];
+    if (same < 0) {
+      same = static_cast<int>(acts.size());
+      acts.emplace_back(reinterpret_cast<const uint16_t *>(d[1]), d[4]);
+    }
+    act_of[i] = same;
     const int64_t blocks = d[3] / kRows, bytes = d[4] * kBytesPerCol;
     int64_t step = kChunkBytes / bytes;
     step = step < 1 ? 1 : step;
@@ -150,6 +160,6 @@ extern "C" void gemv_q4nx_cpu_batch(const int64_t *desc, int count) {
     const uint8_t *w = reinterpret_cast<const uint8_t *>(d[0]);
     uint16_t *y = reinterpret_cast<uint16_t *>(d[2]);
     for (int64_t b = chunks[c].rb0; b < chunks[c].rb1; ++b)
-      gemv_row_block(w + b * d[4] * kBytesPerCol, d[4], acts[chunks[c].job], y + b * kRows);
+      gemv_row_block(w + b * d[4] * kBytesPerCol, d[4], acts[act_of[chunks[c].job]], y + b * kRows);
   }
 }
