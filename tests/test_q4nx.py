@@ -236,3 +236,29 @@ def test_a_batch_sharing_activations_gives_each_job_its_own_product(native_isa):
         alone = torch.empty(n, dtype=torch.bfloat16)
         native_cpu.gemv_q4nx_batch_call([(w, xx, alone)])()
         assert torch.equal(y, alone)
+
+
+@pytest.mark.parametrize("isa", [native_cpu.TORCH, "native"])
+def test_the_simulated_ops_compute_the_contract_on_either_path(isa, tiny_config):
+    """The launch ops as the device binds them: with no native library (torch) on the declared
+    bytes, natively on the device form; both give the reference's numbers."""
+    from npu_runtime.sim import ops
+    from npu_runtime.sim.weight_tiles import DeviceQ4nx
+
+    if isa == "native" and not native_cpu.supported_isas():
+        pytest.skip("no native library")
+    g = build_group("o_gemv_ffn", tiny_config, quant=q4nx.NAME)
+    up = next(l for l in g.launches if l.name == "up_proj")
+    n, k = g.slot("w_up").shape
+    buf = quantize.quantize(_rand(n, k, seed=40))
+    x, y = _rand(k, seed=41, scale=1.0), torch.empty(n, dtype=torch.bfloat16)
+    p = next(l for l in build_group("o_ffn", tiny_config, 32, quant=q4nx.NAME).launches if l.name == "up_proj")
+    a, c = _rand(32, k, seed=42, scale=1.0), torch.empty(32, n, dtype=torch.bfloat16)
+    with native_cpu.use_isa(isa if isa == native_cpu.TORCH else native_cpu.supported_isas()[0]):
+        w = buf if isa == native_cpu.TORCH else DeviceQ4nx(Q4nxPacking(n, k).pack(buf, _alloc), n, k)
+        ops.bind([up], {"normed": x, "w_up": w, "up": y})()
+        ops.bind(p, {"normed": a, "w_up": w, "up": c})()
+    ref = q4nx.gemv_reference(buf, x, n, k)
+    assert torch.allclose(y.float(), ref, rtol=2 ** -7, atol=1e-6)
+    cref = a.float() @ q4nx.dequantize(buf, n, k).float().t()
+    assert torch.allclose(c.float(), cref, rtol=2 ** -7, atol=float(cref.abs().max()) * 2 ** -9)
