@@ -86,6 +86,8 @@ inline void group_f32(const uint8_t *values, const int32_t *xh, const int32_t *x
   const __m256i nib = _mm256_set1_epi8(15);
   __m256i a[8];   // [rows 0-7 | 8-15][low nibbles x Xh, x Xl, high nibbles x Xh, x Xl]
   for (auto &v : a) v = _mm256_setzero_si256();
+  // Unrolled whole, GCC computes every product of the group before adding any and spills them.
+#pragma GCC unroll 2
   for (int64_t u = 0; u < kGroup / q4nx::kUnitCols; ++u) {
     const __m256i h = _mm256_set1_epi32(xh[u]), l = _mm256_set1_epi32(xl[u]);
     for (int64_t r = 0; r < 2; ++r) {
