@@ -62,6 +62,24 @@ def test_every_q4nx_group_kind_matches_the_simulated_device(tiny):
     assert all(r.compared > 0 for r in rows)
 
 
+def test_q4nx_groups_at_smollm2_shapes_match_the_simulated_device():
+    """The embedded model (SmolLM2: hidden 576 = 2 x 256 + 64, FFN 1536) on its real weights,
+    quantized: rows whose last Q4NX block is narrower, and a down projection whose K takes
+    several L2 steps with partial sums, executed as MLIR."""
+    from llama32_1b_weights import load_weights
+    from llama_base.config import LlamaConfig
+
+    folder = fixtures.ensure_embedded_model()
+    cfg = LlamaConfig.from_json(folder)
+    assert cfg.hidden_size % q4nx.COLS and cfg.intermediate_size > 2 * q4nx.COLS
+    down = next(l for l in groups.build_group("o_ffn", cfg, 32, quant=q4nx.NAME).launches if l.name == "down_proj")
+    assert down.p("tile_k_l2") < down.p("K")
+    weights = load_weights(folder)
+    rows = [verify_mlir.compare(c, weights=weights) for c in verify_mlir.cases(cfg, 32, q4nx.NAME)]
+    bad = [(r.name, r.worst, r.error) for r in rows if not r.passed]
+    assert not bad and len(rows) == 6
+
+
 def test_verify_mlir_runs_the_q4nx_groups_and_says_generation_is_not_compared(capsys):
     assert verify_mlir.main(["--quant", q4nx.NAME, "--max-seq", "32", "--n-tokens", "2"]) == 0
     out = capsys.readouterr().out
