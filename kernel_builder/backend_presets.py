@@ -97,6 +97,18 @@ def gemv_q4nx_tiling(m: int, k: int) -> dict:
     return {"M": m, "K": k, "herd": (cores, 1), "tile_m": q4nx.ROWS, "tile_k": min(q4nx.COLS, k)}
 
 
+def gemv_q4nx_rows(rows: int) -> int:
+    """The rows a Q4NX GEMV of at least `rows` outputs is declared with (the LM head's vocabulary
+    partitions, which are padded anyway): whole row-blocks and, past one per core of a column,
+    a multiple of that, so `gemv_q4nx_tiling` splits them over every core. Llama-3.2-1B's
+    16 032-row partitions are 501 row-blocks, which only 3 cores share evenly; 504 keep 8 busy
+    for 0.6 % more bytes."""
+    blocks = -(-rows // q4nx.ROWS)
+    if blocks > ARRAY_COLS:
+        blocks = -(-blocks // ARRAY_COLS) * ARRAY_COLS
+    return blocks * q4nx.ROWS
+
+
 def gemv_q4nx_l1_bytes(tile_k: int, k: int) -> int:
     """x, a double-buffered Q4NX block of `tile_k` columns, the f32 accumulator and the bf16
     output of one row-block."""

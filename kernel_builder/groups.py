@@ -347,9 +347,10 @@ def o_gemv_ffn(cfg: LlamaConfig, quant: str = "bf16") -> KernelGroup:
 
 def lm_head_rows(cfg: LlamaConfig, quant: str = "bf16") -> int:
     """Rows per vocab partition; the last partition is zero-padded when the vocab does not divide.
-    Quantized partitions are whole row-blocks of their format."""
+    Quantized partitions are whole row-blocks of their format, as many as the GEMV's cores
+    share evenly (`backend_presets.gemv_q4nx_rows`)."""
     rows = -(-cfg.vocab_size // LM_HEAD_PARTITIONS)
-    return rows if quant == "bf16" else -(-rows // q4nx.ROWS) * q4nx.ROWS
+    return rows if quant == "bf16" else presets.gemv_q4nx_rows(rows)
 
 
 def lm_head_gemv(cfg: LlamaConfig, quant: str = "bf16") -> KernelGroup:

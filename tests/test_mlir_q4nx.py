@@ -188,3 +188,13 @@ def test_a_builder_refuses_the_other_weight_format(configs):
                         tuple((k, 128 if k == "tile_k" else v) for k, v in ld.params))
     with pytest.raises(KernelShapeError, match="tile_k"):
         gemv_q4nx.build(bad, [d.slot(a) for a in ld.args])
+
+
+def test_the_llama_lm_head_partitions_keep_every_core_of_the_gemv_busy():
+    cfg = CONFIGS["llama32_1b"]
+    rows = groups.lm_head_rows(cfg, QUANT)
+    g = groups.lm_head_gemv(cfg, QUANT)
+    assert all(l.p("herd") == (presets.ARRAY_COLS, 1) for l in g.launches)
+    assert rows % (q4nx.ROWS * presets.ARRAY_COLS) == 0
+    assert cfg.vocab_size <= groups.LM_HEAD_PARTITIONS * rows < 1.01 * cfg.vocab_size
+    assert groups.lm_head_rows(TINY, QUANT) == q4nx.ROWS       # one row-block: no padding to a herd
