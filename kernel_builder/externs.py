@@ -13,7 +13,8 @@ with its siblings, and the object build bundles their translation units into it.
 Memref types carry static tile shapes, so one source is compiled into several symbols (for
 example the GEMV once per (rows, K) pair: the down projection's K=ffn variant is its own
 symbol, which is what lets both variants live in one stitched module). All buffers live in
-L1 (memory space 2). Scalars are i32. Arithmetic is bf16 in, f32 accumulate, bf16 out.
+L1 (memory space 2). Scalars are i32. Arithmetic is bf16 in, f32 accumulate, bf16 out; a
+quantized weight arrives as its bytes (i8 memrefs, read as unsigned by the kernels).
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from mlir_samples import BUCKET, CONFIGS
 
 from kernel_builder import backend_presets as presets
 from kernel_builder import externs, groups
-from kernel_builder.mlir import KernelShapeError, build_launch
+from kernel_builder.mlir import KernelShapeError, build_launch, gemm, gemm_q4nx, gemv_q4nx
 from llama_base import q4nx
 from llama_runtime import fixtures
 from multi_launch_builder.compile import compile_group_mlir
@@ -178,7 +178,6 @@ def test_a_builder_refuses_the_other_weight_format(configs):
     q, lq = _launch(cfg, "o_ffn", "o_proj")
     b = groups.build_group("o_ffn", cfg, BUCKET)
     lb = next(l for l in b.launches if l.name == "o_proj")
-    from kernel_builder.mlir import gemm, gemm_q4nx, gemv_q4nx
     with pytest.raises(KernelShapeError, match="not bf16"):
         gemm.build(lb, [q.slot(a) for a in lq.args])
     with pytest.raises(KernelShapeError, match="not Q4NX"):

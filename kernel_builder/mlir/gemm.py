@@ -20,13 +20,12 @@ from typing import Callable, Sequence
 
 from kernel_builder.backend_presets import L1_BUDGET, L2_BYTES, gemm_l1_bytes, gemm_l2_bytes
 from kernel_builder.groups import Launch, Slot
-from kernel_builder.mlir.common import Kernel, kernel, module
+from kernel_builder.mlir.common import Kernel, kernel, module, round_to_bf16
 from kernel_builder.mlir.emit import L1, L2, Emitter, Index, Value
 
 A_MAP = "affine_map<(d0, d1, d2) -> (d0, d2)>"
 W_MAP = "affine_map<(d0, d1, d2) -> (d1, d2)>"
 C_MAP = "affine_map<(d0, d1, d2) -> (d0, d1)>"
-ELEM_2D = "affine_map<(d0, d1) -> (d0, d1)>"
 
 
 def _matmul_acc(b: Emitter, a1: Value, w1: Value, acc: Value) -> None:
@@ -35,10 +34,6 @@ def _matmul_acc(b: Emitter, a1: Value, w1: Value, acc: Value) -> None:
         return [b.arith("addf", x[2], prod, hint="acc")]
 
     b.generic([A_MAP, W_MAP, C_MAP], ["parallel", "parallel", "reduction"], [a1, w1], [acc], body)
-
-
-def _round_to(b: Emitter, acc: Value, out: Value) -> None:
-    b.generic([ELEM_2D, ELEM_2D], ["parallel", "parallel"], [acc], [out], lambda x: [b.truncf(x[0])])
 
 
 @dataclass(frozen=True)
@@ -145,7 +140,7 @@ def _core(b: Emitter, ids: tuple[Value, ...], hargs: tuple[Value, ...], split: b
     tile_in_partial = ([r, col], [tm, tn], [nb, 1])
 
     def write_c() -> None:
-        _round_to(b, acc, out)
+        round_to_bf16(b, acc, out)
         b.dma(c, ([b.add(row0, r), b.add(col0, col)], [tm, tn], [N, 1]), out, None)
 
     zero = b.const(0.0, "f32")
