@@ -38,7 +38,7 @@ help:
 	@echo "make compile      build, stitch and validate every kernel group's MLIR-AIR (ELFs where aircc exists)"
 	@echo "make verify       2 prompts x 32 greedy tokens vs HF transformers bf16 (top-5 gate)"
 	@echo "make verify-full  8 prompts, same gate"
-	@echo "make verify-mlir  execute every group's MLIR-AIR (interpreter) vs the simulated device, MODEL=tiny"
+	@echo "make verify-mlir  execute every group's MLIR-AIR (interpreter) vs the simulated device, MODEL=tiny [QUANT=q4nx]"
 	@echo "make diagnosis    per-layer cosine / max-abs difference vs HF on one prompt"
 	@echo "make profile      run PROMPT with a per-call breakdown table"
 	@echo "make bench        time this runtime vs HF transformers and llama.cpp"
@@ -86,7 +86,7 @@ verify-full: install
 
 # The interpreter is slow: it runs on the tiny model unless MODEL names another on the command line.
 verify-mlir: install
-	$(PY) -m verify.mlir --model "$(if $(filter command line,$(origin MODEL)),$(MODEL),tiny)" --n-tokens 16
+	$(PY) -m verify.mlir --model "$(if $(filter command line,$(origin MODEL)),$(MODEL),tiny)" --n-tokens 16 $(if $(QUANT),--quant "$(QUANT)")
 
 diagnosis: install
 	$(PY) -m verify.diagnosis --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)"

@@ -13,12 +13,15 @@ with its siblings, and the object build bundles their translation units into it.
 Memref types carry static tile shapes, so one source is compiled into several symbols (for
 example the GEMV once per (rows, K) pair: the down projection's K=ffn variant is its own
 symbol, which is what lets both variants live in one stitched module). All buffers live in
-L1 (memory space 2). Scalars are i32. Arithmetic is bf16 in, f32 accumulate, bf16 out.
+L1 (memory space 2). Scalars are i32. Arithmetic is bf16 in, f32 accumulate, bf16 out; a
+quantized weight arrives as its bytes (i8 memrefs, read as unsigned by the kernels).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from llama_base import q4nx
 
 if TYPE_CHECKING:
     from kernel_builder.groups import Launch
@@ -71,6 +74,42 @@ def gemv(tile_m: int, k: int) -> ExternKernel:
         (memref((tile_m, k)), memref((k,)), memref((tile_m,))),
         (("GEMV_TILE_M", tile_m), ("GEMV_K", k), ("GEMV_SYMBOL", f"gemv_bf16_m{tile_m}_k{k}")),
         reads=(0, 1), writes=(2,),
+    )
+
+
+def q4nx_defines() -> tuple[tuple[str, int], ...]:
+    """The Q4NX format's numbers, handed to every kernel that reads its bytes, so the C++ sources
+    state none of their own."""
+    return (("Q4NX_ROWS", q4nx.ROWS), ("Q4NX_COLS", q4nx.COLS), ("Q4NX_GROUP", q4nx.GROUP),
+            ("Q4NX_FIXED_BITS", q4nx.FIXED_BITS))
+
+
+def gemv_q4nx(tile_k: int, k: int) -> ExternKernel:
+    """acc[ROWS] += W_block · x[col0 : col0 + cols] for one Q4NX block of one row-block (FusedDQP).
+
+    The block buffer holds up to `tile_k` columns (`q4nx.BYTES_PER_COL` bytes each); `cols` says
+    how many this block has (a row's last block may be narrower) and `col0` where its columns
+    start in x. The f32 accumulator stays in L1 across the blocks of a row-block. The symbol
+    carries K because x's memref type does.
+    """
+    sym = f"gemv_q4nx_t{tile_k}_k{k}"
+    return ExternKernel(
+        sym, "gemv_q4nx.cc",
+        (memref((q4nx.BYTES_PER_COL * tile_k,), "i8"), memref((k,)), memref((q4nx.ROWS,), "f32"), "i32", "i32"),
+        q4nx_defines() + (("GEMV_Q4NX_TILE_K", tile_k), ("GEMV_Q4NX_K", k), ("GEMV_Q4NX_SYMBOL", sym)),
+        reads=(0, 1, 2), writes=(2,),
+    )
+
+
+def dequant_q4nx(rows: int, cols: int) -> ExternKernel:
+    """W[rows, cols] in bf16 from the Q4NX bytes of that tile (itself a Q4NX matrix), bit-exact
+    with `q4nx.dequantize`: prefill's GEMM multiplies these."""
+    sym = f"dequant_q4nx_n{rows}_k{cols}"
+    return ExternKernel(
+        sym, "dequant_q4nx.cc",
+        (memref((q4nx.nbytes(rows, cols),), "i8"), memref((rows, cols))),
+        q4nx_defines() + (("DEQUANT_Q4NX_ROWS", rows), ("DEQUANT_Q4NX_COLS", cols), ("DEQUANT_Q4NX_SYMBOL", sym)),
+        reads=(0,), writes=(1,),
     )
 
 
@@ -131,11 +170,16 @@ def attention(head_dim: int, tile: int) -> list[ExternKernel]:
 def externs_for_launch(launch: Launch) -> list[ExternKernel]:
     """The external kernels one group launch calls, from its op and parameters.
 
-    Ops lowered by the compiler (rmsnorm, gemm, add) call none. The MLIR builders declare
+    Ops lowered by the compiler (rmsnorm, gemm, add) call none; gemm_q4nx calls only its
+    dequantization (the product is the bf16 GEMM's linalg). The MLIR builders declare
     these and the object build compiles them, both through this one mapping.
     """
     if launch.op == "gemv":
         return [gemv(launch.p("tile_m"), launch.p("K"))]
+    if launch.op == "gemv_q4nx":
+        return [gemv_q4nx(launch.p("tile_k"), launch.p("K"))]
+    if launch.op == "gemm_q4nx":
+        return [dequant_q4nx(launch.p("tile_n"), launch.p("tile_k"))]
     if launch.op == "rope":
         return [rope(launch.p("head_dim"))]
     if launch.op == "swiglu":

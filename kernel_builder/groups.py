@@ -39,6 +39,8 @@ class Role(str, Enum):
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32,
                                    q4nx.NAME: torch.uint8}
 ITEMSIZE: dict[str, int] = {"bf16": 2, "f32": 4, "i32": 4}
+# The element type of a slot's buffer as MLIR spells it: a quantized matrix is its bytes.
+ELEMENT_TYPES: dict[str, str] = {"bf16": "bf16", "f32": "f32", "i32": "i32", q4nx.NAME: "i8"}
 # Weight formats a group can be declared with: "bf16", or a quantized format whose slots hold a
 # matrix of the declared (logical) shape as bytes laid out by its declaration (`llama_base.q4nx`).
 QUANTS = ("bf16", q4nx.NAME)
@@ -76,6 +78,11 @@ class Slot:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def element_type(self) -> str:
+        """The MLIR element type of `storage_shape`: what the L3 memref and its DMAs move."""
+        return ELEMENT_TYPES[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -340,9 +347,10 @@ def o_gemv_ffn(cfg: LlamaConfig, quant: str = "bf16") -> KernelGroup:
 
 def lm_head_rows(cfg: LlamaConfig, quant: str = "bf16") -> int:
     """Rows per vocab partition; the last partition is zero-padded when the vocab does not divide.
-    Quantized partitions are whole row-blocks of their format."""
+    Quantized partitions are whole row-blocks of their format, as many as the GEMV's cores
+    share evenly (`backend_presets.gemv_q4nx_rows`)."""
     rows = -(-cfg.vocab_size // LM_HEAD_PARTITIONS)
-    return rows if quant == "bf16" else -(-rows // q4nx.ROWS) * q4nx.ROWS
+    return rows if quant == "bf16" else presets.gemv_q4nx_rows(rows)
 
 
 def lm_head_gemv(cfg: LlamaConfig, quant: str = "bf16") -> KernelGroup:

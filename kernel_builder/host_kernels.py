@@ -37,6 +37,7 @@ ELEMENT_TYPES: dict[str, tuple[str, tuple[np.dtype, ...]]] = {
     "bf16": ("bf16", (np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16))),
     "f32": ("float", (np.dtype(np.float32),)),
     "i32": ("int32_t", (np.dtype(np.int32),)),
+    "i8": ("uint8_t", (np.dtype(np.uint8), np.dtype(np.int8))),     # bytes: a Q4NX matrix
 }
 
 _MEMREF = re.compile(r"memref<((?:\d+x)+)(\w+)(?:,[^>]*)?>")

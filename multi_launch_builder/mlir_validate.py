@@ -30,7 +30,8 @@ from typing import Iterable
 
 from iree.compiler import ir
 
-from kernel_builder.mlir.emit import DYNAMIC, L1, L2, memref
+from kernel_builder.mlir.common import slot_type
+from kernel_builder.mlir.emit import DYNAMIC, L1, L2
 
 CALL_OP = "mlir_validate.call"
 HIERARCHY = ("air.launch", "air.segment", "air.herd")
@@ -93,7 +94,7 @@ def cross_check(summary: ModuleSummary, group) -> None:
     if summary.func_name != group.name:
         problems.append(f"function @{summary.func_name}, declaration names the group {group.name}")
     with ir.Context():
-        want = tuple(str(ir.Type.parse(memref(s.shape, s.dtype))) for s in group.slots)
+        want = tuple(str(ir.Type.parse(slot_type(s))) for s in group.slots)
     if summary.arg_types != want:
         problems.append(f"function arguments {list(summary.arg_types)} != slots {list(want)}")
     if len(summary.launches) != len(group.launches):

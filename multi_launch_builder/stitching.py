@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from kernel_builder.groups import KernelGroup
-from kernel_builder.mlir.emit import memref
+from kernel_builder.mlir.common import slot_type
 
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 _SSA = re.compile(r"%([A-Za-z_$.\-][\w$.\-]*|\d+)")
@@ -405,7 +405,7 @@ def _reindent(text: str, indent: int) -> str:
 
 def slot_types(group: KernelGroup) -> list[str]:
     """Combined-function argument types: the group's slots in declaration order, as L3 memrefs."""
-    return [memref(s.shape, s.dtype) for s in group.slots]
+    return [slot_type(s) for s in group.slots]
 
 
 def stitch_group(group: KernelGroup, texts: Sequence[str]) -> str:

@@ -31,6 +31,7 @@ from kernel_builder.external_kernels import (
 )
 from kernel_builder.groups import all_groups, build_group, prefill_buckets
 from kernel_builder.host_kernels import ELEMENT_TYPES, HOST_FLAGS, ArgType, HostKernels, host_toolchain
+from llama_base import q4nx
 from llama_base.config import LlamaConfig
 from llama_runtime.rope import generate_rope_lut
 
@@ -54,6 +55,15 @@ def _gemv_kernels():
     return [externs.externs_for_launch(_launch(g, n))[0] for n in ("gate_proj", "down_proj")]
 
 
+def _q4nx_kernels():
+    """The fused GEMVs of Llama (full blocks) and SmolLM2 (K = 576: a 64-wide last block), the
+    prefill dequantization of the presets' tile, and one of a tile wider than a block."""
+    gemvs = [externs.externs_for_launch(_launch(build_group("o_gemv_ffn", cfg, quant=q4nx.NAME), "o_proj"))[0]
+             for cfg in (LLAMA, SMOLLM2)]
+    prefill = _launch(build_group("o_ffn", LLAMA, presets.PREFILL_BUCKETS[0], quant=q4nx.NAME), "o_proj")
+    return gemvs, [externs.externs_for_launch(prefill)[0], externs.dequant_q4nx(64, q4nx.COLS + 64)]
+
+
 def _swiglu_kernel():
     return externs.externs_for_launch(_launch(build_group("o_gemv_ffn", LLAMA), "swiglu"))[0]
 
@@ -65,7 +75,7 @@ def _attention_kernels(head_dim):
 
 @pytest.fixture(scope="session")
 def hk(tmp_path_factory):
-    kernels = [externs.rope(LLAMA.head_dim), _swiglu_kernel(), *_gemv_kernels()]
+    kernels = [externs.rope(LLAMA.head_dim), _swiglu_kernel(), *_gemv_kernels(), *sum(_q4nx_kernels(), [])]
     for d in ATTN_HEAD_DIMS:
         kernels += _attention_kernels(d)[0].values()
     return HostKernels(kernels, tmp_path_factory.mktemp("host_kernels"))
@@ -143,6 +153,66 @@ def test_gemv_tiles_match_a_float64_reference(hk, kernel):
         hk(kernel.symbol, w[r0:r0 + tm], x, y[r0:r0 + tm])
     want = (w.astype(np.float64) @ x.astype(np.float64)).astype(BF16)
     assert_bf16_close(y, want)
+
+
+# --- Q4NX ------------------------------------------------------------------------------
+
+def random_q4nx(rng, n, k):
+    """Q4NX bytes of random 4-bit values with scales and mins of both signs over several octaves."""
+    q = torch.from_numpy(rng.integers(0, q4nx.LEVELS + 1, (n, k), dtype=np.int64))
+    sc = torch.from_numpy(rng.standard_normal((n, k // q4nx.GROUP)) * 2.0 ** rng.integers(-12, -2, (n, 1)))
+    mn = torch.from_numpy(rng.standard_normal((n, k // q4nx.GROUP)) * 2.0 ** rng.integers(-9, -1, (n, 1)))
+    return q4nx.pack(q, sc, mn)
+
+
+@pytest.mark.parametrize("kernel", _q4nx_kernels()[0], ids=lambda k: k.symbol)
+def test_fused_q4nx_gemv_matches_the_decode_contract(hk, kernel):
+    """Blocks of row-blocks through the kernel as the MLIR builder streams them, against
+    `q4nx.gemv_reference` within the documented difference: the fixed point's rounding of x
+    (under 2^-15 of its group's largest |x|, times the group's |scale| * q) plus f32 rounding."""
+    defs = dict(kernel.defines)
+    tk, k = defs["GEMV_Q4NX_TILE_K"], defs["GEMV_Q4NX_K"]
+    n = 3 * q4nx.ROWS
+    rng = np.random.default_rng(k)
+    buf = random_q4nx(rng, n, k)
+    x = rand_bf16(rng, k)
+    x[: q4nx.GROUP] *= np.asarray(2.0 ** -np.arange(q4nx.GROUP), dtype=np.float32).astype(BF16)  # spread group
+    layout = q4nx.Layout(n, k)
+    blocks = layout.col_blocks()
+    assert all(c <= tk for _, c in blocks) and (k != SMOLLM2.hidden_size or blocks[-1][1] < tk)
+    raw = buf.numpy()
+    y = np.zeros(n, np.float32)
+    for rb in range(layout.row_blocks):
+        acc = np.zeros(q4nx.ROWS, np.float32)
+        for c0, c in blocks:
+            blk = np.zeros(q4nx.BYTES_PER_COL * tk, np.uint8)
+            at = layout.block_offset(rb, c0)
+            blk[: q4nx.BYTES_PER_COL * c] = raw[at: at + q4nx.BYTES_PER_COL * c]
+            hk(kernel.symbol, blk, x, acc, c0, c)
+        y[rb * q4nx.ROWS:(rb + 1) * q4nx.ROWS] = acc
+    xt = torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16)
+    want = q4nx.gemv_reference(buf, xt, n, k).numpy()
+    qv, sc, mn = (t.double().numpy() for t in q4nx.unpack(buf, n, k))
+    xf = x.astype(np.float64).reshape(-1, q4nx.GROUP)
+    top = np.abs(xf).max(1)
+    s_q = (qv.reshape(n, -1, q4nx.GROUP).sum(2) * np.abs(sc))                        # [n, groups]
+    terms = np.abs(qv * np.repeat(sc, q4nx.GROUP, 1)) + np.abs(np.repeat(mn, q4nx.GROUP, 1))
+    bound = 2.0 ** -15 * (s_q * top).sum(1) + 2.0 ** -18 * (terms @ np.abs(x.astype(np.float64)))
+    assert (np.abs(y - want) <= bound).all(), np.abs(y - want).max()
+    exact = (qv * np.repeat(sc, q4nx.GROUP, 1) + np.repeat(mn, q4nx.GROUP, 1)) @ x.astype(np.float64)
+    assert (np.abs(y - exact) <= 2.0 ** -18 * (terms @ np.abs(x.astype(np.float64)))).all()   # f32 sums only
+
+
+@pytest.mark.parametrize("kernel", _q4nx_kernels()[1], ids=lambda k: k.symbol)
+def test_q4nx_dequantization_is_bit_exact(hk, kernel):
+    defs = dict(kernel.defines)
+    n, k = defs["DEQUANT_Q4NX_ROWS"], defs["DEQUANT_Q4NX_COLS"]
+    rng = np.random.default_rng(n + k)
+    buf = random_q4nx(rng, n, k)
+    out = np.empty((n, k), BF16)
+    hk(kernel.symbol, buf.numpy(), out)
+    want = q4nx.dequantize(buf, n, k).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(out.view(np.uint16), want)
 
 
 def test_the_hidden_and_ffn_gemv_variants_are_distinct_symbols():
@@ -281,10 +351,14 @@ def _c_param(arg: ArgType) -> list[str]:
     return [c_type, "*"] if arg.shape is not None else [c_type]
 
 
+def every_format(cfg):
+    return [g for quant in ("bf16", q4nx.NAME) for g in all_groups(cfg, prefill_buckets(cfg), quant=quant)]
+
+
 @pytest.mark.parametrize("cfg", [LLAMA, SMOLLM2], ids=["llama-3.2-1b", "smollm2-135m"])
 def test_extern_c_signatures_match_the_mlir_declarations(cfg):
-    kernels = externs_for_groups(all_groups(cfg, prefill_buckets(cfg)))
-    assert {"gemv", "rope", "silu", "attn"} <= {k.symbol.split("_")[0] for k in kernels}
+    kernels = externs_for_groups(every_format(cfg))
+    assert {"gemv", "rope", "silu", "attn", "dequant"} <= {k.symbol.split("_")[0] for k in kernels}
     for k in kernels:
         sigs = exported_signatures(k)
         assert list(sigs) == [k.symbol], f"{k.source} with {k.defines} exports {list(sigs)}"
@@ -295,7 +369,7 @@ def test_extern_c_signatures_match_the_mlir_declarations(cfg):
 def test_declared_reads_and_writes_follow_the_c_signatures():
     """A `const` buffer is only read; every other buffer is written (and read too, where the
     kernel updates it in place, which `const` cannot tell: those are listed by hand)."""
-    kernels = externs_for_groups(all_groups(LLAMA, prefill_buckets(LLAMA)))
+    kernels = externs_for_groups(every_format(LLAMA))
     for k in kernels:
         params = exported_params(k)[k.symbol]
         buffers = [i for i, t in enumerate(k.arg_types) if ArgType.parse(t).shape is not None]
@@ -343,7 +417,7 @@ def test_peano_builds_every_llama_object(tmp_path):
         tc = find_peano()
     except ToolchainNotFound as e:
         pytest.skip(f"skipped: {e}")
-    kernels = externs_for_groups(all_groups(LLAMA, prefill_buckets(LLAMA)))
+    kernels = externs_for_groups(every_format(LLAMA))
     results = build_objects(kernels, tmp_path, tc)
     assert [r.status for r in results] == ["built"] * len({k.link_object for k in kernels})
     assert all(r.obj.stat().st_size > 0 for r in results)

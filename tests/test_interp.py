@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from kernel_builder import groups
+from llama_base import q4nx
 from llama_runtime import fixtures
 from llama_runtime.models import TINY
 from multi_launch_builder.compile import compile_group_mlir
 from npu_runtime.interp.device import InterpDevice
-from npu_runtime.interp.machine import InterpError, Machine
+from npu_runtime.interp.machine import DTYPES, InterpError, Machine
 from npu_runtime.interp.program import load_program
 from verify import mlir as verify_mlir
 
@@ -46,11 +47,52 @@ def test_every_group_kind_matches_the_simulated_device(tiny):
     assert all(r.compared > 0 for r in rows)
 
 
-def _shift_dma(text):
-    """The Q GEMV's weight slab one row further down: the last core reads past the matrix."""
+def test_every_q4nx_group_kind_matches_the_simulated_device(tiny):
+    """The Q4NX groups on the tiny model's own weights, quantized: the fused GEMVs and the
+    dequantizing GEMMs executed as MLIR against the simulated device's torch bodies."""
+    from llama32_1b_weights import load_weights
+
+    weights = load_weights(fixtures.ensure_tiny_checkpoint())
+    rows = [verify_mlir.compare(c, weights=weights) for c in verify_mlir.cases(tiny, BUCKET, q4nx.NAME)]
+    assert {r.name.split("_s")[0].split("@")[0].removesuffix("_q4nx") for r in rows} >= {
+        "rms_gemms_rope", "flash_attn", "o_ffn", "rms_gemv_rope", "o_gemv_ffn", "lm_head_gemv"}
+    assert sum(r.name.endswith("_q4nx") for r in rows) == 2 * len(groups.prefill_buckets(tiny, BUCKET)) + 3
+    bad = [(r.name, r.worst, r.error) for r in rows if not r.passed]
+    assert not bad
+    assert all(r.compared > 0 for r in rows)
+
+
+def test_q4nx_groups_at_smollm2_shapes_match_the_simulated_device():
+    """The embedded model (SmolLM2: hidden 576 = 2 x 256 + 64, FFN 1536) on its real weights,
+    quantized: rows whose last Q4NX block is narrower, and a down projection whose K takes
+    several L2 steps with partial sums, executed as MLIR."""
+    from llama32_1b_weights import load_weights
+    from llama_base.config import LlamaConfig
+
+    folder = fixtures.ensure_embedded_model()
+    cfg = LlamaConfig.from_json(folder)
+    assert cfg.hidden_size % q4nx.COLS and cfg.intermediate_size > 2 * q4nx.COLS
+    down = next(l for l in groups.build_group("o_ffn", cfg, 32, quant=q4nx.NAME).launches if l.name == "down_proj")
+    assert down.p("tile_k_l2") < down.p("K")
+    weights = load_weights(folder)
+    rows = [verify_mlir.compare(c, weights=weights) for c in verify_mlir.cases(cfg, 32, q4nx.NAME)]
+    bad = [(r.name, r.worst, r.error) for r in rows if not r.passed]
+    assert not bad and len(rows) == 6
+
+
+def test_verify_mlir_runs_the_q4nx_groups_and_says_generation_is_not_compared(capsys):
+    assert verify_mlir.main(["--quant", q4nx.NAME, "--max-seq", "32", "--n-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "lm_head_gemv_q4nx" in out and "generation: skipped" in out and "PASS" in out
+
+
+def _shift_dma(text, rows=2):
+    """The Q GEMV's weight slab `rows` rows further down: the last core reads past the matrix
+    (two rows keep the slab's bf16 output on a word boundary; one moves it half a word)."""
     return re.sub(r"(%q_gemv_i_1 = arith.addi %q_gemv_i, %q_gemv_m : index)",
-                  r"%q_gemv_i_0 = arith.addi %q_gemv_i, %q_gemv_m : index\n"
-                  r"            %q_gemv_i_1 = arith.addi %q_gemv_i_0, %q_gemv_c1_1 : index", text, count=1)
+                  rf"%q_gemv_i_0 = arith.addi %q_gemv_i, %q_gemv_m : index\n"
+                  rf"            %q_gemv_shift = arith.constant {rows} : index\n"
+                  rf"            %q_gemv_i_1 = arith.addi %q_gemv_i_0, %q_gemv_shift : index", text, count=1)
 
 
 def _skip_last_tile(text):
@@ -86,6 +128,8 @@ def _foreign_op(text):
 MUTATIONS = {
     "shifted_dma_offset": ("rms_gemv_rope", _shift_dma,
                            r"q_gemv_launch.*herd q_gemv_herd core \(7,0\).*dma_memcpy_nd: source .* accessed outside"),
+    "half_word_dma": ("rms_gemv_rope", lambda t: _shift_dma(t, rows=1),
+                      r"q_gemv_launch.*core \(0,0\).*dma_memcpy_nd: .* moves part of a 32-bit word"),
     "herd_skips_last_tile": ("lm_head_gemv", _skip_last_tile,
                              r"launch gemv_p0_launch.*leaves \d+ of \d+ elements of logits_p0 unwritten"),
     "extern_args_swapped": ("o_gemv_ffn", _swap_extern_args,
@@ -174,3 +218,27 @@ def test_a_reduction_other_than_a_sum_runs_as_its_loop_nest():
     Machine(load_program(_LOOP_REDUCTION), "loop_reduction", {}).run([a.reshape(-1), mx, decay])
     np.testing.assert_array_equal(mx, expect_mx)
     np.testing.assert_array_equal(decay, expect_decay)
+
+
+_DMA = ('"air.dma_memcpy_nd"(%b, %c{o}, %c{n}, %c1, %a, %c{o}, %c{n}, %c1) {{operandSegmentSizes = '
+        'array<i32: 0, 1, 1, 1, 1, 1, 1, 1, 1>, static_dst_offsets = array<i64: -9223372036854775808>, '
+        'static_dst_sizes = array<i64: -9223372036854775808>, static_dst_strides = array<i64: -9223372036854775808>, '
+        'static_src_offsets = array<i64: -9223372036854775808>, static_src_sizes = array<i64: -9223372036854775808>, '
+        'static_src_strides = array<i64: -9223372036854775808>}} : (memref<8xbf16>, index, index, index, '
+        'memref<8xbf16>, index, index, index) -> ()')
+
+
+@pytest.mark.parametrize("offset,count,ok", [(0, 4, True), (2, 6, True), (0, 3, False), (1, 2, False)])
+def test_a_dma_of_part_of_a_word_is_refused(offset, count, ok):
+    """bf16 elements: two to a 32-bit word, so a run must start and end on an even element."""
+    consts = "".join(f"  %c{v} = arith.constant {v} : index\n" for v in sorted({0, 1, offset, count}))
+    text = (f"func.func @words(%a: memref<8xbf16>, %b: memref<8xbf16>) {{\n{consts}"
+            f"  {_DMA.format(o=offset, n=count)}\n  return\n}}\n")
+    a, b = np.arange(8, dtype=np.float32).astype(DTYPES["bf16"]), np.zeros(8, DTYPES["bf16"])
+    machine = Machine(load_program(text), "words", {})
+    if ok:
+        machine.run([a, b])
+        np.testing.assert_array_equal(b[offset:offset + count], a[offset:offset + count])
+    else:
+        with pytest.raises(InterpError, match="part of a 32-bit word"):
+            machine.run([a, b])

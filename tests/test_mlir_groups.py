@@ -19,7 +19,8 @@ from multi_launch_builder.mlir_validate import validate_group_module
 
 
 def all_groups(cfg):
-    return groups.all_groups(cfg, (BUCKET,))
+    """Every group at one bucket, in every weight format."""
+    return [g for q in groups.QUANTS for g in groups.all_groups(cfg, (BUCKET,), quant=q)]
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -82,7 +83,7 @@ def test_no_group_with_a_gridded_launch_omits_the_core_loop(name):
     """Without its while-true loop a core runs one launch iteration and stops, so a launch grid
     of more than one block would leave all but the first block uncomputed on hardware."""
     gridded = 0
-    for g in groups.all_groups(CONFIGS[name], (BUCKET, 4 * BUCKET)):
+    for g in [g for q in groups.QUANTS for g in groups.all_groups(CONFIGS[name], (BUCKET, 4 * BUCKET), quant=q)]:
         grids = _launch_grids(kc.compile_group_mlir(g))
         if max(grids) > 1:
             gridded += 1

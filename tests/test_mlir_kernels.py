@@ -9,12 +9,13 @@ from mlir_samples import BUCKET, CONFIGS
 
 from kernel_builder import externs, groups
 from kernel_builder.mlir import BUILDERS, KernelShapeError, build_launch
-from kernel_builder.mlir.emit import memref
+from kernel_builder.mlir.common import slot_type
 from multi_launch_builder.mlir_validate import validate_module
 
 
 def launches(cfg):
-    return [(g, l) for g in groups.all_groups(cfg, (BUCKET,)) for l in g.launches]
+    """Every launch of every group, in every weight format."""
+    return [(g, l) for q in groups.QUANTS for g in groups.all_groups(cfg, (BUCKET,), quant=q) for l in g.launches]
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -22,7 +23,7 @@ def test_every_kernel_module_validates_and_moves_what_the_launch_declares(name):
     for g, launch in launches(CONFIGS[name]):
         s = validate_module(build_launch(g, launch))
         assert s.func_name == launch.name
-        assert s.arg_types == tuple(memref(g.slot(a).shape, g.slot(a).dtype) for a in launch.args)
+        assert s.arg_types == tuple(slot_type(g.slot(a)) for a in launch.args)
         (use,) = s.launches
         n_reads = len(launch.reads)
         assert use.args == tuple(range(len(launch.args)))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from kernel_builder.groups import KernelGroup, Launch, Slot
-from kernel_builder.mlir import add, flash_attention, gemm, gemv, rmsnorm, rope, swiglu
+from kernel_builder.mlir import add, flash_attention, gemm, gemm_q4nx, gemv, gemv_q4nx, rmsnorm, rope, swiglu
 from kernel_builder.mlir.common import KernelShapeError
 
 Builder = Callable[[Launch, Sequence[Slot]], str]
@@ -17,6 +17,8 @@ BUILDERS: dict[str, Builder] = {
     "rmsnorm": rmsnorm.build,
     "gemm": gemm.build,
     "gemv": gemv.build,
+    "gemm_q4nx": gemm_q4nx.build,
+    "gemv_q4nx": gemv_q4nx.build,
     "rope": rope.build,
     "swiglu": swiglu.build,
     "add": add.build,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from kernel_builder.groups import Launch, Slot
-from kernel_builder.mlir.emit import Emitter, Hierarchy, Index, Pattern, Value, memref
+from kernel_builder.mlir.emit import Emitter, Hierarchy, Index, Pattern, Value, memref, memref_parts
 
 
 class KernelShapeError(ValueError):
@@ -20,7 +20,9 @@ class KernelShapeError(ValueError):
 
 
 def slot_type(slot: Slot) -> str:
-    return memref(slot.shape, slot.dtype)
+    """A slot's L3 memref: its storage (the bytes, for a quantized matrix), so the module's
+    argument is exactly the buffer the host uploads."""
+    return memref(slot.storage_shape, slot.element_type)
 
 
 @dataclass(frozen=True)
@@ -103,3 +105,11 @@ def row_pattern(shape: tuple[int, ...], row: Index, col: Index, n: int) -> Patte
     if len(shape) == 1:
         return [col], [n], [1]
     return [row, col], [1, n], [shape[-1], 1]
+
+
+def round_to_bf16(b: Emitter, acc: Value, out: Value) -> None:
+    """out = bf16(acc), elementwise over a tile of any rank: the one rounding of an f32 result."""
+    rank = len(memref_parts(acc.type)[0])
+    dims = ", ".join(f"d{i}" for i in range(rank))
+    ident = f"affine_map<({dims}) -> ({dims})>"
+    b.generic([ident, ident], ["parallel"] * rank, [acc], [out], lambda x: [b.truncf(x[0])])

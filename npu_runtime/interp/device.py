@@ -48,7 +48,7 @@ class InterpKernel:
                                arg_names=[s.name for s in group.slots])
         self._written = {w for launch in group.launches for w in launch.writes}
         # A module compiled for another declaration would run on the wrong buffers.
-        want = [(s.shape, s.dtype) for s in group.slots]
+        want = [(s.storage_shape, s.element_type) for s in group.slots]
         have = [(t.shape, t.dtype) for t in program.arg_types]
         if want != have:
             raise DeviceError(f"{artifact_dir}: module arguments do not match the declaration of {group.name}")
@@ -61,7 +61,7 @@ class InterpKernel:
             if bo.size < slot.nbytes:
                 raise DeviceError(f"{self.group.name}: buffer for {slot.name} has {bo.size} bytes, needs {slot.nbytes}")
             raw = bo.device_view(for_write=slot.name in self._written)[: slot.nbytes]
-            arrays.append(raw.numpy().view(np.uint8).view(DTYPES[slot.dtype]))
+            arrays.append(raw.numpy().view(np.uint8).view(DTYPES[slot.element_type]))
         self.machine.run(arrays)
         self.device.counters.runs += 1
 

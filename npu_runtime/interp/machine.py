@@ -7,7 +7,7 @@ buffers, and external kernels run from their C++ sources' host builds (`HostKern
 
 While it runs it checks, and stops at the first failure with an `InterpError` naming the
 group, launch, herd core and op:
-- a DMA that reads or writes outside either memref;
+- a DMA that reads or writes outside either memref, or moves part of a 32-bit word;
 - a read of L1/L2 bytes nobody wrote since allocation (DMA source, linalg input, load, or a
   kernel argument the kernel reads);
 - two cores of one herd writing the same element of a shared buffer, or a core reading an
@@ -33,7 +33,9 @@ from npu_runtime.api import DeviceError
 from npu_runtime.interp.linalg import generic
 from npu_runtime.interp.program import CALL_OP, Block, MemRefType, Op, Program
 
-DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "f32": np.dtype(np.float32), "i32": np.dtype(np.int32)}
+DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "f32": np.dtype(np.float32), "i32": np.dtype(np.int32),
+          "i8": np.dtype(np.uint8)}      # bytes (a Q4NX matrix): unsigned, as the kernels read them
+WORD = 4                   # bytes: the AIE DMAs move whole 32-bit words
 DYNAMIC = -(1 << 63)       # marks a dynamic entry in a DMA's static_* list
 L1, L2, L3 = 2, 1, 0
 _CMP = {0: lambda a, b: a == b, 1: lambda a, b: a != b, 2: lambda a, b: a < b, 3: lambda a, b: a <= b,
@@ -149,7 +151,7 @@ class Machine:
         if t.space not in (L1, L2):
             raise self.error(f"allocation in memory space {t.space}")
         n = math.prod(t.shape)
-        fill = np.nan if t.dtype != "i32" else 0        # poison: an unchecked read shows as NaN
+        fill = np.nan if t.dtype in ("bf16", "f32") else 0   # poison: an unchecked float read shows as NaN
         buf = Buffer(np.full(n, fill, DTYPES[t.dtype]), t.shape, t.space, f"%{op.results[0]}",
                      np.zeros(n, bool))
         if t.space == L1:
@@ -257,6 +259,8 @@ class Machine:
             raise self.error(f"moves {sn} elements from {sbuf.name} into {dn} of {dbuf.name}")
         if dbuf.data.dtype != sbuf.data.dtype:
             raise self.error(f"copies {sbuf.data.dtype} into {dbuf.data.dtype}")
+        for side, buf, idx in (("destination", dbuf, di), ("source", sbuf, si)):
+            self._check_words(side, buf, idx)
         self._check_read(sbuf, si)
         values = sbuf.data if si is None else sbuf.data[si]
         if di is None:
@@ -264,6 +268,21 @@ class Machine:
         else:
             dbuf.data[di] = values
         self._mark_written(dbuf, di)
+
+    def _check_words(self, side: str, buf: Buffer, idx: np.ndarray | None) -> None:
+        """Every contiguous run a DMA moves starts on a 32-bit word and is whole words."""
+        item = buf.data.itemsize
+        if idx is None:
+            bad = buf.nbytes % WORD != 0
+        else:
+            at = idx * item
+            starts = np.concatenate(([0], np.flatnonzero(np.diff(at) != item) + 1))
+            ends = np.append(starts[1:], at.size)
+            bad = bool((at[starts] % WORD).any() or ((ends - starts) * item % WORD).any())
+        if bad:
+            raise self.error(f"{side} {buf.name}: moves part of a 32-bit word (elements of {item} bytes"
+                             f"{'' if idx is None else f', first at byte {int(idx[0]) * item}'}); "
+                             f"the DMAs move whole words at word-aligned addresses")
 
     # ---- compute ----------------------------------------------------------------------
     def _fill(self, op: Op, env: list) -> None:

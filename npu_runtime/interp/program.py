@@ -22,7 +22,7 @@ _MAP = re.compile(r"affine_map<\(([^)]*)\)\s*->\s*\(([^)]*)\)>")
 @dataclass(frozen=True)
 class MemRefType:
     shape: tuple[int, ...]
-    dtype: str              # bf16, f32, i32
+    dtype: str              # bf16, f32, i32, i8
     space: int              # 0 = L3 (a function argument), 1 = L2, 2 = L1
 
     @classmethod

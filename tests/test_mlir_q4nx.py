@@ -1,0 +1,199 @@
+"""The Q4NX groups' modules: every group of every shape the project runs builds, stitches,
+validates and cross-checks; weight slots are their bytes; and every DMA moves whole 32-bit
+words, which the AIE DMAs require and a byte format makes easy to get wrong."""
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+from conftest import TINY
+from mlir_samples import BUCKET, CONFIGS
+
+from kernel_builder import backend_presets as presets
+from kernel_builder import externs, groups
+from kernel_builder.mlir import KernelShapeError, build_launch, gemm, gemm_q4nx, gemv_q4nx
+from llama_base import q4nx
+from llama_runtime import fixtures
+from multi_launch_builder.compile import compile_group_mlir
+from multi_launch_builder.mlir_validate import validate_group_module
+from npu_runtime.interp.program import MemRefType, load_program
+
+QUANT = q4nx.NAME
+ITEMSIZE = {"bf16": 2, "f32": 4, "i32": 4, "i8": 1}
+WORD = 4
+
+
+@pytest.fixture(scope="module")
+def configs():
+    """The Llama-3.2-1B shape, SmolLM2 (hidden 576: a row's last block is 64 wide), the test
+    suite's TINY and the interpreter's tiny model."""
+    return {**CONFIGS, "tiny_tests": TINY, "tiny_model": fixtures.tiny_config(fixtures.ensure_embedded_model())}
+
+
+def q4nx_groups(cfg):
+    return groups.all_groups(cfg, (BUCKET, 4 * BUCKET), quant=QUANT)
+
+
+def test_every_q4nx_group_module_validates_against_its_declaration(configs):
+    for cfg in configs.values():
+        for g in q4nx_groups(cfg):
+            text = compile_group_mlir(g)
+            s = validate_group_module(text, g)
+            assert [u.name for u in s.launches] == [f"{l.name}_launch" for l in g.launches]
+            assert s.externs == {k.symbol: k.link_object for l in g.launches for k in externs.externs_for_launch(l)}
+            for slot in g.slots:
+                if slot.quantized:
+                    assert f"memref<{q4nx.nbytes(*slot.shape)}xi8>" in s.arg_types
+
+
+def test_q4nx_groups_use_the_q4nx_ops_and_only_their_kernels(configs):
+    g = groups.build_group("o_gemv_ffn", configs["llama32_1b"], quant=QUANT)
+    text = compile_group_mlir(g)
+    assert not re.search(r"memref<\d+x\d+xbf16>", text)        # decode's only 2-D buffers would be weights
+    assert set(re.findall(r"func\.func private @(\w+)", text)) == {
+        "gemv_q4nx_t256_k2048", "gemv_q4nx_t256_k8192", "silu_and_mul_bf16_n1024"}
+    prefill = compile_group_mlir(groups.build_group("o_ffn", configs["llama32_1b"], BUCKET, quant=QUANT))
+    assert set(re.findall(r"func\.func private @(\w+)", prefill)) == {
+        "dequant_q4nx_n64_k64", "silu_and_mul_bf16_n1024"}
+
+
+def _divisors(text):
+    """Per DMA side: (element type, whole buffer?, known divisors of offsets, sizes and strides).
+
+    A known divisor of every index value, propagated from constants through the arithmetic the
+    builders emit, loop counters (a divisor of both bound and step) and hierarchy operands: what
+    any iteration's value is a multiple of, so a check on it holds for every iteration."""
+    p = load_program(text)
+    div, types, sides = {}, dict(zip(p.args, p.arg_types)), []
+    d = lambda v: div.get(v, 1)  # noqa: E731  (ids, divisions: nothing known)
+
+    def walk(block):
+        for op in block.ops:
+            name, res = op.name, op.results
+            if name == "arith.constant" and op.types[0] == "index":
+                div[res[0]] = abs(int(op.attrs["value"]))
+            elif name == "arith.muli":
+                div[res[0]] = d(op.operands[0]) * d(op.operands[1])
+            elif name in ("arith.addi", "arith.remui", "arith.minui"):
+                div[res[0]] = math.gcd(d(op.operands[0]), d(op.operands[1]))
+            elif name == "arith.index_cast":
+                div[res[0]] = d(op.operands[0])
+            elif name == "memref.alloc":
+                types[res[0]] = MemRefType.parse(op.types[0])
+            elif name == "scf.for":
+                div[op.regions[0].args[0]] = math.gcd(d(op.operands[0]), d(op.operands[2]))
+            elif name in ("air.launch", "air.segment", "air.herd"):
+                _, sizes, operands = op.segments()
+                for arg, o in zip(op.regions[0].args[2 * len(sizes):], operands):
+                    div[arg] = d(o)
+                    if o in types:
+                        types[arg] = types[o]
+            elif name == "air.dma_memcpy_nd":
+                _, dst, *dp, src, so, ss, st = op.segments()
+                for buf, pat in ((dst[0], dp), (src[0], (so, ss, st))):
+                    sides.append((types[buf], [[d(v) for v in part] for part in pat]))
+            for r in op.regions:
+                walk(r)
+
+    walk(p.body)
+    return sides
+
+
+def word_problems(text):
+    """DMA sides that move a part of a 32-bit word: a contiguous run that is not whole words, a
+    first byte off a word boundary, or an outer stride that is not whole words."""
+    out = []
+    for t, (offs, sizes, strides) in _divisors(text):
+        item = ITEMSIZE[t.dtype]
+        if not sizes:
+            if math.prod(t.shape) * item % WORD:
+                out.append(f"whole {t}")
+            continue
+        run = sizes[-1] * item if strides[-1] == 1 else item
+        if run % WORD or any(o * s * item % WORD for o, s in zip(offs, strides)) or \
+                any(s * item % WORD for s in strides[:-1]):
+            out.append(f"{t}: offsets {offs} sizes {sizes} strides {strides} (known divisors)")
+    return out
+
+
+def test_every_q4nx_dma_moves_whole_words_at_word_offsets(configs):
+    checked = 0
+    for cfg in configs.values():
+        for g in q4nx_groups(cfg):
+            text = compile_group_mlir(g)
+            assert not word_problems(text), g.name
+            checked += text.count('"air.dma_memcpy_nd"')
+    assert checked > 0
+
+
+def test_the_word_check_sees_a_half_word_run():
+    """The check is not vacuous: a bf16 GEMV slab of one row of an odd-length output moves 2 bytes."""
+    cfg = CONFIGS["llama32_1b"]
+    g = groups.build_group("o_gemv_ffn", cfg)
+    down = next(l for l in g.launches if l.name == "down_proj")
+    assert down.p("tile_m") == 1
+    assert word_problems(build_launch(g, down))
+
+
+def _launch(cfg, kind, name, seq=BUCKET):
+    g = groups.build_group(kind, cfg, seq, quant=QUANT) if kind in groups.PREFILL_KINDS else \
+        groups.build_group(kind, cfg, quant=QUANT)
+    return g, next(l for l in g.launches if l.name == name)
+
+
+def test_a_narrower_last_block_gets_its_own_dma_and_call(configs):
+    """SmolLM2: K = 576 = 2 x 256 + 64."""
+    g, l = _launch(configs["smollm2"], "o_gemv_ffn", "o_proj")
+    text = build_launch(g, l)
+    tail = q4nx.BYTES_PER_COL * 64
+    assert len(re.findall(rf"%c{tail} = arith.constant {tail} : index", text)) == 1
+    assert re.search(r"func\.call @gemv_q4nx_t256_k576\(.*, %c512_i32, %c64_i32\)", text)
+    g, l = _launch(configs["smollm2"], "o_ffn", "o_proj")
+    assert l.p("tile_k_l2") == 576          # one panel of the whole K: blocks 256, 256, 64
+    text = build_launch(g, l)
+    assert len(re.findall(r"func\.call @dequant_q4nx", text)) == 2     # the 256-wide run and the 64-wide one
+
+
+def test_llama_tilings_fit_l1_and_l2():
+    cfg = CONFIGS["llama32_1b"]
+    for kind, seq in (("rms_gemv_rope", 1), ("o_gemv_ffn", 1), ("lm_head_gemv", 1),
+                      ("rms_gemms_rope", BUCKET), ("o_ffn", BUCKET), ("o_ffn", 2048)):
+        g = groups.build_group(kind, cfg, seq, quant=QUANT)
+        for l in g.launches:
+            p = l.param_dict
+            if l.op == "gemv_q4nx":
+                assert presets.gemv_q4nx_l1_bytes(p["tile_k"], p["K"]) <= presets.L1_BUDGET
+                assert (p["M"] // q4nx.ROWS) % p["herd"][0] == 0
+            elif l.op == "gemm_q4nx":
+                assert presets.gemm_q4nx_l1_bytes(p["tile_m"], p["tile_n"], p["tile_k"]) <= presets.L1_BUDGET
+                mb, nb = p["herd"][0] * p["tile_m"], p["herd"][1] * p["tile_n"]
+                split = p["tile_k_l2"] < p["K"]
+                assert presets.gemm_q4nx_l2_bytes(mb, nb, p["tile_k_l2"], split) <= presets.L2_BYTES
+                assert p["tile_k_l2"] in presets.q4nx_k_steps(p["K"], p["tile_k"])
+
+
+def test_a_builder_refuses_the_other_weight_format(configs):
+    cfg = configs["llama32_1b"]
+    q, lq = _launch(cfg, "o_ffn", "o_proj")
+    b = groups.build_group("o_ffn", cfg, BUCKET)
+    lb = next(l for l in b.launches if l.name == "o_proj")
+    with pytest.raises(KernelShapeError, match="not bf16"):
+        gemm.build(lb, [q.slot(a) for a in lq.args])
+    with pytest.raises(KernelShapeError, match="not Q4NX"):
+        gemm_q4nx.build(lq, [b.slot(a) for a in lb.args])
+    d, ld = _launch(cfg, "o_gemv_ffn", "o_proj")
+    bad = groups.Launch(ld.name, ld.op, ld.reads, ld.writes,
+                        tuple((k, 128 if k == "tile_k" else v) for k, v in ld.params))
+    with pytest.raises(KernelShapeError, match="tile_k"):
+        gemv_q4nx.build(bad, [d.slot(a) for a in ld.args])
+
+
+def test_the_llama_lm_head_partitions_keep_every_core_of_the_gemv_busy():
+    cfg = CONFIGS["llama32_1b"]
+    rows = groups.lm_head_rows(cfg, QUANT)
+    g = groups.lm_head_gemv(cfg, QUANT)
+    assert all(l.p("herd") == (presets.ARRAY_COLS, 1) for l in g.launches)
+    assert rows % (q4nx.ROWS * presets.ARRAY_COLS) == 0
+    assert cfg.vocab_size <= groups.LM_HEAD_PARTITIONS * rows < 1.01 * cfg.vocab_size
+    assert groups.lm_head_rows(TINY, QUANT) == q4nx.ROWS       # one row-block: no padding to a herd
