@@ -126,11 +126,16 @@ class Session:
                 pos += 1
         except KeyboardInterrupt:
             reason = "interrupted"
-        tail = decoder.flush()
+        # Cut short (budget, context, cancel), the last tokens may hold part of a character:
+        # those bytes are dropped rather than shown as U+FFFD, in the stream and in `text`.
+        tail = decoder.flush(keep_partial=reason == "end_token")
         if tail and on_text:
             on_text(tail)
+        text = self.tokenizer.decode(out)
+        if reason != "end_token":
+            text = text.rstrip("\ufffd")
         decode_s = time.perf_counter() - t_first if out else 0.0
-        return GenerationResult(self.tokenizer.decode(out), out, len(ids), reason, ttft, decode_s,
+        return GenerationResult(text, out, len(ids), reason, ttft, decode_s,
                                 cached=pos, prefill_tokens=len(ids))
 
 

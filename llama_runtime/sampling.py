@@ -1,4 +1,5 @@
-"""Next-token choice: greedy by default; temperature, top-k, top-p and repetition penalty on request.
+"""Next-token choice: greedy by default; temperature, top-k, top-p, repetition penalty and
+per-token logit bias on request.
 
 Sampling uses its own `torch.Generator`, so a seed reproduces a run exactly and nothing else
 in the process (or another session) shifts its random stream.
@@ -19,6 +20,9 @@ class SamplingParams:
     top_p: float = 1.0              # 1 disables
     repetition_penalty: float = 1.0
     seed: int | None = None
+    # (token id, bias) pairs added to the logits after the repetition penalty: a tuple, so the
+    # params stay hashable and immutable. Ids are checked against the vocabulary by the caller.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -49,6 +53,9 @@ class Sampler:
             seen = logits[idx]
             logits = logits.clone()
             logits[idx] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+        if p.logit_bias:
+            idx = torch.tensor([i for i, _ in p.logit_bias], dtype=torch.long)
+            logits = logits.index_add(0, idx, torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype))
         if p.temperature == 0:
             return int(torch.argmax(logits))
         logits = logits / p.temperature

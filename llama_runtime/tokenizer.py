@@ -254,6 +254,12 @@ class StreamDecoder:
         self._ids.append(int(token_id))
         return self._emit(force=False)
 
-    def flush(self) -> str:
-        """Whatever is still held back (only non-empty if generation stopped mid-character)."""
-        return self._emit(force=True)
+    def flush(self, keep_partial: bool = True) -> str:
+        """Whatever is still held back (only non-empty if generation stopped mid-character).
+
+        With `keep_partial=False` the incomplete character's bytes are dropped instead of
+        showing as U+FFFD: an answer cut by a token budget ends before that character, as its
+        stream did.
+        """
+        text = self._emit(force=True)
+        return text if keep_partial else text.rstrip("\ufffd")
