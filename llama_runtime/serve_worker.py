@@ -27,6 +27,8 @@ from llama_runtime.sampling import SamplingParams
 
 DEFAULT_QUEUE_SIZE = 16
 # Weight of the latest job in the running mean of job durations that Retry-After is based on.
+# A slot frees when the running job ends, so Retry-After is that job's expected remainder,
+# not the time to drain the whole queue (which would send clients away for far too long).
 _DURATION_EMA = 0.3
 _SHUTDOWN = object()
 
@@ -121,6 +123,7 @@ class Worker:
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._cached_ids: list[int] = []   # token ids whose K/V are in the cache, position by position
         self._current: Job | None = None
+        self._current_started = 0.0
         self._mean_job_s = 1.0
         self._ids = itertools.count(1)
         self._thread = threading.Thread(target=self._run, name="generation-worker", daemon=True)
@@ -136,8 +139,8 @@ class Worker:
         try:
             self._queue.put_nowait(job)
         except queue.Full:
-            waiting = self._queue.qsize() + 1
-            raise QueueFull(max(1, math.ceil(self._mean_job_s * waiting))) from None
+            running_s = time.perf_counter() - self._current_started if self._current is not None else 0.0
+            raise QueueFull(max(1, math.ceil(self._mean_job_s - running_s))) from None
         return job
 
     def cancel_all(self, by: str = "shutdown") -> None:
@@ -166,9 +169,11 @@ class Worker:
             job = self._queue.get()
             if job is _SHUTDOWN:
                 return
-            self._current = job
+            self._current, self._current_started = job, time.perf_counter()
             try:
                 if job.cancelled_by is not None:
+                    self.log(f"[serve] {job.id} prompt {len(job.prompt_ids)} tokens, never started: queued "
+                             f"{time.perf_counter() - job.enqueued_at:.2f} s, cancelled by {job.cancelled_by}")
                     job._post("done", Outcome("", None, len(job.prompt_ids), 0, 0, job.cancelled_by))
                 else:
                     self._generate(job)

@@ -1,4 +1,4 @@
-"""`make serve`: an OpenAI-compatible HTTP API (`/v1/models`, `/v1/chat/completions`,
+"""`make serve`: an OpenAI-compatible HTTP API (`/v1/models[/{id}]`, `/v1/chat/completions`,
 `/v1/completions`) in front of one session.
 
 Clients of local runtimes speak OpenAI's API, so this module only translates: it has a
@@ -20,12 +20,14 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
@@ -44,6 +46,7 @@ from llama_runtime.openai_request import (
     int_param,
     internal_error,
     json_body,
+    logit_bias,
     number_param,
     refuse_unsupported,
     shutting_down,
@@ -55,6 +58,7 @@ from npu_runtime.devices import DEVICE_KINDS
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions (chat: the rest of the context)
 SHUTDOWN_GRACE_S = 5       # in-flight answers are cancelled at once; this bounds their goodbye
 
 
@@ -76,20 +80,24 @@ class Api:
             raise ApiError(404, f"the model '{model}' does not exist; this server runs '{self.model_id}'",
                            "model", "model_not_found")
 
-    def _job(self, body: dict, ids: list[int], prompt_param: str) -> Job:
+    def _job(self, body: dict, ids: list[int], prompt_param: str, default_max_tokens: int | None = None) -> Job:
         limit = self.worker.max_context
         if len(ids) >= limit:
             raise ApiError(400, f"this model's maximum context length is {limit} tokens, and the prompt has "
                            f"{len(ids)} tokens, leaving no room for an answer", prompt_param, "context_length_exceeded")
         newer, older = int_param(body, "max_completion_tokens", 1, limit), int_param(body, "max_tokens", 1, limit)
         max_tokens = older if newer is None else newer
+        max_tokens = default_max_tokens if max_tokens is None else max_tokens
         room = limit - len(ids)
         max_tokens = room if max_tokens is None else min(max_tokens, room)
         temperature = number_param(body, "temperature", DEFAULT_TEMPERATURE, lambda t: 0 <= t <= MAX_TEMPERATURE,
                               f"between 0 and {MAX_TEMPERATURE:g}")
-        top_p = number_param(body, "top_p", 1.0, lambda p: 0 < p <= 1, "in (0, 1]")
+        top_p = number_param(body, "top_p", 1.0, lambda p: 0 <= p <= 1, "in [0, 1]")
+        if top_p == 0:                  # OpenAI's clients send it for "the most likely token only"
+            temperature, top_p = 0.0, 1.0
         seed = int_param(body, "seed", -sys.maxsize - 1, sys.maxsize)
-        sampling = SamplingParams(temperature, 0, top_p, 1.0, seed)
+        bias = logit_bias(body, self.session.config.vocab_size)
+        sampling = SamplingParams(temperature, 0, top_p, 1.0, seed, bias)
         return Job(ids, max_tokens, sampling, stop_strings(body), asyncio.get_running_loop())
 
     def _stream_flags(self, body: dict) -> tuple[bool, bool]:
@@ -186,8 +194,17 @@ class Api:
 
     # ---- routes ----
     async def models(self, request: Request):
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "llama32-1b-npu"}]})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request):
+        model_id = request.path_params["model_id"]
+        if model_id != self.model_id:
+            raise ApiError(404, f"the model '{model_id}' does not exist; this server runs '{self.model_id}'",
+                           "model", "model_not_found")
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "llama32-1b-npu"}
 
     async def chat_completions(self, request: Request):
         body = await json_body(request)
@@ -218,7 +235,7 @@ class Api:
         if body.get("echo") or body.get("suffix"):
             raise ApiError(400, "'echo' and 'suffix' are not supported", "echo" if body.get("echo") else "suffix")
         ids = self._prompt_ids(body.get("prompt"))
-        job = self._job(body, ids, "prompt")
+        job = self._job(body, ids, "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS)
 
         def choice(text: str, finish: str | None, streaming: bool) -> dict:
             return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
@@ -242,23 +259,38 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def create_app(worker: Worker, model_id: str) -> Starlette:
+def create_app(worker: Worker, model_id: str, cors_origins: Sequence[str] = (),
+               log: Callable[[str], None] = print) -> Starlette:
+    """The app. `cors_origins` are the web origins whose pages may call the API from a
+    browser (preflight OPTIONS answered); none by default, so a page elsewhere cannot use a
+    server that trusts whoever reaches it. Every refused request gets one log line, as every
+    answered one does in the worker."""
     api = Api(worker, model_id)
 
-    async def api_error(request, e: ApiError):
+    def refused(request: Request, e: ApiError):
+        log(f"[serve] {request.method} {request.url.path} refused: {e.status} {e.code or e.type}: {e.message}")
         return error_response(e)
 
+    async def api_error(request, e: ApiError):
+        return refused(request, e)
+
     async def http_error(request, e: HTTPException):
-        code = "not_found" if e.status_code == 404 else None
-        return error_response(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", None, code))
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        # e.headers carries 405's Allow, which clients need to learn the right method.
+        return refused(request, ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", None,
+                                         code, headers=e.headers))
 
     async def server_error(request, e: Exception):
-        return error_response(internal_error(e))
+        return refused(request, internal_error(e))
 
+    middleware = [Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                             allow_headers=["*"], max_age=600)] if cors_origins else []
     return Starlette(
         routes=[Route("/v1/models", api.models, methods=["GET"]),
+                Route("/v1/models/{model_id:path}", api.model, methods=["GET"]),
                 Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
                 Route("/v1/completions", api.completions, methods=["POST"])],
+        middleware=middleware,
         exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: server_error})
 
 
@@ -276,7 +308,7 @@ class _Server(uvicorn.Server):
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="llama32_1b_inference.py --serve",
-                                description="OpenAI-compatible HTTP server (/v1/models, /v1/chat/completions, "
+                                description="OpenAI-compatible HTTP server (/v1/models[/{id}], /v1/chat/completions, "
                                             "/v1/completions) for one model on one device.")
     p.add_argument("--model", "-m", default="instruct", help="as for make run (default: instruct)")
     p.add_argument("--device", choices=DEVICE_KINDS, default="auto")
@@ -285,6 +317,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT}; 0 picks a free one)")
     p.add_argument("--queue-size", type=positive_int, default=DEFAULT_QUEUE_SIZE,
                    help=f"requests that may wait for the model; more get 503 (default {DEFAULT_QUEUE_SIZE})")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="a web origin (scheme://host[:port]) whose pages may call the API from a browser; "
+                        "repeat for several, '*' for any (default: none)")
     p.add_argument("--run-only", action="store_true", help="never compile; fail if the kernel cache lacks a group")
     p.add_argument("--verbose", "-v", action="store_true", help="tracebacks on errors")
     return p
@@ -322,7 +357,7 @@ def serve(build_session: Callable, argv: list[str] | None = None) -> int:
     log(f"[serve] model '{model_id}' on {type(session.device).__name__}, context {worker.max_context}, "
         f"queue {args.queue_size}; ready in {session.build_s:.1f} s")
     log(f"[serve] OpenAI-compatible API at http://{host}:{port}/v1 (Ctrl-C stops)")
-    config = uvicorn.Config(create_app(worker, model_id), log_level="warning", access_log=False,
+    config = uvicorn.Config(create_app(worker, model_id, args.cors_origin, log), log_level="warning", access_log=False,
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     try:
         _Server(config, worker).run(sockets=[sock])

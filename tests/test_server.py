@@ -17,10 +17,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import openai
 import psutil
 import pytest
+import tokenizers
 from openai import OpenAI
 
+from llama_runtime.models import resolve_model
 from llama_runtime.server import DEFAULT_HOST
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,6 +35,7 @@ REFUSAL_TIMEOUT_S = 15         # well within the LONG answer that holds the devi
 JAPAN = [{"role": "user", "content": "What is the capital of Japan?"}]
 COUNTING = "1, 2, 3, 4, 5,"     # a raw prompt the model continues for hundreds of tokens
 LONG = 300
+WEB_ORIGIN = "http://localhost:5173"   # the one origin the test server lets browsers call it from
 
 
 class Server:
@@ -58,12 +62,17 @@ class Server:
 
     def post(self, path: str, body=None, raw: bytes | None = None) -> tuple[int, dict, dict]:
         """Status, headers and JSON body of one request sent as given."""
+        status, headers, data = self.request("POST", path, raw if raw is not None else json.dumps(body).encode(),
+                                             {"Content-Type": "application/json"})
+        return status, headers, json.loads(data)
+
+    def request(self, method: str, path: str, body: bytes | None = None,
+                headers: dict | None = None) -> tuple[int, dict, bytes]:
         conn = self.connection()
         try:
-            conn.request("POST", f"/v1{path}", raw if raw is not None else json.dumps(body).encode(),
-                         {"Content-Type": "application/json"})
+            conn.request(method, f"/v1{path}", body, headers or {})
             r = conn.getresponse()
-            return r.status, {k.lower(): v for k, v in r.getheaders()}, json.loads(r.read())
+            return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
         finally:
             conn.close()
 
@@ -90,7 +99,7 @@ def server():
         proc = subprocess.Popen(
             [sys.executable, str(REPO / "llama32_1b_inference.py"), "--serve", "--model", MODEL, "--device", "sim",
              "--max-context", str(MAX_CONTEXT), "--host", DEFAULT_HOST, "--port", "0",
-             "--queue-size", str(QUEUE_SIZE)],
+             "--queue-size", str(QUEUE_SIZE), "--cors-origin", WEB_ORIGIN],
             stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -177,6 +186,90 @@ def test_a_second_turn_prefills_only_its_new_tokens(server):
     assert f"{second.id} prompt {second.usage.prompt_tokens} tokens, {cached} reused" in server.log_line(second.id)
 
 
+# ---- OpenAI's finer points ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vocab() -> tokenizers.Tokenizer:
+    return tokenizers.Tokenizer.from_file(str(resolve_model(MODEL).folder / "tokenizer.json"))
+
+
+def test_one_model_can_be_retrieved_by_id(server):
+    m = server.client.models.retrieve(MODEL)
+    assert (m.id, m.object) == (MODEL, "model")
+    with pytest.raises(openai.NotFoundError) as e:
+        server.client.models.retrieve("gpt-4o")
+    assert e.value.body["code"] == "model_not_found"
+
+
+def test_completions_default_to_16_tokens(server):
+    r = server.client.completions.create(model=MODEL, prompt=COUNTING, temperature=0)
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+
+
+def test_logit_bias_steers_the_choice(server, vocab):
+    plain = server.client.completions.create(model=MODEL, prompt=COUNTING, max_tokens=4, temperature=0)
+    assert plain.choices[0].text.startswith(" 6")
+    banned = {str(i): -100 for i in vocab.encode(" 6, 7").ids}
+    steered = server.client.completions.create(model=MODEL, prompt=COUNTING, max_tokens=4, temperature=0,
+                                               logit_bias=banned)
+    assert not set(vocab.encode(steered.choices[0].text).ids) & {int(i) for i in banned}, steered.choices[0].text
+
+
+def test_an_answer_cut_inside_a_character_ends_before_it(server, vocab):
+    first_byte = vocab.token_to_id("æ")       # 0xE6: the first of the three bytes of e.g. 日 or 本
+    body = dict(model=MODEL, prompt="In Japanese, Japan is", max_tokens=1, temperature=0,
+                logit_bias={str(first_byte): 100})
+    r = server.client.completions.create(**body)
+    assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "length"
+    assert r.choices[0].text == ""
+    pieces = list(server.client.completions.create(**body, stream=True))
+    assert "".join(p.choices[0].text for p in pieces) == ""
+
+
+def test_top_p_zero_is_greedy(server):
+    greedy = _chat(server, temperature=0, max_tokens=12).choices[0].message.content
+    assert _chat(server, temperature=1, top_p=0, max_tokens=12).choices[0].message.content == greedy
+
+
+def test_developer_and_leading_system_messages_form_one_system_block(server):
+    say = [{"role": "user", "content": "Say one word."}]
+    ask = lambda msgs: _chat(server, messages=msgs + say, temperature=0, max_tokens=8).choices[0].message.content
+    one = ask([{"role": "system", "content": "You are a pirate.\n\nAnswer in capitals."}])
+    assert ask([{"role": "developer", "content": "You are a pirate.\n\nAnswer in capitals."}]) == one
+    assert ask([{"role": "system", "content": "You are a pirate."},
+                {"role": "developer", "content": "Answer in capitals."}]) == one
+
+
+def test_an_assistant_turn_that_called_tools_is_accepted(server):
+    call = {"id": "call_1", "type": "function", "function": {"name": "capital", "arguments": '{"country": "Japan"}'}}
+    r = _chat(server, messages=JAPAN + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                                        {"role": "user", "content": "Just tell me."}], temperature=0, max_tokens=8)
+    assert r.choices[0].message.content and r.usage.prompt_tokens > 0
+
+
+def test_cors_preflight_answers_only_the_configured_origin(server):
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+    status, headers, _ = server.request("OPTIONS", "/chat/completions", headers={"Origin": WEB_ORIGIN, **preflight})
+    assert status == 200 and headers["access-control-allow-origin"] == WEB_ORIGIN
+    assert "POST" in headers["access-control-allow-methods"]
+    status, headers, _ = server.request("OPTIONS", "/chat/completions",
+                                        headers={"Origin": "http://evil.test", **preflight})
+    assert status == 400 and "access-control-allow-origin" not in headers
+    status, headers, _ = server.request("GET", "/models", headers={"Origin": WEB_ORIGIN})
+    assert status == 200 and headers["access-control-allow-origin"] == WEB_ORIGIN
+
+
+def test_a_wrong_method_gets_405_with_allow(server):
+    status, headers, body = server.request("GET", "/chat/completions")
+    assert status == 405 and headers["allow"] == "POST"
+    assert json.loads(body)["error"]["code"] == "method_not_allowed"
+
+
+def test_refused_requests_are_logged(server):
+    status, _, _ = server.post("/completions", {"model": MODEL, "prompt": "hi", "best_of": 3})
+    assert status == 400
+    assert "POST /v1/completions refused: 400 invalid_request_error: only best_of=1" in server.log()
+
+
 # ---- one model, one device ----------------------------------------------------------------
 def _timed_probe(server) -> float:
     t0 = time.perf_counter()
@@ -214,6 +307,21 @@ def test_a_client_that_leaves_frees_the_device_at_the_next_token(server):
     assert server.log().count("cancelled by client") == cancelled + 1
 
 
+def test_a_client_that_leaves_while_queued_still_gets_a_log_line(server):
+    conn, _ = server.open_stream({"model": MODEL, "prompt": COUNTING, "max_tokens": LONG, "temperature": 0}, 2)
+    queued = server.connection()
+    try:                               # the stream holds the device, so this one waits in the queue
+        queued.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2}).encode(),
+                       {"Content-Type": "application/json"})
+        time.sleep(0.5)
+        queued.close()
+        time.sleep(0.3)
+    finally:
+        conn.close()
+    _timed_probe(server)               # queued behind the skipped job, so that one has been logged
+    assert re.search(r"\] \S+ prompt \d+ tokens, never started: queued [\d.]+ s, cancelled by client", server.log())
+
+
 def test_a_full_queue_answers_503_with_retry_after(server):
     conn, _ = server.open_stream({"model": MODEL, "prompt": COUNTING, "max_tokens": LONG, "temperature": 0}, 2)
     try:                                   # the stream holds the device; QUEUE_SIZE + 1 more arrive
@@ -248,7 +356,12 @@ BAD = [
     ("/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages", None),
     ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 7}]}, 400, "messages[0].content", None),
     ("/chat/completions", {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role", None),
-    ("/chat/completions", {"model": MODEL, "messages": USER + [{"role": "system", "content": "x"}]}, 400, "messages", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER + [{"role": "system", "content": "x"}]}, 400,
+     "messages[1].role", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER + [{"role": "developer", "content": "x"}]}, 400,
+     "messages[1].role", None),
+    ("/chat/completions", {"model": MODEL, "messages": [{"role": "assistant", "content": None}] + USER}, 400,
+     "messages[0].content", None),
     ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "word " * MAX_CONTEXT}]},
      400, "messages", "context_length_exceeded"),
     ("/chat/completions", {"model": MODEL, "messages": USER, "max_tokens": 0}, 400, "max_tokens", None),
@@ -258,7 +371,16 @@ BAD = [
      "max_completion_tokens", None),
     ("/chat/completions", {"model": MODEL, "messages": USER, "temperature": "warm"}, 400, "temperature", None),
     ("/chat/completions", {"model": MODEL, "messages": USER, "temperature": 3}, 400, "temperature", None),
-    ("/chat/completions", {"model": MODEL, "messages": USER, "top_p": 0}, 400, "top_p", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "top_p": -0.1}, 400, "top_p", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "top_p": 1.5}, 400, "top_p", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "logit_bias": [1]}, 400, "logit_bias", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "logit_bias": {"abc": 1}}, 400, "logit_bias", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "logit_bias": {"-1": 1}}, 400, "logit_bias", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "logit_bias": {"49152": 1}}, 400, "logit_bias", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "logit_bias": {"5": 100.5}}, 400, "logit_bias", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "logit_bias": {"5": "1"}}, 400, "logit_bias", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "tool_choice": "auto"}, 400, "tool_choice", None),
+    ("/completions", {"model": MODEL, "prompt": "hi", "best_of": 2}, 400, "best_of", None),
     ("/chat/completions", {"model": MODEL, "messages": USER, "n": 2}, 400, "n", None),
     ("/chat/completions", {"model": MODEL, "messages": USER, "stop": [1]}, 400, "stop", None),
     ("/chat/completions", {"model": MODEL, "messages": USER, "stream": "yes"}, 400, "stream", None),
