@@ -44,7 +44,9 @@ class Sampler:
         else:
             self.generator.seed()
 
-    def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
+    def adjust(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
+        """The logits every choice starts from (float32): repetition penalty, then logit bias.
+        Log probabilities reported to clients are taken from these too (logprobs.py)."""
         p = self.params
         logits = logits.float()
         if p.repetition_penalty != 1.0 and history:
@@ -56,6 +58,12 @@ class Sampler:
         if p.logit_bias:
             idx = torch.tensor([i for i, _ in p.logit_bias], dtype=torch.long)
             logits = logits.index_add(0, idx, torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype))
+        return logits
+
+    def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
+        """The next token; `last_logits` keeps the adjusted logits it was chosen from."""
+        p = self.params
+        logits = self.last_logits = self.adjust(logits, history)
         if p.temperature == 0:
             return int(torch.argmax(logits))
         logits = logits / p.temperature

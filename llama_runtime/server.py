@@ -52,14 +52,17 @@ from llama_runtime.openai_request import (
     shutting_down,
     stop_strings,
 )
+from llama_runtime.logprobs import MAX_TOP_CHAT, MAX_TOP_COMPLETIONS, TokenText
 from llama_runtime.sampling import SamplingParams
-from llama_runtime.serve_worker import DEFAULT_QUEUE_SIZE, Job, QueueFull, Worker
+from llama_runtime.serve_worker import DEFAULT_QUEUE_SIZE, Job, Piece, QueueFull, Worker
 from npu_runtime.devices import DEVICE_KINDS
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions (chat: the rest of the context)
 SHUTDOWN_GRACE_S = 5       # in-flight answers are cancelled at once; this bounds their goodbye
+# A route's shaping of one choice: (piece, finish_reason, streaming, prompt scores if echoed).
+Choice = Callable[..., dict]
 
 
 class Api:
@@ -125,24 +128,28 @@ class Api:
                 "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
 
     async def _answer(self, request: Request, job: Job, stream: bool, include_usage: bool,
-                      kind: str, choice: Callable[[str, str | None, bool], dict]):
-        """Run `job` and answer as one JSON object or as server-sent events. `choice(text,
-        finish_reason, streaming)` shapes one choice for this route."""
+                      kind: str, choice: Choice, echo: bool = False):
+        """Run `job` and answer as one JSON object or as server-sent events. `choice(piece,
+        finish_reason, streaming, prompt)` shapes one choice for this route; `prompt` (the
+        prompt tokens' scores, None where unscored) is given where the prompt is echoed."""
         rid = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         head = {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_id}
         job.id = rid                    # the log line names the id the client sees
         self._submit(job)
         if stream:
-            return StreamingResponse(self._events(job, head, include_usage, choice), media_type="text/event-stream",
+            return StreamingResponse(self._events(job, head, include_usage, choice, echo),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        out = await self._outcome(request, job)
+        prompt_scores: list = [None] * len(job.prompt_ids)
+        out = await self._outcome(request, job, prompt_scores)
         if out is None:                 # the client left; nobody reads this
             return JSONResponse({}, status_code=499)
-        return JSONResponse({**head, "choices": [choice(out.text, out.finish_reason, False)],
-                             "usage": self._usage(out), "system_fingerprint": None})
+        answer = choice(Piece(out.text, out.logprobs), out.finish_reason, False, prompt_scores if echo else None)
+        return JSONResponse({**head, "choices": [answer], "usage": self._usage(out), "system_fingerprint": None})
 
-    async def _outcome(self, request: Request, job: Job):
-        """The finished job, or None if the client disconnected first (the job is then cancelled)."""
+    async def _outcome(self, request: Request, job: Job, prompt_scores: list):
+        """The finished job, or None if the client disconnected first (the job is then cancelled).
+        The prompt's scores, if the job reports them, are put in `prompt_scores`."""
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             while True:
@@ -155,6 +162,8 @@ class Api:
                 what, value = get.result()
                 if what == "error":
                     raise as_api_error(value)
+                if what == "prompt":
+                    prompt_scores[:] = value
                 if what == "done":
                     if value.cancelled_by == "shutdown":
                         raise shutting_down()
@@ -162,7 +171,7 @@ class Api:
         finally:
             gone.cancel()
 
-    async def _events(self, job: Job, head: dict, include_usage: bool, choice):
+    async def _events(self, job: Job, head: dict, include_usage: bool, choice: Choice, echo: bool):
         chunk_kind = "chat.completion.chunk" if head["object"] == "chat.completion" else head["object"]
         head = {**head, "object": chunk_kind, "system_fingerprint": None}
         extra = {"usage": None} if include_usage else {}
@@ -170,21 +179,25 @@ class Api:
         def sse(obj: dict) -> str:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
+        nothing = Piece("", [])
         try:
             if chunk_kind == "chat.completion.chunk":
-                yield sse({**head, "choices": [choice("", None, True) | {"delta": {"role": "assistant", "content": ""}}],
-                           **extra})
+                yield sse({**head, "choices": [choice(nothing, None, True) | {"delta": {"role": "assistant",
+                                                                                        "content": ""}}], **extra})
+            if echo and not job.score_prompt:      # the echoed prompt leads; no scores to wait for
+                yield sse({**head, "choices": [choice(nothing, None, True, [None] * len(job.prompt_ids))], **extra})
             while True:
                 what, value = await job.events.get()
-                if what == "text":
-                    yield sse({**head, "choices": [choice(value, None, True)], **extra})
+                if what in ("text", "prompt"):
+                    piece, prompt = (value, None) if what == "text" else (nothing, value)
+                    yield sse({**head, "choices": [choice(piece, None, True, prompt)], **extra})
                     continue
                 if what == "error":
                     yield sse(as_api_error(value).body())
                 elif value.cancelled_by is not None:
                     yield sse(shutting_down().body())
                 else:
-                    yield sse({**head, "choices": [choice("", value.finish_reason, True)], **extra})
+                    yield sse({**head, "choices": [choice(nothing, value.finish_reason, True)], **extra})
                     if include_usage:
                         yield sse({**head, "choices": [], "usage": self._usage(value)})
                 yield "data: [DONE]\n\n"
@@ -217,13 +230,21 @@ class Api:
         messages = chat_messages(body.get("messages"))
         ids = as_request_error(lambda: fmt.render(messages, add_generation_prompt=True), "messages")
         job = self._job(body, ids, "messages")
+        wanted = bool_param(body, "logprobs")
+        top = int_param(body, "top_logprobs", 0, MAX_TOP_CHAT)
+        if top is not None and not wanted:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        job.logprobs = (top or 0) if wanted else None
+        texts = TokenText(self.session.tokenizer)
 
-        def choice(text: str, finish: str | None, streaming: bool) -> dict:
+        def choice(piece: Piece, finish: str | None, streaming: bool, prompt=None) -> dict:
+            lp = {"content": texts.chat_content(piece.logprobs), "refusal": None} if wanted else None
             if streaming:
-                delta = {"content": text} if text else {}
-                return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            return {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                    "finish_reason": finish, "logprobs": None}
+                lp = lp if piece.logprobs else None     # as OpenAI: none on the role and finish chunks
+                delta = {"content": piece.text} if piece.text else {}
+                return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
+            return {"index": 0, "message": {"role": "assistant", "content": piece.text, "refusal": None},
+                    "finish_reason": finish, "logprobs": lp}
 
         return await self._answer(request, job, stream, include_usage, "chat.completion", choice)
 
@@ -232,15 +253,29 @@ class Api:
         self._check_model(body)
         refuse_unsupported(body)
         stream, include_usage = self._stream_flags(body)
-        if body.get("echo") or body.get("suffix"):
-            raise ApiError(400, "'echo' and 'suffix' are not supported", "echo" if body.get("echo") else "suffix")
+        if body.get("suffix"):
+            raise ApiError(400, "'suffix' is not supported", "suffix")
+        echo = bool_param(body, "echo")
         ids = self._prompt_ids(body.get("prompt"))
         job = self._job(body, ids, "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS)
+        job.logprobs = int_param(body, "logprobs", 0, MAX_TOP_COMPLETIONS)
+        job.score_prompt = echo and job.logprobs is not None
+        texts = TokenText(self.session.tokenizer)
+        prompt_text = self.session.tokenizer.decode(ids) if echo else ""
+        offset = 0                      # text_offset runs on across a stream's chunks
 
-        def choice(text: str, finish: str | None, streaming: bool) -> dict:
-            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        def choice(piece: Piece, finish: str | None, streaming: bool, prompt=None) -> dict:
+            nonlocal offset
+            text, tokens, scores = piece.text, [e.token for e in piece.logprobs], list(piece.logprobs)
+            if prompt is not None:      # the echoed prompt leads the text, its first token unscored
+                text, tokens, scores = prompt_text + text, ids + tokens, prompt + scores
+            lp = None
+            if job.logprobs is not None and (tokens or not streaming):
+                lp = texts.completion(scores, tokens, offset)
+                offset += sum(len(t) for t in lp["tokens"])
+            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": lp}
 
-        return await self._answer(request, job, stream, include_usage, "text_completion", choice)
+        return await self._answer(request, job, stream, include_usage, "text_completion", choice, echo)
 
     def _prompt_ids(self, prompt: Any) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):

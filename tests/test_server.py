@@ -246,6 +246,53 @@ def test_an_assistant_turn_that_called_tools_is_accepted(server):
     assert r.choices[0].message.content and r.usage.prompt_tokens > 0
 
 
+# ---- log probabilities -------------------------------------------------------------------
+def test_chat_logprobs_describe_the_answer_streamed_or_not(server):
+    r = _chat(server, temperature=0, max_tokens=8, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    assert len(content) == r.usage.completion_tokens
+    for t in content:
+        assert bytes(t.bytes).decode() == t.token and t.logprob <= 0
+        tops = [x.logprob for x in t.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert (t.top_logprobs[0].token, t.top_logprobs[0].logprob) == (t.token, t.logprob)  # greedy: the likeliest
+
+    text, chunks = _streamed_chat(server, temperature=0, max_tokens=8, logprobs=True, top_logprobs=3)
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert text == r.choices[0].message.content
+    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [(t.token, round(t.logprob, 4)) for t in content]
+    assert _chat(server, temperature=0, max_tokens=2).choices[0].logprobs is None
+
+
+def test_completion_logprobs_with_echo_score_the_prompt_as_generation_did(server):
+    c = server.client.completions
+    gen = c.create(model=MODEL, prompt=COUNTING, max_tokens=4, temperature=0, logprobs=2)
+    lp = gen.choices[0].logprobs
+    assert "".join(lp.tokens) == gen.choices[0].text and len(lp.token_logprobs) == 4
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+    assert all(len(top) == 2 and max(top.values()) == l for top, l in zip(lp.top_logprobs, lp.token_logprobs))
+
+    echoed = c.create(model=MODEL, prompt=COUNTING + gen.choices[0].text, max_tokens=1, temperature=0, logprobs=2,
+                      echo=True)
+    e = echoed.choices[0]
+    assert e.text.startswith(COUNTING + gen.choices[0].text)
+    assert e.logprobs.token_logprobs[0] is None and e.logprobs.top_logprobs[0] is None
+    assert "".join(e.logprobs.tokens) == e.text
+    # The generated tokens, read back as the end of a prompt, get the scores they were generated with.
+    tail = e.logprobs.token_logprobs[-5:-1]
+    assert e.logprobs.tokens[-5:-1] == lp.tokens
+    assert tail == pytest.approx(lp.token_logprobs, abs=0.05)
+
+    pieces = list(c.create(model=MODEL, prompt=COUNTING, max_tokens=4, temperature=0, logprobs=2, echo=True,
+                           stream=True))
+    assert "".join(p.choices[0].text for p in pieces) == COUNTING + gen.choices[0].text
+    offsets = [o for p in pieces if p.choices[0].logprobs for o in p.choices[0].logprobs.text_offset]
+    assert offsets == sorted(offsets) and offsets[0] == 0 and len(offsets) == echoed.usage.prompt_tokens
+    plain = c.create(model=MODEL, prompt=COUNTING, max_tokens=4, temperature=0, echo=True)
+    assert plain.choices[0].text == COUNTING + gen.choices[0].text and plain.choices[0].logprobs is None
+
+
 def test_cors_preflight_answers_only_the_configured_origin(server):
     preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
     status, headers, _ = server.request("OPTIONS", "/chat/completions", headers={"Origin": WEB_ORIGIN, **preflight})
@@ -381,6 +428,13 @@ BAD = [
     ("/chat/completions", {"model": MODEL, "messages": USER, "logit_bias": {"5": "1"}}, 400, "logit_bias", None),
     ("/chat/completions", {"model": MODEL, "messages": USER, "tool_choice": "auto"}, 400, "tool_choice", None),
     ("/completions", {"model": MODEL, "prompt": "hi", "best_of": 2}, 400, "best_of", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "top_logprobs": 2}, 400, "top_logprobs", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "logprobs": 1}, 400, "logprobs", None),
+    ("/completions", {"model": MODEL, "prompt": "hi", "logprobs": 6}, 400, "logprobs", None),
+    ("/completions", {"model": MODEL, "prompt": "hi", "logprobs": True}, 400, "logprobs", None),
+    ("/completions", {"model": MODEL, "prompt": "hi", "echo": "yes"}, 400, "echo", None),
     ("/chat/completions", {"model": MODEL, "messages": USER, "n": 2}, 400, "n", None),
     ("/chat/completions", {"model": MODEL, "messages": USER, "stop": [1]}, 400, "stop", None),
     ("/chat/completions", {"model": MODEL, "messages": USER, "stream": "yes"}, 400, "stream", None),

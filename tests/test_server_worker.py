@@ -21,11 +21,11 @@ class HeldSession:
         self.release = threading.Event()
         self.started = threading.Event()
 
-    def generate(self, ids, n_tokens, on_text, sampling, start=0, history=None, should_stop=None):
+    def generate(self, ids, n_tokens, on_text, sampling, start=0, history=None, should_stop=None, **scoring):
         self.started.set()
         self.release.wait(10)
         return SimpleNamespace(tokens=[1], cached=start + len(ids) + 1, stop_reason="n_tokens", ttft_s=0.0,
-                               decode_tokens_per_s=0.0)
+                               decode_tokens_per_s=0.0, logprobs=[])
 
 
 def test_retry_after_is_the_wait_for_one_slot_not_for_the_whole_queue():
