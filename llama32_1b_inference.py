@@ -76,7 +76,8 @@ class Session:
                  sampling: SamplingParams = SamplingParams(), chat: bool | None = None,
                  start: int = 0, history: list[int] | None = None,
                  should_stop: Callable[[], bool] | None = None, logprobs: int | None = None,
-                 on_logprob: Callable[[TokenLogprob], None] | None = None) -> GenerationResult:
+                 on_logprob: Callable[[TokenLogprob], None] | None = None,
+                 constraint=None) -> GenerationResult:
         """Prefill `prompt` (text, or token ids used as given) at position `start`, then decode.
 
         `start` > 0 continues a conversation whose first `start` positions are already in the
@@ -86,7 +87,8 @@ class Session:
         `should_stop` returning True (checked once per token; stop reason "cancelled").
 
         `logprobs` = k (0 or more) scores every generated token with its k most likely
-        alternatives (`on_logprob` gets each before its text).
+        alternatives (`on_logprob` gets each before its text). `constraint`
+        (constrained.Constraint) masks, before each choice, the tokens its grammar forbids.
         """
         if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 1:
             raise PromptError(f"the number of tokens to generate must be a positive integer (got {n_tokens!r})")
@@ -98,7 +100,7 @@ class Session:
             raise PromptError(f"the prompt needs {start + len(ids)} positions and leaves no room to generate: "
                               f"the context limit is {limit} (raise it with --max-context)")
         seen = list(history or []) + ids
-        sampler = Sampler(sampling)
+        sampler = Sampler(sampling, constraint)
         decoder = StreamDecoder(self.tokenizer)
         ends = self.tokenizer.end_token_ids
         out: list[int] = []

@@ -36,8 +36,12 @@ class SamplingParams:
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams = SamplingParams()):
+    """`constraint` (constrained.Constraint, optional) masks the tokens a grammar forbids
+    before every choice and is told each chosen token."""
+
+    def __init__(self, params: SamplingParams = SamplingParams(), constraint=None):
         self.params = params
+        self.constraint = constraint
         self.generator = torch.Generator()
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
@@ -45,8 +49,9 @@ class Sampler:
             self.generator.seed()
 
     def adjust(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
-        """The logits every choice starts from (float32): repetition penalty, then logit bias.
-        Log probabilities reported to clients are taken from these too (logprobs.py)."""
+        """The logits every choice starts from (float32): repetition penalty, logit bias, then
+        the constraint's mask. Log probabilities reported to clients are taken from these too
+        (logprobs.py)."""
         p = self.params
         logits = logits.float()
         if p.repetition_penalty != 1.0 and history:
@@ -58,12 +63,21 @@ class Sampler:
         if p.logit_bias:
             idx = torch.tensor([i for i, _ in p.logit_bias], dtype=torch.long)
             logits = logits.index_add(0, idx, torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype))
+        if self.constraint is not None:
+            logits = logits.masked_fill(~self.constraint.allowed(), float("-inf"))
         return logits
 
     def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
         """The next token; `last_logits` keeps the adjusted logits it was chosen from."""
         p = self.params
         logits = self.last_logits = self.adjust(logits, history)
+        tok = self._choose(logits)
+        if self.constraint is not None:
+            self.constraint.consume(tok)
+        return tok
+
+    def _choose(self, logits: torch.Tensor) -> int:
+        p = self.params
         if p.temperature == 0:
             return int(torch.argmax(logits))
         logits = logits / p.temperature

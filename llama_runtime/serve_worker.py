@@ -77,6 +77,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     logprobs: int | None = None
     score_prompt: bool = False
+    constraint: object = None           # constrained.Constraint: the answer must match its grammar
     id: str = ""
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled_by: str | None = None
@@ -231,7 +232,7 @@ class Worker:
 
         r = self.session.generate(ids[lcp:], job.max_tokens, on_text, job.sampling, start=lcp,
                                   history=ids[:lcp], should_stop=lambda: cut.hit or job.cancelled_by is not None,
-                                  logprobs=job.logprobs, on_logprob=scores.append)
+                                  logprobs=job.logprobs, on_logprob=scores.append, constraint=job.constraint)
         fed = r.cached - lcp
         self._cached_ids = ids[:lcp] + (ids[lcp:] + r.tokens)[:fed]
         elapsed = time.perf_counter() - started

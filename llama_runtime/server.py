@@ -52,6 +52,7 @@ from llama_runtime.openai_request import (
     shutting_down,
     stop_strings,
 )
+from llama_runtime.constrained import Grammars
 from llama_runtime.logprobs import MAX_TOP_CHAT, MAX_TOP_COMPLETIONS, TokenText
 from llama_runtime.sampling import SamplingParams
 from llama_runtime.serve_worker import DEFAULT_QUEUE_SIZE, Job, Piece, QueueFull, Worker
@@ -73,6 +74,7 @@ class Api:
         self.session = worker.session
         self.model_id = model_id
         self.created = int(time.time())
+        self.grammars = Grammars(self.session.tokenizer)
 
     # ---- shared by both completion routes ----
     def _check_model(self, body: dict) -> None:
@@ -235,6 +237,8 @@ class Api:
         if top is not None and not wanted:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
         job.logprobs = (top or 0) if wanted else None
+        if body.get("response_format") is not None:     # off the loop: the first one loads the vocabulary
+            job.constraint = await asyncio.to_thread(self.grammars.for_response_format, body["response_format"])
         texts = TokenText(self.session.tokenizer)
 
         def choice(piece: Piece, finish: str | None, streaming: bool, prompt=None) -> dict:

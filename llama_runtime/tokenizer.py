@@ -175,6 +175,11 @@ class Tokenizer:
         """Id of a token of the whole vocabulary, or None if there is no such token."""
         return None if token is None else self._backend.token_to_id(token)
 
+    def serialized(self) -> str:
+        """The tokenizer as `tokenizers` JSON, load-time fix-ups included, for libraries that
+        build their own view of the vocabulary (constrained decoding)."""
+        return self._backend.to_str()
+
     def id_to_token(self, token_id: int) -> str | None:
         """A token's vocabulary entry (byte-level, not decoded text), for messages about ids."""
         return self._backend.id_to_token(token_id)

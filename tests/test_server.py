@@ -22,6 +22,7 @@ import psutil
 import pytest
 import tokenizers
 from openai import OpenAI
+from pydantic import BaseModel, Field
 
 from llama_runtime.models import resolve_model
 from llama_runtime.server import DEFAULT_HOST
@@ -293,6 +294,38 @@ def test_completion_logprobs_with_echo_score_the_prompt_as_generation_did(server
     assert plain.choices[0].text == COUNTING + gen.choices[0].text and plain.choices[0].logprobs is None
 
 
+# ---- structured output ---------------------------------------------------------------------
+class City(BaseModel):
+    name: str = Field(max_length=24)         # bounded, so a small model cannot ramble past max_tokens
+    country: str = Field(max_length=24)
+    population: int
+
+
+CITY_QUESTION = [{"role": "user", "content": "Describe the capital of Japan as JSON."}]
+
+
+def test_parse_with_a_pydantic_model_gets_a_valid_object(server):
+    r = server.client.chat.completions.parse(model=MODEL, messages=CITY_QUESTION, temperature=0, max_tokens=80,
+                                             response_format=City)
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(r.choices[0].message.parsed, City)
+
+    schema = {"type": "json_schema", "json_schema": {"name": "City", "schema": City.model_json_schema()}}
+    text, chunks = _streamed_chat(server, messages=CITY_QUESTION, temperature=0.8, seed=3, max_tokens=80,
+                                  response_format=schema)
+    City.model_validate_json(text)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_json_object_mode_answers_an_object_or_ends_with_length(server):
+    r = _chat(server, messages=CITY_QUESTION, temperature=0, max_tokens=80, response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict) and r.choices[0].finish_reason == "stop"
+    cut = _chat(server, messages=CITY_QUESTION, temperature=0, max_tokens=3, response_format={"type": "json_object"})
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.content.startswith("{")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(cut.choices[0].message.content)
+
+
 def test_cors_preflight_answers_only_the_configured_origin(server):
     preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
     status, headers, _ = server.request("OPTIONS", "/chat/completions", headers={"Origin": WEB_ORIGIN, **preflight})
@@ -435,6 +468,18 @@ BAD = [
     ("/completions", {"model": MODEL, "prompt": "hi", "logprobs": 6}, 400, "logprobs", None),
     ("/completions", {"model": MODEL, "prompt": "hi", "logprobs": True}, 400, "logprobs", None),
     ("/completions", {"model": MODEL, "prompt": "hi", "echo": "yes"}, 400, "echo", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "response_format": {"type": "xml"}}, 400,
+     "response_format", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "response_format": {"type": "json_schema"}}, 400,
+     "response_format.json_schema", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}}, 400, "response_format.json_schema.schema", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}}, 400,
+     "response_format.json_schema.schema", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "http://elsewhere.test/s.json"}}}}, 400,
+     "response_format.json_schema.schema", None),
     ("/chat/completions", {"model": MODEL, "messages": USER, "n": 2}, 400, "n", None),
     ("/chat/completions", {"model": MODEL, "messages": USER, "stop": [1]}, 400, "stop", None),
     ("/chat/completions", {"model": MODEL, "messages": USER, "stream": "yes"}, 400, "stream", None),
