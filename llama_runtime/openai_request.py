@@ -104,10 +104,6 @@ def refuse_unsupported(body: dict) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if number_param(body, name, 0.0, lambda x: True, "") != 0:
             raise ApiError(400, f"'{name}' is not supported; leave it at 0", name)
-    if body.get("tools") or body.get("functions"):
-        raise ApiError(400, "tools and function calling are not supported", "tools")
-    if body.get("tool_choice") is not None:
-        raise ApiError(400, "'tool_choice' is only allowed when 'tools' are given", "tool_choice")
 
 
 def logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:

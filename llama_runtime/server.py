@@ -56,6 +56,7 @@ from llama_runtime.constrained import Grammars
 from llama_runtime.logprobs import MAX_TOP_CHAT, MAX_TOP_COMPLETIONS, TokenText
 from llama_runtime.sampling import SamplingParams
 from llama_runtime.serve_worker import DEFAULT_QUEUE_SIZE, Job, Piece, QueueFull, Worker
+from llama_runtime.tool_calls import ToolRequest, tool_request
 from npu_runtime.devices import DEVICE_KINDS
 
 DEFAULT_HOST = "127.0.0.1"
@@ -184,15 +185,17 @@ class Api:
         nothing = Piece("", [])
         try:
             if chunk_kind == "chat.completion.chunk":
-                yield sse({**head, "choices": [choice(nothing, None, True) | {"delta": {"role": "assistant",
-                                                                                        "content": ""}}], **extra})
+                yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                "finish_reason": None, "logprobs": None}], **extra})
             if echo and not job.score_prompt:      # the echoed prompt leads; no scores to wait for
                 yield sse({**head, "choices": [choice(nothing, None, True, [None] * len(job.prompt_ids))], **extra})
             while True:
                 what, value = await job.events.get()
                 if what in ("text", "prompt"):
                     piece, prompt = (value, None) if what == "text" else (nothing, value)
-                    yield sse({**head, "choices": [choice(piece, None, True, prompt)], **extra})
+                    shaped = choice(piece, None, True, prompt)
+                    if shaped is not None:      # None: the route holds this piece back for now
+                        yield sse({**head, "choices": [shaped], **extra})
                     continue
                 if what == "error":
                     yield sse(as_api_error(value).body())
@@ -230,27 +233,58 @@ class Api:
         if fmt is None:
             raise ApiError(400, f"'{self.model_id}' has no chat format; use /v1/completions", "model")
         messages = chat_messages(body.get("messages"))
-        ids = as_request_error(lambda: fmt.render(messages, add_generation_prompt=True), "messages")
+        tools = tool_request(body)
+        ids = as_request_error(lambda: fmt.render(messages, add_generation_prompt=True,
+                                                  tools=tools.tools if tools else None), "messages")
         job = self._job(body, ids, "messages")
         wanted = bool_param(body, "logprobs")
         top = int_param(body, "top_logprobs", 0, MAX_TOP_CHAT)
         if top is not None and not wanted:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
         job.logprobs = (top or 0) if wanted else None
-        if body.get("response_format") is not None:     # off the loop: the first one loads the vocabulary
-            job.constraint = await asyncio.to_thread(self.grammars.for_response_format, body["response_format"])
+        job.constraint = await self._constraint(body, tools)
         texts = TokenText(self.session.tokenizer)
+        # With tools, a streamed answer is held back while it may still be a call: from its
+        # start while it is blank or begins with "{", to its end if it does.
+        holding, held = tools is not None, ""
 
-        def choice(piece: Piece, finish: str | None, streaming: bool, prompt=None) -> dict:
+        def choice(piece: Piece, finish: str | None, streaming: bool, prompt=None) -> dict | None:
+            nonlocal holding, held
             lp = {"content": texts.chat_content(piece.logprobs), "refusal": None} if wanted else None
+            text, call = piece.text, None
+            if streaming and holding:
+                held += piece.text
+                if finish is None and held.lstrip()[:1] in ("", "{"):
+                    return None
+                text, holding = held, False
+            if tools is not None and finish == "stop":
+                call = tools.as_call(text.strip())
+            if call is not None:
+                finish = "tool_calls"
             if streaming:
                 lp = lp if piece.logprobs else None     # as OpenAI: none on the role and finish chunks
-                delta = {"content": piece.text} if piece.text else {}
+                delta = {"tool_calls": [{"index": 0, **call}]} if call else {"content": text} if text else {}
                 return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
-            return {"index": 0, "message": {"role": "assistant", "content": piece.text, "refusal": None},
-                    "finish_reason": finish, "logprobs": lp}
+            message = {"role": "assistant", "content": None if call else text, "refusal": None}
+            if call:
+                message["tool_calls"] = [call]
+            return {"index": 0, "message": message, "finish_reason": finish, "logprobs": lp}
 
         return await self._answer(request, job, stream, include_usage, "chat.completion", choice)
+
+    async def _constraint(self, body: dict, tools: ToolRequest | None):
+        """The grammar an answer must follow, if any. Built off the event loop: the first one
+        also indexes the vocabulary (~0.2 s)."""
+        rf = body.get("response_format")
+        schema = tools.schema() if tools else None
+        if schema is not None:
+            if rf is not None and rf != {"type": "text"}:
+                raise ApiError(400, "'response_format' cannot be combined with a tool_choice that requires a call",
+                               "response_format")
+            return await asyncio.to_thread(self.grammars.for_schema, schema, "tools")
+        if rf is None:
+            return None
+        return await asyncio.to_thread(self.grammars.for_response_format, rf)
 
     async def completions(self, request: Request):
         body = await json_body(request)

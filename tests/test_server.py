@@ -37,6 +37,10 @@ JAPAN = [{"role": "user", "content": "What is the capital of Japan?"}]
 COUNTING = "1, 2, 3, 4, 5,"     # a raw prompt the model continues for hundreds of tokens
 LONG = 300
 WEB_ORIGIN = "http://localhost:5173"   # the one origin the test server lets browsers call it from
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city now",
+                                         "parameters": {"type": "object", "required": ["city"],
+                                                        "properties": {"city": {"type": "string", "maxLength": 20}},
+                                                        "additionalProperties": False}}}
 
 
 class Server:
@@ -326,6 +330,44 @@ def test_json_object_mode_answers_an_object_or_ends_with_length(server):
         json.loads(cut.choices[0].message.content)
 
 
+# ---- tools ----------------------------------------------------------------------------------
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": TOOL["function"]["parameters"]}}
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.mark.parametrize("tool_choice, name", [("required", None), ({"type": "function", "function": {"name": "get_time"}},
+                                                                    "get_time")])
+def test_a_required_call_comes_back_as_tool_calls_streamed_or_not(server, tool_choice, name):
+    kw = dict(messages=WEATHER_QUESTION, tools=[TOOL, CLOCK], tool_choice=tool_choice, temperature=0, max_tokens=40)
+    r = _chat(server, **kw)
+    m = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and m.content is None and len(m.tool_calls) == 1
+    call = m.tool_calls[0]
+    assert call.function.name in ({"get_weather", "get_time"} if name is None else {name})
+    assert set(json.loads(call.function.arguments)) == {"city"}
+
+    _, chunks = _streamed_chat(server, **kw)
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert not any(d.content for d in deltas)
+    calls = [t for d in deltas for t in d.tool_calls or []]
+    assert [(t.index, t.function.name, t.function.arguments) for t in calls] == \
+           [(0, call.function.name, call.function.arguments)]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_auto_lets_the_model_answer_in_text_and_a_tool_result_is_read_on_the_next_turn(server):
+    r = _chat(server, messages=WEATHER_QUESTION, tools=[TOOL], temperature=0, max_tokens=12)
+    assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
+    text, _ = _streamed_chat(server, messages=WEATHER_QUESTION, tools=[TOOL], temperature=0, max_tokens=12)
+    assert text == r.choices[0].message.content
+    turn = WEATHER_QUESTION + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "It is 18 C and sunny in Paris."}]
+    answer = _chat(server, messages=turn, tools=[TOOL], temperature=0, max_tokens=24)
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.content
+
+
 def test_cors_preflight_answers_only_the_configured_origin(server):
     preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
     status, headers, _ = server.request("OPTIONS", "/chat/completions", headers={"Origin": WEB_ORIGIN, **preflight})
@@ -435,7 +477,9 @@ BAD = [
     ("/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", None),
     ("/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages", None),
     ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 7}]}, 400, "messages[0].content", None),
-    ("/chat/completions", {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role", None),
+    ("/chat/completions", {"model": MODEL, "messages": [{"role": "function", "content": "x"}]}, 400, "messages[0].role",
+     None),
+    ("/chat/completions", {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages", None),
     ("/chat/completions", {"model": MODEL, "messages": USER + [{"role": "system", "content": "x"}]}, 400,
      "messages[1].role", None),
     ("/chat/completions", {"model": MODEL, "messages": USER + [{"role": "developer", "content": "x"}]}, 400,
@@ -468,6 +512,16 @@ BAD = [
     ("/completions", {"model": MODEL, "prompt": "hi", "logprobs": 6}, 400, "logprobs", None),
     ("/completions", {"model": MODEL, "prompt": "hi", "logprobs": True}, 400, "logprobs", None),
     ("/completions", {"model": MODEL, "prompt": "hi", "echo": "yes"}, 400, "echo", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "tools": {"name": "f"}}, 400, "tools", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "tools": [{"type": "function"}]}, 400, "tools[0]", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "tools": [TOOL, TOOL]}, 400, "tools[1].function.name", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "tools": [TOOL], "tool_choice": "always"}, 400,
+     "tool_choice", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "tools": [TOOL],
+                           "tool_choice": {"type": "function", "function": {"name": "other"}}}, 400, "tool_choice", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "functions": [TOOL["function"]]}, 400, "functions", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "tools": [TOOL], "tool_choice": "required",
+                           "response_format": {"type": "json_object"}}, 400, "response_format", None),
     ("/chat/completions", {"model": MODEL, "messages": USER, "response_format": {"type": "xml"}}, 400,
      "response_format", None),
     ("/chat/completions", {"model": MODEL, "messages": USER, "response_format": {"type": "json_schema"}}, 400,
