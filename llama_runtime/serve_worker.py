@@ -61,6 +61,9 @@ class Outcome:
     completion_tokens: int
     cancelled_by: str | None = None  # "client" | "shutdown"
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    queued_s: float = 0.0          # arrival to start
+    ttft_s: float = 0.0            # start of prefill to the first token chosen
+    tokens_per_s: float = 0.0      # decode speed after the first token
 
 
 @dataclass
@@ -247,8 +250,9 @@ class Worker:
         else:
             reason = None
         by = job.cancelled_by if reason is None else None
-        out = Outcome(cut.text, reason, len(ids), reused, len(r.tokens), by, r.logprobs)
         wait = started - job.enqueued_at
+        out = Outcome(cut.text, reason, len(ids), reused, len(r.tokens), by, r.logprobs, wait, r.ttft_s,
+                      r.decode_tokens_per_s)
         self.log(f"[serve] {job.id} prompt {len(ids)} tokens, {reused} reused from the cache, {len(r.tokens)} generated, "
                  f"queued {wait:.2f} s, TTFT {r.ttft_s:.3f} s, {r.decode_tokens_per_s:.2f} tok/s, "
                  f"finish {reason or 'cancelled by ' + str(by)}")

@@ -21,6 +21,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from importlib import resources
 from typing import Any
 
 import uvicorn
@@ -29,7 +30,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from llama_base.errors import UserError
@@ -61,6 +62,7 @@ from npu_runtime.devices import DEVICE_KINDS
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+CHAT_PAGE = resources.files("llama_runtime") / "web" / "chat.html"   # GET /: package data, works offline
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions (chat: the rest of the context)
 SHUTDOWN_GRACE_S = 5       # in-flight answers are cancelled at once; this bounds their goodbye
 # A route's shaping of one choice: (piece, finish_reason, streaming, prompt scores if echoed).
@@ -126,9 +128,13 @@ class Api:
 
     @staticmethod
     def _usage(out) -> dict:
+        """OpenAI's usage, plus `timings` (this server's own figures, which clients that do not
+        know them ignore): seconds queued, time to first token, decode tokens per second."""
         return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
                 "total_tokens": out.prompt_tokens + out.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": out.cached_tokens},
+                "timings": {"queued_s": round(out.queued_s, 4), "ttft_s": round(out.ttft_s, 4),
+                            "tokens_per_s": round(out.tokens_per_s, 2)}}
 
     async def _answer(self, request: Request, job: Job, stream: bool, include_usage: bool,
                       kind: str, choice: Choice, echo: bool = False):
@@ -211,6 +217,9 @@ class Api:
             job.cancel("client")        # a no-op once the job is done; else the client has gone
 
     # ---- routes ----
+    async def chat_page(self, request: Request):
+        return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"), headers={"Cache-Control": "no-cache"})
+
     async def models(self, request: Request):
         return JSONResponse({"object": "list", "data": [self._model_card()]})
 
@@ -359,7 +368,8 @@ def create_app(worker: Worker, model_id: str, cors_origins: Sequence[str] = (),
     middleware = [Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                              allow_headers=["*"], max_age=600)] if cors_origins else []
     return Starlette(
-        routes=[Route("/v1/models", api.models, methods=["GET"]),
+        routes=[Route("/", api.chat_page, methods=["GET"]),
+                Route("/v1/models", api.models, methods=["GET"]),
                 Route("/v1/models/{model_id:path}", api.model, methods=["GET"]),
                 Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
                 Route("/v1/completions", api.completions, methods=["POST"])],
@@ -429,7 +439,7 @@ def serve(build_session: Callable, argv: list[str] | None = None) -> int:
     model_id = session.resolved.name
     log(f"[serve] model '{model_id}' on {type(session.device).__name__}, context {worker.max_context}, "
         f"queue {args.queue_size}; ready in {session.build_s:.1f} s")
-    log(f"[serve] OpenAI-compatible API at http://{host}:{port}/v1 (Ctrl-C stops)")
+    log(f"[serve] OpenAI-compatible API at http://{host}:{port}/v1, chat page at http://{host}:{port}/ (Ctrl-C stops)")
     config = uvicorn.Config(create_app(worker, model_id, args.cors_origin, log), log_level="warning", access_log=False,
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     try:
