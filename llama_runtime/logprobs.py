@@ -30,7 +30,9 @@ def score(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
     top = ()
     if k:
         values, ids = torch.topk(lp, min(k, lp.numel()))
-        top = tuple(zip(ids.tolist(), values.tolist()))
+        # Tokens a grammar masked out have no probability at all: they are not alternatives
+        # (and -inf is not JSON).
+        top = tuple((i, v) for i, v in zip(ids.tolist(), values.tolist()) if v != float("-inf"))
     return TokenLogprob(int(token), float(lp[token]), top)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import re
 import signal
 import subprocess
@@ -147,6 +148,8 @@ def test_chat_answers_and_the_stream_carries_the_same_text(server):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == u.completion_tokens
+    timings = chunks[-1].usage.model_extra["timings"]
+    assert timings["ttft_s"] > 0 and timings["tokens_per_s"] > 0 and timings["queued_s"] >= 0
     assert all(c.usage is None for c in chunks[:-1])
 
     sampled = {"temperature": 0.9, "top_p": 0.95, "seed": 1234, "max_tokens": 16}
@@ -319,6 +322,14 @@ def test_parse_with_a_pydantic_model_gets_a_valid_object(server):
                                   response_format=schema)
     City.model_validate_json(text)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_logprobs_under_a_grammar_list_only_the_tokens_it_allows(server):
+    r = _chat(server, messages=CITY_QUESTION, temperature=0, max_tokens=4, response_format={"type": "json_object"},
+              logprobs=True, top_logprobs=20)
+    first = r.choices[0].logprobs.content[0]
+    assert first.token == "{" and 1 <= len(first.top_logprobs) < 20    # only "{"-like tokens can open an object
+    assert sum(math.exp(t.logprob) for t in first.top_logprobs) == pytest.approx(1, abs=1e-3)
 
 
 def test_json_object_mode_answers_an_object_or_ends_with_length(server):
