@@ -72,8 +72,9 @@ Choice = Callable[..., dict]
 class Api:
     """The routes, bound to one worker and its session."""
 
-    def __init__(self, worker: Worker, model_id: str):
+    def __init__(self, worker: Worker, model_id: str, log: Callable[[str], None] = print):
         self.worker = worker
+        self.log = log
         self.session = worker.session
         self.model_id = model_id
         self.created = int(time.time())
@@ -217,10 +218,16 @@ class Api:
             job.cancel("client")        # a no-op once the job is done; else the client has gone
 
     # ---- routes ----
+    def _served(self, request: Request) -> None:
+        """The log line of a request that needs no model (the completions' come from the worker)."""
+        self.log(f"[serve] {request.method} {request.url.path} 200")
+
     async def chat_page(self, request: Request):
+        self._served(request)
         return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"), headers={"Cache-Control": "no-cache"})
 
     async def models(self, request: Request):
+        self._served(request)
         return JSONResponse({"object": "list", "data": [self._model_card()]})
 
     async def model(self, request: Request):
@@ -228,6 +235,7 @@ class Api:
         if model_id != self.model_id:
             raise ApiError(404, f"the model '{model_id}' does not exist; this server runs '{self.model_id}'",
                            "model", "model_not_found")
+        self._served(request)
         return JSONResponse(self._model_card())
 
     def _model_card(self) -> dict:
@@ -255,17 +263,17 @@ class Api:
         texts = TokenText(self.session.tokenizer)
         # With tools, a streamed answer is held back while it may still be a call: from its
         # start while it is blank or begins with "{", to its end if it does.
-        holding, held = tools is not None, ""
+        holding, held = tools is not None, Piece("", [])
 
         def choice(piece: Piece, finish: str | None, streaming: bool, prompt=None) -> dict | None:
             nonlocal holding, held
+            if streaming and holding:
+                piece = held = Piece(held.text + piece.text, held.logprobs + piece.logprobs)
+                if finish is None and held.text.lstrip()[:1] in ("", "{"):
+                    return None
+                holding = False
             lp = {"content": texts.chat_content(piece.logprobs), "refusal": None} if wanted else None
             text, call = piece.text, None
-            if streaming and holding:
-                held += piece.text
-                if finish is None and held.lstrip()[:1] in ("", "{"):
-                    return None
-                text, holding = held, False
             if tools is not None and finish == "stop":
                 call = tools.as_call(text.strip())
             if call is not None:
@@ -347,7 +355,7 @@ def create_app(worker: Worker, model_id: str, cors_origins: Sequence[str] = (),
     browser (preflight OPTIONS answered); none by default, so a page elsewhere cannot use a
     server that trusts whoever reaches it. Every refused request gets one log line, as every
     answered one does in the worker."""
-    api = Api(worker, model_id)
+    api = Api(worker, model_id, log)
 
     def refused(request: Request, e: ApiError):
         log(f"[serve] {request.method} {request.url.path} refused: {e.status} {e.code or e.type}: {e.message}")

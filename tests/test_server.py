@@ -397,10 +397,12 @@ def test_a_wrong_method_gets_405_with_allow(server):
     assert json.loads(body)["error"]["code"] == "method_not_allowed"
 
 
-def test_refused_requests_are_logged(server):
+def test_refused_and_model_free_requests_are_logged_too(server):
     status, _, _ = server.post("/completions", {"model": MODEL, "prompt": "hi", "best_of": 3})
     assert status == 400
     assert "POST /v1/completions refused: 400 invalid_request_error: only best_of=1" in server.log()
+    status, _, _ = server.request("GET", f"/models/{MODEL}")
+    assert status == 200 and f"GET /v1/models/{MODEL} 200" in server.log()
 
 
 # ---- one model, one device ----------------------------------------------------------------
