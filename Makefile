@@ -24,9 +24,11 @@ RUN_ARGS = --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)" --n-tokens
 	--repetition-penalty "$(REPETITION_PENALTY)" $(if $(SEED),--seed "$(SEED)") \
 	$(if $(MAX_CONTEXT),--max-context "$(MAX_CONTEXT)")
 
-# Empty HOST/PORT/QUEUE_SIZE leave the server's own defaults (127.0.0.1, 8000, 16).
+# Empty HOST/PORT/QUEUE_SIZE leave the server's own defaults (127.0.0.1, 8000, 16);
+# CORS_ORIGINS is a space-separated list of web origins allowed to call the API (default none).
 SERVE_ARGS = --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)" $(if $(MAX_CONTEXT),--max-context "$(MAX_CONTEXT)") \
-	$(if $(HOST),--host "$(HOST)") $(if $(PORT),--port "$(PORT)") $(if $(QUEUE_SIZE),--queue-size "$(QUEUE_SIZE)")
+	$(if $(HOST),--host "$(HOST)") $(if $(PORT),--port "$(PORT)") $(if $(QUEUE_SIZE),--queue-size "$(QUEUE_SIZE)") \
+	$(foreach o,$(CORS_ORIGINS),--cors-origin "$(o)")
 
 .PHONY: help install test run chat serve compile verify verify-full verify-mlir diagnosis profile bench clean
 
@@ -47,6 +49,7 @@ help:
 	@echo "variables: PROMPT MODEL=instruct|base|embedded|llama1b-shape|tiny|<folder> N_TOKENS DEVICE=auto|npu|sim|interp"
 	@echo "           QUANT=bf16|q4nx (4-bit weights) MAX_CONTEXT TEMPERATURE TOP_K TOP_P REPETITION_PENALTY SEED"
 	@echo "           make serve: HOST (127.0.0.1) PORT (8000) QUEUE_SIZE (16) MODEL DEVICE MAX_CONTEXT"
+	@echo "                       CORS_ORIGINS (none; e.g. \"http://localhost:5173\")"
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -22,6 +22,7 @@ from llama32_1b_weights import load_weights
 from llama_base.errors import PromptError
 from llama_runtime.cli import run_cli
 from llama_runtime.device_model import DeviceModel
+from llama_runtime.logprobs import TokenLogprob, score
 from llama_runtime.models import ResolvedModel, resolve_model
 from llama_runtime.sampling import Sampler, SamplingParams
 from llama_runtime.tokenizer import StreamDecoder, Tokenizer
@@ -42,6 +43,7 @@ class GenerationResult:
     decode_s: float = 0.0
     cached: int = 0             # positions now in the KV cache (prompt + every token fed back)
     prefill_tokens: int = 0     # tokens this call prefilled (only the new ones in a chat turn)
+    logprobs: list[TokenLogprob] = field(default_factory=list)   # one per token, if asked
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -73,7 +75,9 @@ class Session:
     def generate(self, prompt: str | list[int], n_tokens: int = 32, on_text: Callable[[str], None] | None = None,
                  sampling: SamplingParams = SamplingParams(), chat: bool | None = None,
                  start: int = 0, history: list[int] | None = None,
-                 should_stop: Callable[[], bool] | None = None) -> GenerationResult:
+                 should_stop: Callable[[], bool] | None = None, logprobs: int | None = None,
+                 on_logprob: Callable[[TokenLogprob], None] | None = None,
+                 constraint=None) -> GenerationResult:
         """Prefill `prompt` (text, or token ids used as given) at position `start`, then decode.
 
         `start` > 0 continues a conversation whose first `start` positions are already in the
@@ -81,6 +85,10 @@ class Session:
         tokens are prefilled. Generation stops at an end token, after `n_tokens`, or at the
         context limit; Ctrl-C stops it too and returns what was produced, and so does
         `should_stop` returning True (checked once per token; stop reason "cancelled").
+
+        `logprobs` = k (0 or more) scores every generated token with its k most likely
+        alternatives (`on_logprob` gets each before its text). `constraint`
+        (constrained.Constraint) masks, before each choice, the tokens its grammar forbids.
         """
         if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 1:
             raise PromptError(f"the number of tokens to generate must be a positive integer (got {n_tokens!r})")
@@ -92,10 +100,11 @@ class Session:
             raise PromptError(f"the prompt needs {start + len(ids)} positions and leaves no room to generate: "
                               f"the context limit is {limit} (raise it with --max-context)")
         seen = list(history or []) + ids
-        sampler = Sampler(sampling)
+        sampler = Sampler(sampling, constraint)
         decoder = StreamDecoder(self.tokenizer)
         ends = self.tokenizer.end_token_ids
         out: list[int] = []
+        scored: list[TokenLogprob] = []
         t0 = time.perf_counter()
         pos, reason, ttft, t_first = start, "n_tokens", 0.0, t0
         try:
@@ -111,6 +120,10 @@ class Session:
                     reason = "end_token"
                     break
                 out.append(tok)
+                if logprobs is not None:
+                    scored.append(score(sampler.last_logits, tok, logprobs))
+                    if on_logprob:
+                        on_logprob(scored[-1])
                 piece = decoder.push(tok)
                 if piece and on_text:
                     on_text(piece)
@@ -126,12 +139,35 @@ class Session:
                 pos += 1
         except KeyboardInterrupt:
             reason = "interrupted"
-        tail = decoder.flush()
+        # Cut short (budget, context, cancel), the last tokens may hold part of a character:
+        # those bytes are dropped rather than shown as U+FFFD, in the stream and in `text`.
+        tail = decoder.flush(keep_partial=reason == "end_token")
         if tail and on_text:
             on_text(tail)
+        text = self.tokenizer.decode(out)
+        if reason != "end_token":
+            text = text.rstrip("\ufffd")
         decode_s = time.perf_counter() - t_first if out else 0.0
-        return GenerationResult(self.tokenizer.decode(out), out, len(ids), reason, ttft, decode_s,
-                                cached=pos, prefill_tokens=len(ids))
+        return GenerationResult(text, out, len(ids), reason, ttft, decode_s,
+                                cached=pos, prefill_tokens=len(ids), logprobs=scored)
+
+    def score_prompt(self, ids: list[int], k: int, sampling: SamplingParams = SamplingParams()
+                     ) -> list[TokenLogprob | None]:
+        """Each prompt token's log probability given the ones before it (None for the first),
+        with the `k` likeliest alternatives, shaped by `sampling` as generated tokens are.
+
+        Prefill keeps only its last row's logits, so the prompt goes through decode steps one
+        token at a time (slower than a prefill). Its K/V end up in the cache at positions
+        0..len(ids)-1, so a `generate` of the last token at `start=len(ids) - 1` continues it.
+        """
+        if not ids or len(ids) >= self.model.max_context:
+            raise PromptError(f"the prompt must have 1 to {self.model.max_context - 1} tokens to be scored")
+        sampler = Sampler(sampling)
+        out: list[TokenLogprob | None] = [None]
+        for i, t in enumerate(ids[:-1]):
+            logits = decode_step(self.model, t, i)
+            out.append(score(sampler.adjust(logits, ids[: i + 1]), ids[i + 1], k))
+        return out
 
 
 END_OF_TURN = ("<|eot_id|>", "<|im_end|>")

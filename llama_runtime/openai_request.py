@@ -19,7 +19,9 @@ from llama_runtime.chat_format import CHAT_ROLES
 MAX_TEMPERATURE = 2.0      # OpenAI's range for `temperature`
 DEFAULT_TEMPERATURE = 1.0  # and its default: clients that want greedy answers send 0
 MAX_STOP_STRINGS = 4       # and for `stop`
-MESSAGE_ROLES = ("system",) + CHAT_ROLES   # what the chat format renders
+MAX_LOGIT_BIAS = 100.0     # OpenAI's range for a `logit_bias` value is [-100, 100]
+SYSTEM_ROLES = ("system", "developer")     # OpenAI's newer name for the system role
+MESSAGE_ROLES = SYSTEM_ROLES + CHAT_ROLES   # what the chat format renders
 
 
 class ApiError(Exception):
@@ -95,41 +97,106 @@ def stop_strings(body: dict) -> tuple[str, ...]:
 
 def refuse_unsupported(body: dict) -> None:
     """Refuse, rather than silently ignore, options that would change the answer."""
-    n = int_param(body, "n", 1, sys.maxsize)
-    if n is not None and n != 1:
-        raise ApiError(400, f"only n=1 is supported (one model, one answer at a time), got {n}", "n")
+    for name in ("n", "best_of"):
+        n = int_param(body, name, 1, sys.maxsize)
+        if n is not None and n != 1:
+            raise ApiError(400, f"only {name}=1 is supported (one model, one answer at a time), got {n}", name)
     for name in ("presence_penalty", "frequency_penalty"):
         if number_param(body, name, 0.0, lambda x: True, "") != 0:
             raise ApiError(400, f"'{name}' is not supported; leave it at 0", name)
-    if body.get("logprobs") not in (None, False, 0):
-        raise ApiError(400, "'logprobs' is not supported", "logprobs")
-    if body.get("tools") or body.get("functions"):
-        raise ApiError(400, "tools and function calling are not supported", "tools")
+
+
+def logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as (token id, bias) pairs: OpenAI's map of token id (a JSON string key)
+    to a bias in [-100, 100], added to that token's logit before sampling."""
+    v = body.get("logit_bias")
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise ApiError(400, "'logit_bias' must be an object mapping token ids to numbers", "logit_bias")
+    out = []
+    for key, bias in v.items():
+        try:
+            tid = int(key)
+        except ValueError:
+            tid = -1
+        if not 0 <= tid < vocab_size or str(tid) != key.strip():
+            raise ApiError(400, f"'logit_bias': {key!r} is not a token id of this model (0 to {vocab_size - 1})",
+                           "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise ApiError(400, f"'logit_bias': the bias of token {tid} must be a number between "
+                           f"{-MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}, got {json.dumps(bias)}", "logit_bias")
+        out.append((tid, float(bias)))
+    return tuple(out)
+
+
+def _text(m: dict, i: int) -> str:
+    content = m.get("content")
+    if content is None and m["role"] == "assistant" and m.get("tool_calls"):
+        return ""                           # the calls themselves are rendered by the caller
+    if isinstance(content, list):      # content parts: text only
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise ApiError(400, f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise ApiError(400, f"messages[{i}].content must be text", f"messages[{i}].content")
+    return content
+
+
+def _tool_calls_text(m: dict, i: int) -> str:
+    """An earlier answer's tool calls as the model would have written them: one JSON object
+    {"name", "parameters"} per call, Llama 3.2's format for a call."""
+    calls = m.get("tool_calls") or []
+    if not isinstance(calls, list):
+        raise ApiError(400, f"messages[{i}].tool_calls must be a list", f"messages[{i}].tool_calls")
+    out = []
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise ApiError(400, f"messages[{i}].tool_calls[{j}] needs a function with a name",
+                           f"messages[{i}].tool_calls[{j}]")
+        args = f.get("arguments") or "{}"
+        try:
+            params = json.loads(args) if isinstance(args, str) else args
+        except json.JSONDecodeError:
+            raise ApiError(400, f"messages[{i}].tool_calls[{j}].function.arguments is not JSON",
+                           f"messages[{i}].tool_calls[{j}].function.arguments") from None
+        out.append(json.dumps({"name": f["name"], "parameters": params}, ensure_ascii=False))
+    return "\n".join(out)
 
 
 def chat_messages(messages: Any) -> list[dict]:
-    """OpenAI messages as the chat format takes them: role and plain-text content."""
+    """OpenAI messages as the chat format takes them: role and plain-text content.
+
+    The chat formats have one system block, before the first turn. So the `system` and
+    `developer` messages that open a conversation are joined into it (blank line between), and
+    one after the first turn is refused rather than moved, since moving it changes its meaning.
+    """
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", "messages")
+    system: list[str] = []
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"messages[{i}] must be an object with a 'role'", f"messages[{i}]")
         if m["role"] not in MESSAGE_ROLES:
             raise ApiError(400, f"messages[{i}]: role {m['role']!r} is not supported; the roles are "
-                           f"{', '.join(MESSAGE_ROLES)} (system first, if at all)", f"messages[{i}].role")
-        content = m.get("content")
-        if isinstance(content, list):      # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise ApiError(400, f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content must be text", f"messages[{i}].content")
+                           f"{', '.join(MESSAGE_ROLES)} (system or developer first, if at all)", f"messages[{i}].role")
+        content = _text(m, i)
+        if m["role"] in SYSTEM_ROLES:
+            if out:
+                raise ApiError(400, f"messages[{i}]: a {m['role']} message must come before the first user or "
+                               "assistant message (the chat format has one system block, at the start)",
+                               f"messages[{i}].role")
+            system.append(content)
+            continue
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            content = "\n".join(t for t in (content, _tool_calls_text(m, i)) if t)
         out.append({"role": m["role"], "content": content})
     if not any(m["content"].strip() for m in out if m["role"] == "user"):
         raise ApiError(400, "'messages' needs a user message with some text", "messages")
-    return out
+    return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + out
 
 
 def as_request_error(fn: Callable[[], list[int]], param: str) -> list[int]:

@@ -1,4 +1,5 @@
-"""Next-token choice: greedy by default; temperature, top-k, top-p and repetition penalty on request.
+"""Next-token choice: greedy by default; temperature, top-k, top-p, repetition penalty and
+per-token logit bias on request.
 
 Sampling uses its own `torch.Generator`, so a seed reproduces a run exactly and nothing else
 in the process (or another session) shifts its random stream.
@@ -19,6 +20,9 @@ class SamplingParams:
     top_p: float = 1.0              # 1 disables
     repetition_penalty: float = 1.0
     seed: int | None = None
+    # (token id, bias) pairs added to the logits after the repetition penalty: a tuple, so the
+    # params stay hashable and immutable. Ids are checked against the vocabulary by the caller.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -32,15 +36,22 @@ class SamplingParams:
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams = SamplingParams()):
+    """`constraint` (constrained.Constraint, optional) masks the tokens a grammar forbids
+    before every choice and is told each chosen token."""
+
+    def __init__(self, params: SamplingParams = SamplingParams(), constraint=None):
         self.params = params
+        self.constraint = constraint
         self.generator = torch.Generator()
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
         else:
             self.generator.seed()
 
-    def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
+    def adjust(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
+        """The logits every choice starts from (float32): repetition penalty, logit bias, then
+        the constraint's mask. Log probabilities reported to clients are taken from these too
+        (logprobs.py)."""
         p = self.params
         logits = logits.float()
         if p.repetition_penalty != 1.0 and history:
@@ -49,6 +60,24 @@ class Sampler:
             seen = logits[idx]
             logits = logits.clone()
             logits[idx] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+        if p.logit_bias:
+            idx = torch.tensor([i for i, _ in p.logit_bias], dtype=torch.long)
+            logits = logits.index_add(0, idx, torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype))
+        if self.constraint is not None:
+            logits = logits.masked_fill(~self.constraint.allowed(), float("-inf"))
+        return logits
+
+    def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
+        """The next token; `last_logits` keeps the adjusted logits it was chosen from."""
+        p = self.params
+        logits = self.last_logits = self.adjust(logits, history)
+        tok = self._choose(logits)
+        if self.constraint is not None:
+            self.constraint.consume(tok)
+        return tok
+
+    def _choose(self, logits: torch.Tensor) -> int:
+        p = self.params
         if p.temperature == 0:
             return int(torch.argmax(logits))
         logits = logits / p.temperature

@@ -22,11 +22,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
+from llama_runtime.logprobs import TokenLogprob
 from llama_runtime.sampling import SamplingParams
 
 DEFAULT_QUEUE_SIZE = 16
 # Weight of the latest job in the running mean of job durations that Retry-After is based on.
+# A slot frees when the running job ends, so Retry-After is that job's expected remainder,
+# not the time to drain the whole queue (which would send clients away for far too long).
 _DURATION_EMA = 0.3
 _SHUTDOWN = object()
 
@@ -39,6 +43,14 @@ class QueueFull(Exception):
         self.retry_after_s = retry_after_s
 
 
+class Piece(NamedTuple):
+    """A piece of streamed text and the scores of the tokens generated since the last piece
+    (empty unless asked for; text held back for a stop string can leave a piece with scores
+    and no text)."""
+    text: str
+    logprobs: list[TokenLogprob]
+
+
 @dataclass
 class Outcome:
     """What a finished job hands back (the full text, for non-streaming answers)."""
@@ -48,17 +60,27 @@ class Outcome:
     cached_tokens: int             # prompt tokens whose K/V were reused rather than prefilled
     completion_tokens: int
     cancelled_by: str | None = None  # "client" | "shutdown"
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    queued_s: float = 0.0          # arrival to start
+    ttft_s: float = 0.0            # start of prefill to the first token chosen
+    tokens_per_s: float = 0.0      # decode speed after the first token
 
 
 @dataclass
 class Job:
-    """One request's generation. `events` receives ("text", str), then ("done", Outcome) or
-    ("error", Exception), always ending with exactly one of the last two."""
+    """One request's generation. `events` receives ("prompt", [TokenLogprob | None]) first if
+    `score_prompt`, ("text", Piece), then ("done", Outcome) or ("error", Exception), always
+    ending with exactly one of the last two. `logprobs` = k asks for each token's score and k
+    alternatives; `score_prompt` for the prompt's too, which reads the whole prompt again
+    (no reuse of the cache)."""
     prompt_ids: list[int]
     max_tokens: int
     sampling: SamplingParams
     stops: tuple[str, ...]
     loop: asyncio.AbstractEventLoop
+    logprobs: int | None = None
+    score_prompt: bool = False
+    constraint: object = None           # constrained.Constraint: the answer must match its grammar
     id: str = ""
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled_by: str | None = None
@@ -121,6 +143,7 @@ class Worker:
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._cached_ids: list[int] = []   # token ids whose K/V are in the cache, position by position
         self._current: Job | None = None
+        self._current_started = 0.0
         self._mean_job_s = 1.0
         self._ids = itertools.count(1)
         self._thread = threading.Thread(target=self._run, name="generation-worker", daemon=True)
@@ -136,8 +159,8 @@ class Worker:
         try:
             self._queue.put_nowait(job)
         except queue.Full:
-            waiting = self._queue.qsize() + 1
-            raise QueueFull(max(1, math.ceil(self._mean_job_s * waiting))) from None
+            running_s = time.perf_counter() - self._current_started if self._current is not None else 0.0
+            raise QueueFull(max(1, math.ceil(self._mean_job_s - running_s))) from None
         return job
 
     def cancel_all(self, by: str = "shutdown") -> None:
@@ -166,9 +189,11 @@ class Worker:
             job = self._queue.get()
             if job is _SHUTDOWN:
                 return
-            self._current = job
+            self._current, self._current_started = job, time.perf_counter()
             try:
                 if job.cancelled_by is not None:
+                    self.log(f"[serve] {job.id} prompt {len(job.prompt_ids)} tokens, never started: queued "
+                             f"{time.perf_counter() - job.enqueued_at:.2f} s, cancelled by {job.cancelled_by}")
                     job._post("done", Outcome("", None, len(job.prompt_ids), 0, 0, job.cancelled_by))
                 else:
                     self._generate(job)
@@ -190,27 +215,34 @@ class Worker:
 
     def _generate(self, job: Job) -> None:
         ids = job.prompt_ids
-        lcp = self._reuse(ids)
+        started = time.perf_counter()
+        lcp = reused = self._reuse(ids)
+        if job.score_prompt:
+            self._cached_ids = []
+            job._post("prompt", self.session.score_prompt(ids, job.logprobs or 0, job.sampling))
+            lcp, reused = len(ids) - 1, 0   # all but the last token's K/V are now in the cache
         # Positions past lcp are about to be overwritten: until the call returns, only the
         # shared prefix is known to be in the cache.
         self._cached_ids = ids[:lcp]
         cut = StopText(job.stops)
-        started = time.perf_counter()
+        scores: list[TokenLogprob] = []     # since the last piece posted
 
         def on_text(piece: str) -> None:
             out = cut.push(piece)
             if out:
-                job._post("text", out)
+                job._post("text", Piece(out, scores[:]))
+                scores.clear()
 
         r = self.session.generate(ids[lcp:], job.max_tokens, on_text, job.sampling, start=lcp,
-                                  history=ids[:lcp], should_stop=lambda: cut.hit or job.cancelled_by is not None)
+                                  history=ids[:lcp], should_stop=lambda: cut.hit or job.cancelled_by is not None,
+                                  logprobs=job.logprobs, on_logprob=scores.append, constraint=job.constraint)
         fed = r.cached - lcp
         self._cached_ids = ids[:lcp] + (ids[lcp:] + r.tokens)[:fed]
         elapsed = time.perf_counter() - started
         self._mean_job_s += _DURATION_EMA * (elapsed - self._mean_job_s)
         tail = cut.finish()
-        if tail:
-            job._post("text", tail)
+        if tail or scores:
+            job._post("text", Piece(tail, scores[:]))
         if cut.hit or r.stop_reason == "end_token":
             reason = "stop"
         elif r.stop_reason in ("n_tokens", "context_limit"):
@@ -218,9 +250,10 @@ class Worker:
         else:
             reason = None
         by = job.cancelled_by if reason is None else None
-        out = Outcome(cut.text, reason, len(ids), lcp, len(r.tokens), by)
         wait = started - job.enqueued_at
-        self.log(f"[serve] {job.id} prompt {len(ids)} tokens, {lcp} reused from the cache, {len(r.tokens)} generated, "
+        out = Outcome(cut.text, reason, len(ids), reused, len(r.tokens), by, r.logprobs, wait, r.ttft_s,
+                      r.decode_tokens_per_s)
+        self.log(f"[serve] {job.id} prompt {len(ids)} tokens, {reused} reused from the cache, {len(r.tokens)} generated, "
                  f"queued {wait:.2f} s, TTFT {r.ttft_s:.3f} s, {r.decode_tokens_per_s:.2f} tok/s, "
                  f"finish {reason or 'cancelled by ' + str(by)}")
         job._post("done", out)

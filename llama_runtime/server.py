@@ -1,4 +1,4 @@
-"""`make serve`: an OpenAI-compatible HTTP API (`/v1/models`, `/v1/chat/completions`,
+"""`make serve`: an OpenAI-compatible HTTP API (`/v1/models[/{id}]`, `/v1/chat/completions`,
 `/v1/completions`) in front of one session.
 
 Clients of local runtimes speak OpenAI's API, so this module only translates: it has a
@@ -20,14 +20,17 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from importlib import resources
 from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from kernel_builder.groups import QUANTS
@@ -45,28 +48,38 @@ from llama_runtime.openai_request import (
     int_param,
     internal_error,
     json_body,
+    logit_bias,
     number_param,
     refuse_unsupported,
     shutting_down,
     stop_strings,
 )
+from llama_runtime.constrained import Grammars
+from llama_runtime.logprobs import MAX_TOP_CHAT, MAX_TOP_COMPLETIONS, TokenText
 from llama_runtime.sampling import SamplingParams
-from llama_runtime.serve_worker import DEFAULT_QUEUE_SIZE, Job, QueueFull, Worker
+from llama_runtime.serve_worker import DEFAULT_QUEUE_SIZE, Job, Piece, QueueFull, Worker
+from llama_runtime.tool_calls import ToolRequest, tool_request
 from npu_runtime.devices import DEVICE_KINDS
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+CHAT_PAGE = resources.files("llama_runtime") / "web" / "chat.html"   # GET /: package data, works offline
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions (chat: the rest of the context)
 SHUTDOWN_GRACE_S = 5       # in-flight answers are cancelled at once; this bounds their goodbye
+# A route's shaping of one choice: (piece, finish_reason, streaming, prompt scores if echoed).
+Choice = Callable[..., dict]
 
 
 class Api:
     """The routes, bound to one worker and its session."""
 
-    def __init__(self, worker: Worker, model_id: str):
+    def __init__(self, worker: Worker, model_id: str, log: Callable[[str], None] = print):
         self.worker = worker
+        self.log = log
         self.session = worker.session
         self.model_id = model_id
         self.created = int(time.time())
+        self.grammars = Grammars(self.session.tokenizer)
 
     # ---- shared by both completion routes ----
     def _check_model(self, body: dict) -> None:
@@ -77,20 +90,24 @@ class Api:
             raise ApiError(404, f"the model '{model}' does not exist; this server runs '{self.model_id}'",
                            "model", "model_not_found")
 
-    def _job(self, body: dict, ids: list[int], prompt_param: str) -> Job:
+    def _job(self, body: dict, ids: list[int], prompt_param: str, default_max_tokens: int | None = None) -> Job:
         limit = self.worker.max_context
         if len(ids) >= limit:
             raise ApiError(400, f"this model's maximum context length is {limit} tokens, and the prompt has "
                            f"{len(ids)} tokens, leaving no room for an answer", prompt_param, "context_length_exceeded")
         newer, older = int_param(body, "max_completion_tokens", 1, limit), int_param(body, "max_tokens", 1, limit)
         max_tokens = older if newer is None else newer
+        max_tokens = default_max_tokens if max_tokens is None else max_tokens
         room = limit - len(ids)
         max_tokens = room if max_tokens is None else min(max_tokens, room)
         temperature = number_param(body, "temperature", DEFAULT_TEMPERATURE, lambda t: 0 <= t <= MAX_TEMPERATURE,
                               f"between 0 and {MAX_TEMPERATURE:g}")
-        top_p = number_param(body, "top_p", 1.0, lambda p: 0 < p <= 1, "in (0, 1]")
+        top_p = number_param(body, "top_p", 1.0, lambda p: 0 <= p <= 1, "in [0, 1]")
+        if top_p == 0:                  # OpenAI's clients send it for "the most likely token only"
+            temperature, top_p = 0.0, 1.0
         seed = int_param(body, "seed", -sys.maxsize - 1, sys.maxsize)
-        sampling = SamplingParams(temperature, 0, top_p, 1.0, seed)
+        bias = logit_bias(body, self.session.config.vocab_size)
+        sampling = SamplingParams(temperature, 0, top_p, 1.0, seed, bias)
         return Job(ids, max_tokens, sampling, stop_strings(body), asyncio.get_running_loop())
 
     def _stream_flags(self, body: dict) -> tuple[bool, bool]:
@@ -113,29 +130,37 @@ class Api:
 
     @staticmethod
     def _usage(out) -> dict:
+        """OpenAI's usage, plus `timings` (this server's own figures, which clients that do not
+        know them ignore): seconds queued, time to first token, decode tokens per second."""
         return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
                 "total_tokens": out.prompt_tokens + out.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": out.cached_tokens},
+                "timings": {"queued_s": round(out.queued_s, 4), "ttft_s": round(out.ttft_s, 4),
+                            "tokens_per_s": round(out.tokens_per_s, 2)}}
 
     async def _answer(self, request: Request, job: Job, stream: bool, include_usage: bool,
-                      kind: str, choice: Callable[[str, str | None, bool], dict]):
-        """Run `job` and answer as one JSON object or as server-sent events. `choice(text,
-        finish_reason, streaming)` shapes one choice for this route."""
+                      kind: str, choice: Choice, echo: bool = False):
+        """Run `job` and answer as one JSON object or as server-sent events. `choice(piece,
+        finish_reason, streaming, prompt)` shapes one choice for this route; `prompt` (the
+        prompt tokens' scores, None where unscored) is given where the prompt is echoed."""
         rid = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         head = {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_id}
         job.id = rid                    # the log line names the id the client sees
         self._submit(job)
         if stream:
-            return StreamingResponse(self._events(job, head, include_usage, choice), media_type="text/event-stream",
+            return StreamingResponse(self._events(job, head, include_usage, choice, echo),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        out = await self._outcome(request, job)
+        prompt_scores: list = [None] * len(job.prompt_ids)
+        out = await self._outcome(request, job, prompt_scores)
         if out is None:                 # the client left; nobody reads this
             return JSONResponse({}, status_code=499)
-        return JSONResponse({**head, "choices": [choice(out.text, out.finish_reason, False)],
-                             "usage": self._usage(out), "system_fingerprint": None})
+        answer = choice(Piece(out.text, out.logprobs), out.finish_reason, False, prompt_scores if echo else None)
+        return JSONResponse({**head, "choices": [answer], "usage": self._usage(out), "system_fingerprint": None})
 
-    async def _outcome(self, request: Request, job: Job):
-        """The finished job, or None if the client disconnected first (the job is then cancelled)."""
+    async def _outcome(self, request: Request, job: Job, prompt_scores: list):
+        """The finished job, or None if the client disconnected first (the job is then cancelled).
+        The prompt's scores, if the job reports them, are put in `prompt_scores`."""
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             while True:
@@ -148,6 +173,8 @@ class Api:
                 what, value = get.result()
                 if what == "error":
                     raise as_api_error(value)
+                if what == "prompt":
+                    prompt_scores[:] = value
                 if what == "done":
                     if value.cancelled_by == "shutdown":
                         raise shutting_down()
@@ -155,7 +182,7 @@ class Api:
         finally:
             gone.cancel()
 
-    async def _events(self, job: Job, head: dict, include_usage: bool, choice):
+    async def _events(self, job: Job, head: dict, include_usage: bool, choice: Choice, echo: bool):
         chunk_kind = "chat.completion.chunk" if head["object"] == "chat.completion" else head["object"]
         head = {**head, "object": chunk_kind, "system_fingerprint": None}
         extra = {"usage": None} if include_usage else {}
@@ -163,21 +190,27 @@ class Api:
         def sse(obj: dict) -> str:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
+        nothing = Piece("", [])
         try:
             if chunk_kind == "chat.completion.chunk":
-                yield sse({**head, "choices": [choice("", None, True) | {"delta": {"role": "assistant", "content": ""}}],
-                           **extra})
+                yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                "finish_reason": None, "logprobs": None}], **extra})
+            if echo and not job.score_prompt:      # the echoed prompt leads; no scores to wait for
+                yield sse({**head, "choices": [choice(nothing, None, True, [None] * len(job.prompt_ids))], **extra})
             while True:
                 what, value = await job.events.get()
-                if what == "text":
-                    yield sse({**head, "choices": [choice(value, None, True)], **extra})
+                if what in ("text", "prompt"):
+                    piece, prompt = (value, None) if what == "text" else (nothing, value)
+                    shaped = choice(piece, None, True, prompt)
+                    if shaped is not None:      # None: the route holds this piece back for now
+                        yield sse({**head, "choices": [shaped], **extra})
                     continue
                 if what == "error":
                     yield sse(as_api_error(value).body())
                 elif value.cancelled_by is not None:
                     yield sse(shutting_down().body())
                 else:
-                    yield sse({**head, "choices": [choice("", value.finish_reason, True)], **extra})
+                    yield sse({**head, "choices": [choice(nothing, value.finish_reason, True)], **extra})
                     if include_usage:
                         yield sse({**head, "choices": [], "usage": self._usage(value)})
                 yield "data: [DONE]\n\n"
@@ -186,9 +219,28 @@ class Api:
             job.cancel("client")        # a no-op once the job is done; else the client has gone
 
     # ---- routes ----
+    def _served(self, request: Request) -> None:
+        """The log line of a request that needs no model (the completions' come from the worker)."""
+        self.log(f"[serve] {request.method} {request.url.path} 200")
+
+    async def chat_page(self, request: Request):
+        self._served(request)
+        return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"), headers={"Cache-Control": "no-cache"})
+
     async def models(self, request: Request):
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "llama32-1b-npu"}]})
+        self._served(request)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request):
+        model_id = request.path_params["model_id"]
+        if model_id != self.model_id:
+            raise ApiError(404, f"the model '{model_id}' does not exist; this server runs '{self.model_id}'",
+                           "model", "model_not_found")
+        self._served(request)
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "llama32-1b-npu"}
 
     async def chat_completions(self, request: Request):
         body = await json_body(request)
@@ -199,32 +251,87 @@ class Api:
         if fmt is None:
             raise ApiError(400, f"'{self.model_id}' has no chat format; use /v1/completions", "model")
         messages = chat_messages(body.get("messages"))
-        ids = as_request_error(lambda: fmt.render(messages, add_generation_prompt=True), "messages")
+        tools = tool_request(body)
+        ids = as_request_error(lambda: fmt.render(messages, add_generation_prompt=True,
+                                                  tools=tools.tools if tools else None), "messages")
         job = self._job(body, ids, "messages")
+        wanted = bool_param(body, "logprobs")
+        top = int_param(body, "top_logprobs", 0, MAX_TOP_CHAT)
+        if top is not None and not wanted:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        job.logprobs = (top or 0) if wanted else None
+        job.constraint = await self._constraint(body, tools)
+        texts = TokenText(self.session.tokenizer)
+        # With tools, a streamed answer is held back while it may still be a call: from its
+        # start while it is blank or begins with "{", to its end if it does.
+        holding, held = tools is not None, Piece("", [])
 
-        def choice(text: str, finish: str | None, streaming: bool) -> dict:
+        def choice(piece: Piece, finish: str | None, streaming: bool, prompt=None) -> dict | None:
+            nonlocal holding, held
+            if streaming and holding:
+                piece = held = Piece(held.text + piece.text, held.logprobs + piece.logprobs)
+                if finish is None and held.text.lstrip()[:1] in ("", "{"):
+                    return None
+                holding = False
+            lp = {"content": texts.chat_content(piece.logprobs), "refusal": None} if wanted else None
+            text, call = piece.text, None
+            if tools is not None and finish == "stop":
+                call = tools.as_call(text.strip())
+            if call is not None:
+                finish = "tool_calls"
             if streaming:
-                delta = {"content": text} if text else {}
-                return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            return {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                    "finish_reason": finish, "logprobs": None}
+                lp = lp if piece.logprobs else None     # as OpenAI: none on the role and finish chunks
+                delta = {"tool_calls": [{"index": 0, **call}]} if call else {"content": text} if text else {}
+                return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
+            message = {"role": "assistant", "content": None if call else text, "refusal": None}
+            if call:
+                message["tool_calls"] = [call]
+            return {"index": 0, "message": message, "finish_reason": finish, "logprobs": lp}
 
         return await self._answer(request, job, stream, include_usage, "chat.completion", choice)
+
+    async def _constraint(self, body: dict, tools: ToolRequest | None):
+        """The grammar an answer must follow, if any. Built off the event loop: the first one
+        also indexes the vocabulary (~0.2 s)."""
+        rf = body.get("response_format")
+        schema = tools.schema() if tools else None
+        if schema is not None:
+            if rf is not None and rf != {"type": "text"}:
+                raise ApiError(400, "'response_format' cannot be combined with a tool_choice that requires a call",
+                               "response_format")
+            return await asyncio.to_thread(self.grammars.for_schema, schema, "tools")
+        if rf is None:
+            return None
+        return await asyncio.to_thread(self.grammars.for_response_format, rf)
 
     async def completions(self, request: Request):
         body = await json_body(request)
         self._check_model(body)
         refuse_unsupported(body)
         stream, include_usage = self._stream_flags(body)
-        if body.get("echo") or body.get("suffix"):
-            raise ApiError(400, "'echo' and 'suffix' are not supported", "echo" if body.get("echo") else "suffix")
+        if body.get("suffix"):
+            raise ApiError(400, "'suffix' is not supported", "suffix")
+        echo = bool_param(body, "echo")
         ids = self._prompt_ids(body.get("prompt"))
-        job = self._job(body, ids, "prompt")
+        job = self._job(body, ids, "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS)
+        job.logprobs = int_param(body, "logprobs", 0, MAX_TOP_COMPLETIONS)
+        job.score_prompt = echo and job.logprobs is not None
+        texts = TokenText(self.session.tokenizer)
+        prompt_text = self.session.tokenizer.decode(ids) if echo else ""
+        offset = 0                      # text_offset runs on across a stream's chunks
 
-        def choice(text: str, finish: str | None, streaming: bool) -> dict:
-            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        def choice(piece: Piece, finish: str | None, streaming: bool, prompt=None) -> dict:
+            nonlocal offset
+            text, tokens, scores = piece.text, [e.token for e in piece.logprobs], list(piece.logprobs)
+            if prompt is not None:      # the echoed prompt leads the text, its first token unscored
+                text, tokens, scores = prompt_text + text, ids + tokens, prompt + scores
+            lp = None
+            if job.logprobs is not None and (tokens or not streaming):
+                lp = texts.completion(scores, tokens, offset)
+                offset += sum(len(t) for t in lp["tokens"])
+            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": lp}
 
-        return await self._answer(request, job, stream, include_usage, "text_completion", choice)
+        return await self._answer(request, job, stream, include_usage, "text_completion", choice, echo)
 
     def _prompt_ids(self, prompt: Any) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -243,23 +350,39 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def create_app(worker: Worker, model_id: str) -> Starlette:
-    api = Api(worker, model_id)
+def create_app(worker: Worker, model_id: str, cors_origins: Sequence[str] = (),
+               log: Callable[[str], None] = print) -> Starlette:
+    """The app. `cors_origins` are the web origins whose pages may call the API from a
+    browser (preflight OPTIONS answered); none by default, so a page elsewhere cannot use a
+    server that trusts whoever reaches it. Every refused request gets one log line, as every
+    answered one does in the worker."""
+    api = Api(worker, model_id, log)
 
-    async def api_error(request, e: ApiError):
+    def refused(request: Request, e: ApiError):
+        log(f"[serve] {request.method} {request.url.path} refused: {e.status} {e.code or e.type}: {e.message}")
         return error_response(e)
 
+    async def api_error(request, e: ApiError):
+        return refused(request, e)
+
     async def http_error(request, e: HTTPException):
-        code = "not_found" if e.status_code == 404 else None
-        return error_response(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", None, code))
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        # e.headers carries 405's Allow, which clients need to learn the right method.
+        return refused(request, ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", None,
+                                         code, headers=e.headers))
 
     async def server_error(request, e: Exception):
-        return error_response(internal_error(e))
+        return refused(request, internal_error(e))
 
+    middleware = [Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                             allow_headers=["*"], max_age=600)] if cors_origins else []
     return Starlette(
-        routes=[Route("/v1/models", api.models, methods=["GET"]),
+        routes=[Route("/", api.chat_page, methods=["GET"]),
+                Route("/v1/models", api.models, methods=["GET"]),
+                Route("/v1/models/{model_id:path}", api.model, methods=["GET"]),
                 Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
                 Route("/v1/completions", api.completions, methods=["POST"])],
+        middleware=middleware,
         exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: server_error})
 
 
@@ -277,7 +400,7 @@ class _Server(uvicorn.Server):
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="llama32_1b_inference.py --serve",
-                                description="OpenAI-compatible HTTP server (/v1/models, /v1/chat/completions, "
+                                description="OpenAI-compatible HTTP server (/v1/models[/{id}], /v1/chat/completions, "
                                             "/v1/completions) for one model on one device.")
     p.add_argument("--model", "-m", default="instruct", help="as for make run (default: instruct)")
     p.add_argument("--device", choices=DEVICE_KINDS, default="auto")
@@ -287,6 +410,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT}; 0 picks a free one)")
     p.add_argument("--queue-size", type=positive_int, default=DEFAULT_QUEUE_SIZE,
                    help=f"requests that may wait for the model; more get 503 (default {DEFAULT_QUEUE_SIZE})")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="a web origin (scheme://host[:port]) whose pages may call the API from a browser; "
+                        "repeat for several, '*' for any (default: none)")
     p.add_argument("--run-only", action="store_true", help="never compile; fail if the kernel cache lacks a group")
     p.add_argument("--verbose", "-v", action="store_true", help="tracebacks on errors")
     return p
@@ -324,8 +450,8 @@ def serve(build_session: Callable, argv: list[str] | None = None) -> int:
     model_id = session.resolved.name
     log(f"[serve] model '{model_id}' on {type(session.device).__name__}, context {worker.max_context}, "
         f"queue {args.queue_size}; ready in {session.build_s:.1f} s")
-    log(f"[serve] OpenAI-compatible API at http://{host}:{port}/v1 (Ctrl-C stops)")
-    config = uvicorn.Config(create_app(worker, model_id), log_level="warning", access_log=False,
+    log(f"[serve] OpenAI-compatible API at http://{host}:{port}/v1, chat page at http://{host}:{port}/ (Ctrl-C stops)")
+    config = uvicorn.Config(create_app(worker, model_id, args.cors_origin, log), log_level="warning", access_log=False,
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     try:
         _Server(config, worker).run(sockets=[sock])

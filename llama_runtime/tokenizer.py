@@ -175,6 +175,11 @@ class Tokenizer:
         """Id of a token of the whole vocabulary, or None if there is no such token."""
         return None if token is None else self._backend.token_to_id(token)
 
+    def serialized(self) -> str:
+        """The tokenizer as `tokenizers` JSON, load-time fix-ups included, for libraries that
+        build their own view of the vocabulary (constrained decoding)."""
+        return self._backend.to_str()
+
     def id_to_token(self, token_id: int) -> str | None:
         """A token's vocabulary entry (byte-level, not decoded text), for messages about ids."""
         return self._backend.id_to_token(token_id)
@@ -254,6 +259,12 @@ class StreamDecoder:
         self._ids.append(int(token_id))
         return self._emit(force=False)
 
-    def flush(self) -> str:
-        """Whatever is still held back (only non-empty if generation stopped mid-character)."""
-        return self._emit(force=True)
+    def flush(self, keep_partial: bool = True) -> str:
+        """Whatever is still held back (only non-empty if generation stopped mid-character).
+
+        With `keep_partial=False` the incomplete character's bytes are dropped instead of
+        showing as U+FFFD: an answer cut by a token budget ends before that character, as its
+        stream did.
+        """
+        text = self._emit(force=True)
+        return text if keep_partial else text.rstrip("\ufffd")

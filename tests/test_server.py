@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import re
 import signal
 import subprocess
@@ -17,10 +18,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import openai
 import psutil
 import pytest
+import tokenizers
 from openai import OpenAI
+from pydantic import BaseModel, Field
 
+from llama_runtime.models import resolve_model
 from llama_runtime.server import DEFAULT_HOST
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,6 +37,11 @@ REFUSAL_TIMEOUT_S = 15         # well within the LONG answer that holds the devi
 JAPAN = [{"role": "user", "content": "What is the capital of Japan?"}]
 COUNTING = "1, 2, 3, 4, 5,"     # a raw prompt the model continues for hundreds of tokens
 LONG = 300
+WEB_ORIGIN = "http://localhost:5173"   # the one origin the test server lets browsers call it from
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city now",
+                                         "parameters": {"type": "object", "required": ["city"],
+                                                        "properties": {"city": {"type": "string", "maxLength": 20}},
+                                                        "additionalProperties": False}}}
 
 
 class Server:
@@ -58,12 +68,17 @@ class Server:
 
     def post(self, path: str, body=None, raw: bytes | None = None) -> tuple[int, dict, dict]:
         """Status, headers and JSON body of one request sent as given."""
+        status, headers, data = self.request("POST", path, raw if raw is not None else json.dumps(body).encode(),
+                                             {"Content-Type": "application/json"})
+        return status, headers, json.loads(data)
+
+    def request(self, method: str, path: str, body: bytes | None = None,
+                headers: dict | None = None) -> tuple[int, dict, bytes]:
         conn = self.connection()
         try:
-            conn.request("POST", f"/v1{path}", raw if raw is not None else json.dumps(body).encode(),
-                         {"Content-Type": "application/json"})
+            conn.request(method, f"/v1{path}", body, headers or {})
             r = conn.getresponse()
-            return r.status, {k.lower(): v for k, v in r.getheaders()}, json.loads(r.read())
+            return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
         finally:
             conn.close()
 
@@ -90,7 +105,7 @@ def server():
         proc = subprocess.Popen(
             [sys.executable, str(REPO / "llama32_1b_inference.py"), "--serve", "--model", MODEL, "--device", "sim",
              "--max-context", str(MAX_CONTEXT), "--host", DEFAULT_HOST, "--port", "0",
-             "--queue-size", str(QUEUE_SIZE)],
+             "--queue-size", str(QUEUE_SIZE), "--cors-origin", WEB_ORIGIN],
             stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -133,6 +148,8 @@ def test_chat_answers_and_the_stream_carries_the_same_text(server):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == u.completion_tokens
+    timings = chunks[-1].usage.model_extra["timings"]
+    assert timings["ttft_s"] > 0 and timings["tokens_per_s"] > 0 and timings["queued_s"] >= 0
     assert all(c.usage is None for c in chunks[:-1])
 
     sampled = {"temperature": 0.9, "top_p": 0.95, "seed": 1234, "max_tokens": 16}
@@ -177,6 +194,217 @@ def test_a_second_turn_prefills_only_its_new_tokens(server):
     assert f"{second.id} prompt {second.usage.prompt_tokens} tokens, {cached} reused" in server.log_line(second.id)
 
 
+# ---- OpenAI's finer points ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vocab() -> tokenizers.Tokenizer:
+    return tokenizers.Tokenizer.from_file(str(resolve_model(MODEL).folder / "tokenizer.json"))
+
+
+def test_one_model_can_be_retrieved_by_id(server):
+    m = server.client.models.retrieve(MODEL)
+    assert (m.id, m.object) == (MODEL, "model")
+    with pytest.raises(openai.NotFoundError) as e:
+        server.client.models.retrieve("gpt-4o")
+    assert e.value.body["code"] == "model_not_found"
+
+
+def test_completions_default_to_16_tokens(server):
+    r = server.client.completions.create(model=MODEL, prompt=COUNTING, temperature=0)
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+
+
+def test_logit_bias_steers_the_choice(server, vocab):
+    plain = server.client.completions.create(model=MODEL, prompt=COUNTING, max_tokens=4, temperature=0)
+    assert plain.choices[0].text.startswith(" 6")
+    banned = {str(i): -100 for i in vocab.encode(" 6, 7").ids}
+    steered = server.client.completions.create(model=MODEL, prompt=COUNTING, max_tokens=4, temperature=0,
+                                               logit_bias=banned)
+    assert not set(vocab.encode(steered.choices[0].text).ids) & {int(i) for i in banned}, steered.choices[0].text
+
+
+def test_an_answer_cut_inside_a_character_ends_before_it(server, vocab):
+    first_byte = vocab.token_to_id("æ")       # 0xE6: the first of the three bytes of e.g. 日 or 本
+    body = dict(model=MODEL, prompt="In Japanese, Japan is", max_tokens=1, temperature=0,
+                logit_bias={str(first_byte): 100})
+    r = server.client.completions.create(**body)
+    assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "length"
+    assert r.choices[0].text == ""
+    pieces = list(server.client.completions.create(**body, stream=True))
+    assert "".join(p.choices[0].text for p in pieces) == ""
+
+
+def test_top_p_zero_is_greedy(server):
+    greedy = _chat(server, temperature=0, max_tokens=12).choices[0].message.content
+    assert _chat(server, temperature=1, top_p=0, max_tokens=12).choices[0].message.content == greedy
+
+
+def test_developer_and_leading_system_messages_form_one_system_block(server):
+    say = [{"role": "user", "content": "Say one word."}]
+    ask = lambda msgs: _chat(server, messages=msgs + say, temperature=0, max_tokens=8).choices[0].message.content
+    one = ask([{"role": "system", "content": "You are a pirate.\n\nAnswer in capitals."}])
+    assert ask([{"role": "developer", "content": "You are a pirate.\n\nAnswer in capitals."}]) == one
+    assert ask([{"role": "system", "content": "You are a pirate."},
+                {"role": "developer", "content": "Answer in capitals."}]) == one
+
+
+def test_an_assistant_turn_that_called_tools_is_accepted(server):
+    call = {"id": "call_1", "type": "function", "function": {"name": "capital", "arguments": '{"country": "Japan"}'}}
+    r = _chat(server, messages=JAPAN + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                                        {"role": "user", "content": "Just tell me."}], temperature=0, max_tokens=8)
+    assert r.choices[0].message.content and r.usage.prompt_tokens > 0
+
+
+# ---- log probabilities -------------------------------------------------------------------
+def test_chat_logprobs_describe_the_answer_streamed_or_not(server):
+    r = _chat(server, temperature=0, max_tokens=8, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    assert len(content) == r.usage.completion_tokens
+    for t in content:
+        assert bytes(t.bytes).decode() == t.token and t.logprob <= 0
+        tops = [x.logprob for x in t.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert (t.top_logprobs[0].token, t.top_logprobs[0].logprob) == (t.token, t.logprob)  # greedy: the likeliest
+
+    text, chunks = _streamed_chat(server, temperature=0, max_tokens=8, logprobs=True, top_logprobs=3)
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert text == r.choices[0].message.content
+    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [(t.token, round(t.logprob, 4)) for t in content]
+    assert _chat(server, temperature=0, max_tokens=2).choices[0].logprobs is None
+
+
+def test_completion_logprobs_with_echo_score_the_prompt_as_generation_did(server):
+    c = server.client.completions
+    gen = c.create(model=MODEL, prompt=COUNTING, max_tokens=4, temperature=0, logprobs=2)
+    lp = gen.choices[0].logprobs
+    assert "".join(lp.tokens) == gen.choices[0].text and len(lp.token_logprobs) == 4
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+    assert all(len(top) == 2 and max(top.values()) == l for top, l in zip(lp.top_logprobs, lp.token_logprobs))
+
+    echoed = c.create(model=MODEL, prompt=COUNTING + gen.choices[0].text, max_tokens=1, temperature=0, logprobs=2,
+                      echo=True)
+    e = echoed.choices[0]
+    assert e.text.startswith(COUNTING + gen.choices[0].text)
+    assert e.logprobs.token_logprobs[0] is None and e.logprobs.top_logprobs[0] is None
+    assert "".join(e.logprobs.tokens) == e.text
+    # The generated tokens, read back as the end of a prompt, get the scores they were generated with.
+    tail = e.logprobs.token_logprobs[-5:-1]
+    assert e.logprobs.tokens[-5:-1] == lp.tokens
+    assert tail == pytest.approx(lp.token_logprobs, abs=0.05)
+
+    pieces = list(c.create(model=MODEL, prompt=COUNTING, max_tokens=4, temperature=0, logprobs=2, echo=True,
+                           stream=True))
+    assert "".join(p.choices[0].text for p in pieces) == COUNTING + gen.choices[0].text
+    offsets = [o for p in pieces if p.choices[0].logprobs for o in p.choices[0].logprobs.text_offset]
+    assert offsets == sorted(offsets) and offsets[0] == 0 and len(offsets) == echoed.usage.prompt_tokens
+    plain = c.create(model=MODEL, prompt=COUNTING, max_tokens=4, temperature=0, echo=True)
+    assert plain.choices[0].text == COUNTING + gen.choices[0].text and plain.choices[0].logprobs is None
+
+
+# ---- structured output ---------------------------------------------------------------------
+class City(BaseModel):
+    name: str = Field(max_length=24)         # bounded, so a small model cannot ramble past max_tokens
+    country: str = Field(max_length=24)
+    population: int
+
+
+CITY_QUESTION = [{"role": "user", "content": "Describe the capital of Japan as JSON."}]
+
+
+def test_parse_with_a_pydantic_model_gets_a_valid_object(server):
+    r = server.client.chat.completions.parse(model=MODEL, messages=CITY_QUESTION, temperature=0, max_tokens=80,
+                                             response_format=City)
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(r.choices[0].message.parsed, City)
+
+    schema = {"type": "json_schema", "json_schema": {"name": "City", "schema": City.model_json_schema()}}
+    text, chunks = _streamed_chat(server, messages=CITY_QUESTION, temperature=0.8, seed=3, max_tokens=80,
+                                  response_format=schema)
+    City.model_validate_json(text)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_logprobs_under_a_grammar_list_only_the_tokens_it_allows(server):
+    r = _chat(server, messages=CITY_QUESTION, temperature=0, max_tokens=4, response_format={"type": "json_object"},
+              logprobs=True, top_logprobs=20)
+    first = r.choices[0].logprobs.content[0]
+    assert first.token == "{" and 1 <= len(first.top_logprobs) < 20    # only "{"-like tokens can open an object
+    assert sum(math.exp(t.logprob) for t in first.top_logprobs) == pytest.approx(1, abs=1e-3)
+
+
+def test_json_object_mode_answers_an_object_or_ends_with_length(server):
+    r = _chat(server, messages=CITY_QUESTION, temperature=0, max_tokens=80, response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict) and r.choices[0].finish_reason == "stop"
+    cut = _chat(server, messages=CITY_QUESTION, temperature=0, max_tokens=3, response_format={"type": "json_object"})
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.content.startswith("{")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(cut.choices[0].message.content)
+
+
+# ---- tools ----------------------------------------------------------------------------------
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": TOOL["function"]["parameters"]}}
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.mark.parametrize("tool_choice, name", [("required", None), ({"type": "function", "function": {"name": "get_time"}},
+                                                                    "get_time")])
+def test_a_required_call_comes_back_as_tool_calls_streamed_or_not(server, tool_choice, name):
+    kw = dict(messages=WEATHER_QUESTION, tools=[TOOL, CLOCK], tool_choice=tool_choice, temperature=0, max_tokens=40)
+    r = _chat(server, **kw)
+    m = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and m.content is None and len(m.tool_calls) == 1
+    call = m.tool_calls[0]
+    assert call.function.name in ({"get_weather", "get_time"} if name is None else {name})
+    assert set(json.loads(call.function.arguments)) == {"city"}
+
+    _, chunks = _streamed_chat(server, **kw)
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert not any(d.content for d in deltas)
+    calls = [t for d in deltas for t in d.tool_calls or []]
+    assert [(t.index, t.function.name, t.function.arguments) for t in calls] == \
+           [(0, call.function.name, call.function.arguments)]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_auto_lets_the_model_answer_in_text_and_a_tool_result_is_read_on_the_next_turn(server):
+    r = _chat(server, messages=WEATHER_QUESTION, tools=[TOOL], temperature=0, max_tokens=12)
+    assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
+    text, _ = _streamed_chat(server, messages=WEATHER_QUESTION, tools=[TOOL], temperature=0, max_tokens=12)
+    assert text == r.choices[0].message.content
+    turn = WEATHER_QUESTION + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "It is 18 C and sunny in Paris."}]
+    answer = _chat(server, messages=turn, tools=[TOOL], temperature=0, max_tokens=24)
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.content
+
+
+def test_cors_preflight_answers_only_the_configured_origin(server):
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+    status, headers, _ = server.request("OPTIONS", "/chat/completions", headers={"Origin": WEB_ORIGIN, **preflight})
+    assert status == 200 and headers["access-control-allow-origin"] == WEB_ORIGIN
+    assert "POST" in headers["access-control-allow-methods"]
+    status, headers, _ = server.request("OPTIONS", "/chat/completions",
+                                        headers={"Origin": "http://evil.test", **preflight})
+    assert status == 400 and "access-control-allow-origin" not in headers
+    status, headers, _ = server.request("GET", "/models", headers={"Origin": WEB_ORIGIN})
+    assert status == 200 and headers["access-control-allow-origin"] == WEB_ORIGIN
+
+
+def test_a_wrong_method_gets_405_with_allow(server):
+    status, headers, body = server.request("GET", "/chat/completions")
+    assert status == 405 and headers["allow"] == "POST"
+    assert json.loads(body)["error"]["code"] == "method_not_allowed"
+
+
+def test_refused_and_model_free_requests_are_logged_too(server):
+    status, _, _ = server.post("/completions", {"model": MODEL, "prompt": "hi", "best_of": 3})
+    assert status == 400
+    assert "POST /v1/completions refused: 400 invalid_request_error: only best_of=1" in server.log()
+    status, _, _ = server.request("GET", f"/models/{MODEL}")
+    assert status == 200 and f"GET /v1/models/{MODEL} 200" in server.log()
+
+
 # ---- one model, one device ----------------------------------------------------------------
 def _timed_probe(server) -> float:
     t0 = time.perf_counter()
@@ -214,6 +442,21 @@ def test_a_client_that_leaves_frees_the_device_at_the_next_token(server):
     assert server.log().count("cancelled by client") == cancelled + 1
 
 
+def test_a_client_that_leaves_while_queued_still_gets_a_log_line(server):
+    conn, _ = server.open_stream({"model": MODEL, "prompt": COUNTING, "max_tokens": LONG, "temperature": 0}, 2)
+    queued = server.connection()
+    try:                               # the stream holds the device, so this one waits in the queue
+        queued.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2}).encode(),
+                       {"Content-Type": "application/json"})
+        time.sleep(0.5)
+        queued.close()
+        time.sleep(0.3)
+    finally:
+        conn.close()
+    _timed_probe(server)               # queued behind the skipped job, so that one has been logged
+    assert re.search(r"\] \S+ prompt \d+ tokens, never started: queued [\d.]+ s, cancelled by client", server.log())
+
+
 def test_a_full_queue_answers_503_with_retry_after(server):
     conn, _ = server.open_stream({"model": MODEL, "prompt": COUNTING, "max_tokens": LONG, "temperature": 0}, 2)
     try:                                   # the stream holds the device; QUEUE_SIZE + 1 more arrive
@@ -247,8 +490,15 @@ BAD = [
     ("/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", None),
     ("/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages", None),
     ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 7}]}, 400, "messages[0].content", None),
-    ("/chat/completions", {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role", None),
-    ("/chat/completions", {"model": MODEL, "messages": USER + [{"role": "system", "content": "x"}]}, 400, "messages", None),
+    ("/chat/completions", {"model": MODEL, "messages": [{"role": "function", "content": "x"}]}, 400, "messages[0].role",
+     None),
+    ("/chat/completions", {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER + [{"role": "system", "content": "x"}]}, 400,
+     "messages[1].role", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER + [{"role": "developer", "content": "x"}]}, 400,
+     "messages[1].role", None),
+    ("/chat/completions", {"model": MODEL, "messages": [{"role": "assistant", "content": None}] + USER}, 400,
+     "messages[0].content", None),
     ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "word " * MAX_CONTEXT}]},
      400, "messages", "context_length_exceeded"),
     ("/chat/completions", {"model": MODEL, "messages": USER, "max_tokens": 0}, 400, "max_tokens", None),
@@ -258,7 +508,45 @@ BAD = [
      "max_completion_tokens", None),
     ("/chat/completions", {"model": MODEL, "messages": USER, "temperature": "warm"}, 400, "temperature", None),
     ("/chat/completions", {"model": MODEL, "messages": USER, "temperature": 3}, 400, "temperature", None),
-    ("/chat/completions", {"model": MODEL, "messages": USER, "top_p": 0}, 400, "top_p", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "top_p": -0.1}, 400, "top_p", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "top_p": 1.5}, 400, "top_p", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "logit_bias": [1]}, 400, "logit_bias", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "logit_bias": {"abc": 1}}, 400, "logit_bias", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "logit_bias": {"-1": 1}}, 400, "logit_bias", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "logit_bias": {"49152": 1}}, 400, "logit_bias", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "logit_bias": {"5": 100.5}}, 400, "logit_bias", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "logit_bias": {"5": "1"}}, 400, "logit_bias", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "tool_choice": "auto"}, 400, "tool_choice", None),
+    ("/completions", {"model": MODEL, "prompt": "hi", "best_of": 2}, 400, "best_of", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "top_logprobs": 2}, 400, "top_logprobs", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "logprobs": 1}, 400, "logprobs", None),
+    ("/completions", {"model": MODEL, "prompt": "hi", "logprobs": 6}, 400, "logprobs", None),
+    ("/completions", {"model": MODEL, "prompt": "hi", "logprobs": True}, 400, "logprobs", None),
+    ("/completions", {"model": MODEL, "prompt": "hi", "echo": "yes"}, 400, "echo", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "tools": {"name": "f"}}, 400, "tools", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "tools": [{"type": "function"}]}, 400, "tools[0]", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "tools": [TOOL, TOOL]}, 400, "tools[1].function.name", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "tools": [TOOL], "tool_choice": "always"}, 400,
+     "tool_choice", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "tools": [TOOL],
+                           "tool_choice": {"type": "function", "function": {"name": "other"}}}, 400, "tool_choice", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "functions": [TOOL["function"]]}, 400, "functions", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "tools": [TOOL], "tool_choice": "required",
+                           "response_format": {"type": "json_object"}}, 400, "response_format", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "response_format": {"type": "xml"}}, 400,
+     "response_format", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "response_format": {"type": "json_schema"}}, 400,
+     "response_format.json_schema", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}}, 400, "response_format.json_schema.schema", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}}, 400,
+     "response_format.json_schema.schema", None),
+    ("/chat/completions", {"model": MODEL, "messages": USER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "http://elsewhere.test/s.json"}}}}, 400,
+     "response_format.json_schema.schema", None),
     ("/chat/completions", {"model": MODEL, "messages": USER, "n": 2}, 400, "n", None),
     ("/chat/completions", {"model": MODEL, "messages": USER, "stop": [1]}, 400, "stop", None),
     ("/chat/completions", {"model": MODEL, "messages": USER, "stream": "yes"}, 400, "stream", None),

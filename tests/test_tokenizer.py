@@ -228,6 +228,13 @@ def test_stream_decoder_flush_returns_a_cut_character(llama):
     assert stream.flush() == llama.decode(ids[:1])
 
 
+def test_stream_decoder_can_drop_a_cut_character(llama):
+    ids = llama.encode_text("ok 🎉")
+    stream = llama.stream_decoder()
+    pieces = [stream.push(i) for i in ids[:-1]]
+    assert "".join(pieces) + stream.flush(keep_partial=False) == "ok "
+
+
 def test_stream_decoder_keeps_context_for_decoders_that_strip_a_leading_space(tmp_path):
     """SentencePiece-style decoders drop the space of a sequence's first word, so a token
     decoded on its own loses the space it has in context; the stream must not."""

@@ -1,0 +1,92 @@
+"""Structured output: `response_format` turned into a token mask that the sampler applies.
+
+llguidance (Microsoft's Rust constrained-decoding library, one wheel with no dependencies)
+compiles a JSON schema into a matcher that, after each token, gives the set of tokens that
+keep the text a valid prefix of a document the schema accepts. The mask is applied to the
+logits on the host, in `Sampler.adjust`, so it works the same on every device, and once the
+document is complete only an end token is allowed. xgrammar was measured too: as fast per
+token here, but it installs triton (about 1 GB) and its default JSON layout differs; see
+docs/profile.md.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import llguidance
+import numpy as np
+import torch
+
+from llama_runtime.openai_request import ApiError
+
+# Compact JSON (no optional whitespace): a small model can otherwise fill its budget with
+# spaces and newlines that the grammar allows between tokens.
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+class Grammars:
+    """One tokenizer's view for llguidance, built on first use (~0.2 s) and shared by the
+    requests, which each get their own matcher."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self._lltok: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+
+    def _ll(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._lltok is None:
+                t = self._tokenizer
+                self._lltok = llguidance.LLTokenizer(t.serialized(), n_vocab=t.vocab_size,
+                                                     eos_token=sorted(t.end_token_ids))
+            return self._lltok
+
+    def for_response_format(self, rf: Any) -> "Constraint | None":
+        """The constraint `response_format` asks for (None for plain text), or a 400 naming
+        the field that is wrong."""
+        if rf is None:
+            return None
+        if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+            raise ApiError(400, "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                           "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                           "response_format")
+        if rf["type"] == "text":
+            return None
+        if rf["type"] == "json_object":
+            return self.for_schema({"type": "object"}, "response_format")
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict):
+            raise ApiError(400, "'response_format.json_schema' must be an object with a 'schema'",
+                           "response_format.json_schema")
+        schema = spec.get("schema", {"type": "object"})
+        if not isinstance(schema, dict):
+            raise ApiError(400, "'response_format.json_schema.schema' must be a JSON schema object",
+                           "response_format.json_schema.schema")
+        return self.for_schema(schema, "response_format.json_schema.schema")
+
+    def for_schema(self, schema: dict, param: str) -> "Constraint":
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        except (ValueError, TypeError) as e:
+            raise ApiError(400, f"'{param}' is not a usable JSON schema: {e}", param) from None
+        matcher = llguidance.LLMatcher(self._ll(), grammar, log_level=0)
+        if matcher.is_error():
+            raise ApiError(400, f"'{param}' cannot be compiled into a grammar: {matcher.get_error()}", param)
+        return Constraint(matcher, self._tokenizer.vocab_size)
+
+
+class Constraint:
+    """One answer's grammar state: `allowed()` before each choice, `consume(token)` after."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
+        self.matcher, self.vocab_size = matcher, vocab_size
+
+    def allowed(self) -> torch.Tensor:
+        """A bool per token of the model's vocabulary."""
+        words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        return torch.from_numpy(np.unpackbits(words, bitorder="little")[: self.vocab_size].astype(bool))
+
+    def consume(self, token: int) -> None:
+        if not self.matcher.consume_token(token):
+            raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed: "
+                               f"{self.matcher.get_error()}")

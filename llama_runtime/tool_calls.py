@@ -1,0 +1,97 @@
+"""OpenAI function calling on a model that writes a call as one JSON object,
+{"name": ..., "parameters": {...}}, as Llama 3.2 does (chat_format.py tells the model so).
+
+`tool_choice` decides what the answer may be: "none" offers no tools; "auto" lets the model
+answer in text or with a call, and an answer that parses as a call of an offered function
+becomes `tool_calls`; "required" and a named function constrain decoding to a call (of any
+offered function, or of that one) with arguments that match the function's parameter schema,
+through the same grammar mask as `response_format`.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from llama_runtime.openai_request import ApiError
+
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass
+class ToolRequest:
+    tools: list[dict]          # the request's entries, as the chat format shows them to the model
+    choice: str                # "auto" | "required" | a function's name (never "none": no request then)
+
+    @property
+    def names(self) -> list[str]:
+        return [t["function"]["name"] for t in self.tools]
+
+    def schema(self) -> dict | None:
+        """The JSON schema an answer must match, or None when the model may also answer in text."""
+        if self.choice == "auto":
+            return None
+        calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                   "parameters": t["function"].get("parameters") or EMPTY_PARAMETERS},
+                  "required": ["name", "parameters"], "additionalProperties": False}
+                 for t in self.tools if self.choice in ("required", t["function"]["name"])]
+        return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+    def as_call(self, text: str) -> dict | None:
+        """`text` as an OpenAI tool call, if it is exactly one call of an offered function."""
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(obj, dict) or obj.get("name") not in self.names:
+            return None
+        args = obj.get("parameters", obj.get("arguments", {}))
+        if not isinstance(args, dict):
+            return None
+        return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+def tool_request(body: dict) -> ToolRequest | None:
+    """`tools` and `tool_choice` checked as OpenAI checks them; None when no tool is offered."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if body.get("functions") or body.get("function_call"):
+        raise ApiError(400, "'functions' and 'function_call' are deprecated; use 'tools' and 'tool_choice'",
+                       "functions")
+    if not tools:
+        if choice is not None:
+            raise ApiError(400, "'tool_choice' is only allowed when 'tools' are given", "tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise ApiError(400, "'tools' must be a list", "tools")
+    seen = set()
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        name = f.get("name") if isinstance(f, dict) else None
+        if not isinstance(name, str) or not name:
+            raise ApiError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
+                           f"tools[{i}]")
+        if name in seen:
+            raise ApiError(400, f"tools[{i}]: the function name {name!r} is used twice", f"tools[{i}].function.name")
+        seen.add(name)
+        if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
+            raise ApiError(400, f"tools[{i}].function.parameters must be a JSON schema object",
+                           f"tools[{i}].function.parameters")
+    choice = _choice(choice, seen)
+    return None if choice == "none" else ToolRequest(tools, choice)
+
+
+def _choice(choice: Any, names: set[str]) -> str:
+    if choice is None:
+        return "auto"
+    if choice in ("none", "auto", "required"):
+        return choice
+    f = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = f.get("name") if isinstance(f, dict) else None
+    if not isinstance(name, str):
+        raise ApiError(400, "'tool_choice' must be \"none\", \"auto\", \"required\" or "
+                       "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    if name not in names:
+        raise ApiError(400, f"'tool_choice' names {name!r}, which is not among the tools", "tool_choice")
+    return name
