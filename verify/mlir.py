@@ -76,9 +76,14 @@ def inputs(case: Case, seed: int = 0, weights=None) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     out = {}
     if weights is not None and case.group.with_role(Role.STATIC):
-        real = groups.static_tensors(case.group, weights, 0)
-        out.update({s.name: quantize(real[s.name]) if s.quantized else real[s.name].to(s.torch_dtype)
-                    for s in case.group.with_role(Role.STATIC)})
+        grp = case.group    # its bf16 twin names the bf16 tensors behind the slots
+        twin = groups.build_group(grp.kind, weights.config, grp.seq_len, grp.ctx_len or None)
+        real = groups.static_tensors(twin, weights, 0)
+        for s in grp.with_role(Role.STATIC):
+            t = real[s.name]
+            if s.quantized and t.shape[0] < s.shape[0]:     # Q4NX LM-head partitions are padded further
+                t = torch.cat([t, t.new_zeros(s.shape[0] - t.shape[0], t.shape[1])])
+            out[s.name] = quantize(t) if s.quantized else t.to(s.torch_dtype)
     for s in case.group.slots:
         if s.role not in (Role.INPUT, Role.STATIC) or s.name in out:
             continue
