@@ -248,13 +248,7 @@ def gemv_batch_call(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]])
 
     The `*_call` forms fix pointers and sizes once, so the simulated device can replay a launch
     program without re-deriving them on every call."""
-    lib = _usable(*(t for _, x, y in jobs for t in (x, y)))
-    if lib is None or not all(_packed(w, y.numel(), x.numel()) for w, x, y in jobs):
-        return None
-    desc = (ctypes.c_int64 * (5 * len(jobs)))()
-    for i, (w, x, y) in enumerate(jobs):
-        desc[5 * i:5 * i + 5] = [w.data_ptr(), x.data_ptr(), y.data_ptr(), y.numel(), x.numel()]
-    return partial(lib.gemv_packed_bf16_cpu_batch, desc, len(jobs))     # the partial keeps desc alive
+    return _batch_call("gemv_packed_bf16_cpu_batch", _packed, jobs)
 
 
 def _q4nx_bytes(w: torch.Tensor, n: int, k: int) -> bool:
@@ -267,36 +261,40 @@ def gemv_q4nx_batch_call(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tens
     """y = W x for each (Q4NX W bytes, x, y) in one native dispatch, bound; None if unavailable.
     The sums are `q4nx.gemv_reference`'s, bit for bit per group (exact integers); the groups
     combine in f32 in the kernel's order."""
-    lib = _usable(*(t for _, x, y in jobs for t in (x, y)))
-    if lib is None or not all(_q4nx_bytes(w, y.numel(), x.numel()) for w, x, y in jobs):
-        return None
-    desc = (ctypes.c_int64 * (5 * len(jobs)))()
-    for i, (w, x, y) in enumerate(jobs):
-        desc[5 * i:5 * i + 5] = [w.data_ptr(), x.data_ptr(), y.data_ptr(), y.numel(), x.numel()]
-    return partial(lib.gemv_q4nx_cpu_batch, desc, len(jobs))
+    return _batch_call("gemv_q4nx_cpu_batch", _q4nx_bytes, jobs)
 
 
 def gemm_q4nx_call(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> Callable[[], None] | None:
     """out[M, N] = a[M, K] · Wᵀ with W [N, K] in Q4NX bytes, dequantized to bf16 as it streams
     (`q4nx.dequantize`'s numbers), bound; None if unavailable."""
+    return _gemm_call("gemm_q4nx_cpu", _q4nx_bytes, a, w, out)
+
+
+def _batch_call(symbol: str, holds: Callable, jobs) -> Callable[[], None] | None:
+    """One native dispatch of GEMVs (W, x, y), each 5 int64 slots (w, x, y, rows, k), bound, when
+    every W `holds` its [y, x] matrix in the kernel's format; the partial keeps the slots alive."""
+    lib = _usable(*(t for _, x, y in jobs for t in (x, y)))
+    if lib is None or not all(holds(w, y.numel(), x.numel()) for w, x, y in jobs):
+        return None
+    desc = (ctypes.c_int64 * (5 * len(jobs)))()
+    for i, (w, x, y) in enumerate(jobs):
+        desc[5 * i:5 * i + 5] = [w.data_ptr(), x.data_ptr(), y.data_ptr(), y.numel(), x.numel()]
+    return partial(getattr(lib, symbol), desc, len(jobs))
+
+
+def _gemm_call(symbol: str, holds: Callable, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor):
     lib = _usable(a, out)
     if lib is None or a.dim() != 2 or out.dim() != 2 or a.shape[0] != out.shape[0]:
         return None
     (m, k), n = a.shape, out.shape[1]
-    if not _q4nx_bytes(w, n, k):
+    if not holds(w, n, k):
         return None
-    return partial(lib.gemm_q4nx_cpu, a.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k)
+    return partial(getattr(lib, symbol), a.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k)
 
 
 def gemm_call(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> Callable[[], None] | None:
     """out[M, N] = a[M, K] · Wᵀ with W [N, K] packed, bound; None if the native path is unavailable."""
-    lib = _usable(a, out)
-    if lib is None or a.dim() != 2 or out.dim() != 2 or a.shape[0] != out.shape[0]:
-        return None
-    (m, k), n = a.shape, out.shape[1]
-    if not _packed(w, n, k):
-        return None
-    return partial(lib.gemm_packed_bf16_cpu, a.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k)
+    return _gemm_call("gemm_packed_bf16_cpu", _packed, a, w, out)
 
 
 def rmsnorm_call(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, dim: int, eps: float) -> Callable[[], None] | None:
