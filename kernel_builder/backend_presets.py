@@ -51,17 +51,26 @@ def gemm_tiling(m: int, n: int, k: int) -> dict:
     hm, hn = GEMM_HERD
     tk = _largest_divisor(k, 64, 16)
     tn = _largest_divisor(max(n // hn, 1), 64, 16 if n // hn >= 16 else 1)
+    steps = [s for s in range(k, tk - 1, -tk) if k % s == 0]
+    return _search_tile_m(m, n, k, (hm, hn), tn, tk, steps, gemm_l1_bytes, gemm_l2_bytes, "GEMM")
+
+
+def _search_tile_m(m: int, n: int, k: int, herd: tuple[int, int], tn: int, tk: int, k_steps: list[int],
+                   l1_bytes, l2_bytes, what: str) -> dict:
+    """The largest `tile_m` (multiples of 8 first) whose core tiles fit L1, with the largest K step
+    in `k_steps` whose panels fit a memory tile: the search every GEMM tiling makes."""
+    hm, hn = herd
     per_row = max(m // hm, 1)
     tms = sorted((d for d in range(1, min(per_row, 64) + 1) if per_row % d == 0),
                  key=lambda d: (d % 8 == 0, d), reverse=True)
     for tm in tms:
-        if gemm_l1_bytes(tm, tn, tk) > L1_BUDGET:
+        if l1_bytes(tm, tn, tk) > L1_BUDGET:
             continue
-        for k_l2 in range(k, tk - 1, -tk):
-            if k % k_l2 == 0 and gemm_l2_bytes(hm * tm, hn * tn, k_l2, k_l2 < k) <= L2_BYTES:
-                return {"M": m, "N": n, "K": k, "herd": GEMM_HERD, "tile_m": tm, "tile_n": tn,
+        for k_l2 in k_steps:
+            if l2_bytes(hm * tm, hn * tn, k_l2, k_l2 < k) <= L2_BYTES:
+                return {"M": m, "N": n, "K": k, "herd": herd, "tile_m": tm, "tile_n": tn,
                         "tile_k": tk, "tile_k_l2": k_l2}
-    raise ValueError(f"no GEMM tiling of {m}x{n}x{k} fits L1 ({L1_BUDGET} B) and L2 ({L2_BYTES} B)")
+    raise ValueError(f"no {what} tiling of {m}x{n}x{k} fits L1 ({L1_BUDGET} B) and L2 ({L2_BYTES} B)")
 
 
 def gemv_tiling(m: int, k: int) -> dict:
@@ -144,21 +153,11 @@ def gemm_q4nx_tiling(m: int, n: int, k: int) -> dict:
     (`q4nx.GROUP` columns), so it is a contiguous part of each row-block's blocks, and K steps
     of whole blocks (`q4nx_k_steps`).
     """
-    hm = GEMM_HERD[0]
     hn = _largest_divisor(n // q4nx.ROWS, GEMM_HERD[1])
     tk = _largest_divisor(k, 64, q4nx.GROUP)
     tn = _largest_divisor(n // hn, 64, q4nx.ROWS)
-    per_row = max(m // hm, 1)
-    tms = sorted((d for d in range(1, min(per_row, 64) + 1) if per_row % d == 0),
-                 key=lambda d: (d % 8 == 0, d), reverse=True)
-    for tm in tms:
-        if gemm_q4nx_l1_bytes(tm, tn, tk) > L1_BUDGET:
-            continue
-        for k_l2 in q4nx_k_steps(k, tk):
-            if gemm_q4nx_l2_bytes(hm * tm, hn * tn, k_l2, k_l2 < k) <= L2_BYTES:
-                return {"M": m, "N": n, "K": k, "herd": (hm, hn), "tile_m": tm, "tile_n": tn,
-                        "tile_k": tk, "tile_k_l2": k_l2}
-    raise ValueError(f"no Q4NX GEMM tiling of {m}x{n}x{k} fits L1 ({L1_BUDGET} B) and L2 ({L2_BYTES} B)")
+    return _search_tile_m(m, n, k, (GEMM_HERD[0], hn), tn, tk, q4nx_k_steps(k, tk),
+                          gemm_q4nx_l1_bytes, gemm_q4nx_l2_bytes, "Q4NX GEMM")
 
 
 def elementwise_tiling(rows: int, dim: int) -> dict:
