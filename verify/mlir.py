@@ -138,14 +138,14 @@ def compare(case: Case, label: str | None = None, weights=None) -> Row:
     return Row(name, max_diff, n, worst)
 
 
-def generation(model: str, n_tokens: int, prompt: str) -> tuple[bool, str]:
+def generation(model: str, n_tokens: int, prompt: str, quant: str = "bf16") -> tuple[bool, str]:
     """Greedy tokens on both devices. Where they part, both devices score the shared prefix
     again: it passes if the two candidates are within the tolerance of each other on both
     sides (a near-tie that rounding may flip) and each is in the other side's top 5."""
     from llama32_1b_inference import build_session   # verify sits above the entry points
     from llama32_1b_prefill import prefill
 
-    sessions = {d: build_session(model, d, log=lambda *_: None) for d in ("sim", "interp")}
+    sessions = {d: build_session(model, d, log=lambda *_: None, quant=quant) for d in ("sim", "interp")}
     ids = sessions["sim"].encode(prompt)
     a, b = (sessions[d].generate(ids, n_tokens).tokens for d in ("sim", "interp"))
     if a == b:
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", default="What is the capital of Japan?")
     ap.add_argument("--quant", default="bf16", choices=groups.QUANTS,
                     help="weight format of the groups; quantized groups run on the model's own weights, "
-                         "quantized (groups only: sessions do not take a weight format yet)")
+                         "quantized, and generation runs on sessions of that format")
     args = ap.parse_args(argv)
     try:
         folder = resolve_checkpoint(args.model)
@@ -193,10 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         result = "ok" if r.passed else f"FAIL {r.error}" if r.error else "FAIL"
         print(f"{r.name:{width}}  {r.max_abs_diff:10.4g}  {r.compared:9d}  {r.worst:10.3f}  {result}")
     ok = all(r.passed for r in rows)
-    if args.n_tokens and args.quant != "bf16":
-        print(f"[verify-mlir] generation: skipped ({args.quant} groups only: build_session has no weight format yet)")
-    elif args.n_tokens:
-        gen_ok, text = generation(args.model, args.n_tokens, args.prompt)
+    if args.n_tokens:
+        gen_ok, text = generation(args.model, args.n_tokens, args.prompt, args.quant)
         print(f"[verify-mlir] generation: {text}")
         ok = ok and gen_ok
     print(f"[verify-mlir] {'PASS' if ok else 'FAIL'} (tolerance {TOLERANCE:g} x (|sim| + row max |sim|) per element)")
