@@ -67,8 +67,12 @@ class DeviceModel:
         self._preload(weights)
         self.embed = weights.embed
         self.final_norm = weights.final_norm
-        self.kv = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, max_context, cfg.head_dim)
-        self.rope_lut = generate_rope_lut(cfg, max_context)
+        # A context shorter than the smallest bucket still prefills a whole bucket's rows (the
+        # padding included), so the cache and the RoPE table hold at least that many positions;
+        # `max_context` alone bounds the tokens a sequence may have.
+        positions = max(max_context, self.buckets[-1])
+        self.kv = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, positions, cfg.head_dim)
+        self.rope_lut = generate_rope_lut(cfg, positions)
 
     def all_groups(self) -> list[KernelGroup]:
         out = [g for pg in self.prefill_groups.values() for g in (pg.rms_gemms_rope, pg.flash_attn, pg.o_ffn)]

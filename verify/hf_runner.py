@@ -84,6 +84,16 @@ class HFRunner:
         return PrefillResult(logits, layers, normed[0])
 
     @torch.inference_mode()
+    def score(self, ids: Sequence[int]) -> tuple[list[float], list[int]]:
+        """`verify.scoring`'s scorer: one forward pass over the whole chunk, every row's logits kept."""
+        self._cache, self._cached = None, 0
+        logits = self.model(input_ids=torch.tensor([list(ids)]), use_cache=False).logits[0, :-1].float()
+        rows = torch.log_softmax(logits, dim=-1)
+        target = torch.tensor(list(ids[1:]))
+        nll = -rows.gather(1, target[:, None])[:, 0]
+        return nll.tolist(), rows.argmax(-1).tolist()
+
+    @torch.inference_mode()
     def decode_step(self, token: int, pos: int) -> StepResult:
         if pos != self._cached:
             raise ValueError(f"decode at position {pos}, but {self._cached} positions are cached")

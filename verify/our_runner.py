@@ -41,3 +41,19 @@ class OurRunner:
     @torch.inference_mode()
     def decode_step(self, token: int, pos: int) -> StepResult:
         return StepResult(decode_step(self.session.model, token, pos).clone())
+
+    @torch.inference_mode()
+    def score(self, ids: Sequence[int]) -> tuple[list[float], list[int]]:
+        """`verify.scoring`'s scorer: the first token prefilled, every later one fed as a decode
+        step, so each prediction comes from the decode path (the fused 4-bit GEMV under
+        QUANT=q4nx), the path that produces every generated token but the first."""
+        ids = list(ids)
+        nll, top1 = [], []
+        logits = prefill(self.session.model, ids[:1])
+        for pos in range(1, len(ids)):
+            row = torch.log_softmax(logits.float(), dim=-1)
+            nll.append(-float(row[ids[pos]]))
+            top1.append(int(row.argmax()))
+            if pos + 1 < len(ids):
+                logits = decode_step(self.session.model, ids[pos], pos)
+        return nll, top1
