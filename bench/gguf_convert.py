@@ -10,6 +10,9 @@ tokenizer files come from the vision model and carry one extra id past the text 
 vocabulary (`<|image|>`), which the text model can never see; the conversion therefore reads
 a staging folder that links the checkpoint's files and holds tokenizer files trimmed to the
 config's `vocab_size`. Results are cached per checkpoint contents, converter version and type.
+
+The 4-bit types (`bench.llamacpp_quantize.FTYPES`) are not converter output types: they are made
+from the bf16 conversion by llama.cpp's own quantizer, as a llama.cpp user makes them.
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ from filelock import FileLock
 
 from bench import BenchError
 from bench.llamacpp_build import LlamaCpp
+from bench.llamacpp_quantize import FTYPES
+from bench.protocol import PROJECT_ROOT, child_env
 from llama_base.paths import cache_root
 
 TOKENIZER_JSON = "tokenizer.json"
@@ -70,11 +75,13 @@ def trim_tokenizer_files(src: Path, dest: Path, vocab_size: int) -> list[str]:
 
 def ensure_gguf(lc: LlamaCpp, folder: Path, vocab_size: int, outtype: str,
                 log: Callable[[str], None] = print) -> Path:
-    """`folder` converted to GGUF at `outtype` (bf16, q8_0, ...), converting on first use."""
+    """`folder` converted to GGUF at `outtype` (bf16, q8_0, q4_0, q4_1, q4_k_m), made on first use."""
     out_dir = cache_root() / "bench" / "gguf"
     out = out_dir / f"{folder.name}-{_folder_digest(folder)}-{lc.version}-{outtype}.gguf"
     if out.is_file():
         return out
+    if outtype in FTYPES:
+        return _quantized(lc, ensure_gguf(lc, folder, vocab_size, "bf16", log), out, outtype, log)
     out_dir.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out_dir / f".{out.name}.lock")):
         if out.is_file():
@@ -99,5 +106,27 @@ def ensure_gguf(lc: LlamaCpp, folder: Path, vocab_size: int, outtype: str,
             os.replace(tmp, out)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+            tmp.unlink(missing_ok=True)
+    return out
+
+
+def _quantized(lc: LlamaCpp, src: Path, out: Path, kind: str, log: Callable[[str], None]) -> Path:
+    """`src` requantized to `kind` into `out` by llama.cpp's quantizer, in a child under its interpreter."""
+    with FileLock(str(out.parent / f".{out.name}.lock")):
+        if out.is_file():
+            return out
+        log(f"[bench] quantizing {src.name} to {kind} with llama.cpp")
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        log_file = out.with_suffix(".log")
+        try:
+            with open(log_file, "w") as lf:
+                r = subprocess.run([str(lc.python), "-m", "bench.llamacpp_quantize", str(src), str(tmp), kind],
+                                   stdout=lf, stderr=subprocess.STDOUT, env=child_env(), cwd=PROJECT_ROOT)
+            if r.returncode != 0 or not tmp.is_file():
+                tail = log_file.read_text(errors="replace").splitlines()[-5:]
+                raise BenchError(f"llama.cpp could not quantize {src.name} to {kind} (exit {r.returncode}); "
+                                 f"log {log_file}:\n  " + "\n  ".join(tail))
+            os.replace(tmp, out)
+        finally:
             tmp.unlink(missing_ok=True)
     return out

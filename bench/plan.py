@@ -18,6 +18,11 @@ well as its memory) moves a single run by a fifth or more; those are timed `shor
 per round, which costs seconds and gives a median of nine. Decode is timed after the first of
 them only, as for every other length.
 
+With `quant="q4nx"` the same measurements compare our 4-bit weights with llama.cpp's 4-bit
+types (Q4_0, Q4_1, Q4_K_M) and with our own bf16 weights. Perplexity (`verify.eval_text`, the
+same chunks for every runtime) is scored once per runtime after the rounds, untimed, on models
+with trained weights.
+
 The bandwidth also jumps within seconds, which rounds minutes apart cannot pair up: after the
 rounds, `turns` turns of `turn_steps` decode steps per runtime, all runtimes loaded and taking
 turns burst by burst (`bench.turns`), give the decode figures and ratios; the rounds' decode
@@ -25,13 +30,17 @@ runs stay in the report beside them.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from bench.bandwidth import GIB
 from llama32_1b_inference import DEFAULT_MAX_CONTEXT
 from llama_base.config import LlamaConfig
 from llama_runtime.tokenizer import Tokenizer
+from verify.eval_text import CHUNK_LEN, N_CHUNKS
+
+# The llama.cpp file types each of our weight formats is measured against.
+GGUF_TYPES = {"bf16": ("bf16", "q8_0"), "q4nx": ("q4_0", "q4_1", "q4_k_m")}
 
 PROMPT_TEXT = (
     "The history of computing is a story of moving data as much as of computing on it. Early machines "
@@ -57,7 +66,10 @@ class Plan:
     turn_steps: int = 16              # decode steps per runtime per turn
     max_context: int = DEFAULT_MAX_CONTEXT   # our KV cache and llama.cpp's n_ctx: the same positions
     bandwidth_bytes: int = GIB
-    gguf_types: tuple[str, ...] = ("bf16", "q8_0")
+    quant: str = "bf16"               # our weight format (GGUF_TYPES names llama.cpp's peers for it)
+    gguf_types: tuple[str, ...] = GGUF_TYPES["bf16"]
+    perplexity_chunks: int = N_CHUNKS  # 0: no perplexity
+    perplexity_len: int = CHUNK_LEN
     quick: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -72,12 +84,18 @@ class Plan:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def for_quant(self, quant: str) -> "Plan":
+        """This plan for our weights in `quant`, against llama.cpp's types of that class."""
+        types = GGUF_TYPES[quant]
+        return replace(self, quant=quant, gguf_types=types[:len(self.gguf_types)] if self.quick else types)
+
 
 FULL = Plan()
 QUICK = Plan(prompt_lengths=(32,), decode_length=32, n_decode=4, rounds=2, runs=1, short_runs=1, warmup=1,
              turns=2, turn_steps=2,
              max_context=128,
-             bandwidth_bytes=GIB // 4, gguf_types=("bf16",), quick=True,
+             bandwidth_bytes=GIB // 4, gguf_types=GGUF_TYPES["bf16"][:1], perplexity_chunks=1, perplexity_len=32,
+             quick=True,
              notes=("quick smoke run: fewer, shorter measurements and a 256 MiB bandwidth matrix; "
                     "not a benchmark result",))
 

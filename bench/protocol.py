@@ -8,12 +8,13 @@ every runtime does the same number of steps. Each prompt length gets `warmup` un
 then `runs` timed ones (`runs × short_runs` for prompts up to `short_limit` tokens, the decode
 steps following only the first `runs`); the parent takes medians.
 
-A child can instead serve decode turns (`serve_turns`, see `bench.turns`): stay loaded and
-decode a short burst each time the parent asks, so the runtimes' bursts can alternate within
-seconds of each other.
+A child can instead score chunks of text for perplexity, untimed (`verify.scoring`; the side's
+runner then also has `score(ids)`), or serve decode turns (`serve_turns`, see `bench.turns`):
+stay loaded and decode a short burst each time the parent asks, so the runtimes' bursts can
+alternate within seconds of each other.
 
-Standard library only: the llama.cpp side imports this under an interpreter that has nothing
-but llama-cpp-python.
+Standard library only (and `verify.scoring`, which is too): the llama.cpp side imports this
+under an interpreter that has nothing but llama-cpp-python.
 """
 from __future__ import annotations
 
@@ -27,9 +28,18 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+# The folder holding the `bench` package: every child, under any interpreter, imports its side from here.
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
 JOB_FILE = "job.json"
 RESULT_FILE = "result.json"
 TURN_FDS = "turn_fds"     # job key: the child's (command, reply) pipe descriptors when it serves turns
+PERPLEXITY = "perplexity"  # job key: chunks of token ids to score (`verify.scoring`) instead of timing
+
+
+def child_env() -> dict:
+    """Every child's environment: offline, quiet, and the project importable from any interpreter."""
+    return dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
+                PYTHONPATH=os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])))
 
 
 def peak_rss_bytes() -> int:
@@ -132,7 +142,12 @@ def child_main(make_runner: Callable[[dict], tuple[object, dict]], argv: list[st
         result["load_s"] = age if age is not None else time.perf_counter() - t0
         result["info"] = info
         prompts = {int(k): v for k, v in job["prompts"].items()}
-        if TURN_FDS in job:
+        if PERPLEXITY in job:
+            from verify.scoring import score_chunks
+
+            t0 = time.perf_counter()
+            result[PERPLEXITY] = {**score_chunks(runner, job[PERPLEXITY]), "seconds": time.perf_counter() - t0}
+        elif TURN_FDS in job:
             cmd_fd, reply_fd = job[TURN_FDS]
             with os.fdopen(cmd_fd, "r") as commands, os.fdopen(reply_fd, "w") as replies:
                 result["turns"] = serve_turns(runner, prompts[job["decode_length"]], job["n_decode"], commands,

@@ -1,12 +1,13 @@
 """The bench report for people: one table per model, the bandwidth and bound lines, notes."""
 from __future__ import annotations
 
+from bench.protocol import PERPLEXITY
 from bench.summary import OURS
 from verify.report import md_table
 
 GB = 1e9
 GIB = float(1 << 30)
-LABELS = {"ours": "ours", "hf": "HF transformers", "llama.cpp bf16": "llama.cpp bf16", "llama.cpp q8_0": "llama.cpp q8_0"}
+LABELS = {"ours": "ours", "hf": "HF transformers"}
 
 
 def _num(v: float | None, fmt: str) -> str:
@@ -43,13 +44,19 @@ def model_table(m: dict) -> str:
     if turns:
         rows.append(row("decode, in rounds (tokens/s)", "decode_rounds",
                         [_num(s.get("decode_rounds_tok_s"), ".2f") for s in sides.values()], "decode_rounds"))
-    rows.append(row("decode, % of the bf16 bound", "bound",
+    rows.append(row(f"decode, % of the {m.get('quant', 'bf16')} bound", "bound",
                     [_num(m["bound_fraction"].get(k), ".0%") for k in sides], None))
     rows.append(row("load: process start to ready (s)", "load", [_num(s.get("load_s"), ".2f") for s in sides.values()],
                     "load"))
     rows.append(row("peak resident memory (GiB)", "peak_rss",
                     [_num(s["peak_rss_bytes"] / GIB if s.get("peak_rss_bytes") else None, ".2f") for s in sides.values()],
                     "peak_rss"))
+    if any(PERPLEXITY in s for s in sides.values()):
+        ppl = [s.get(PERPLEXITY, {}) for s in sides.values()]
+        rows.append(row("perplexity", PERPLEXITY, [_num(p.get("perplexity"), ".3f") for p in ppl], PERPLEXITY))
+        ref = LABELS.get(m["perplexity_reference"], m["perplexity_reference"])
+        rows.append(row(f"top-1 agreement with {ref}", "agreement",
+                        [_num(p.get("top1_agreement"), ".1%") for p in ppl], None))
     return md_table(header, rows)
 
 
@@ -74,7 +81,7 @@ def markdown(data: dict) -> str:
     lines = [f"# Bench {data['created']}", ""]
     mc = data["machine"]
     lines.append(f"Machine: {mc['cpu']}, {mc['cores']} cores, {mc['memory_bytes'] / GIB:.0f} GiB; "
-                 f"device `{data['device']}`; plan: TTFT at {', '.join(map(str, data['plan']['prompt_lengths']))} tokens, "
+                 f"device `{data['device']}`; our weights `{data['plan'].get('quant', 'bf16')}`; plan: TTFT at {', '.join(map(str, data['plan']['prompt_lengths']))} tokens, "
                  f"{data['plan']['n_decode']} decode tokens after the {data['plan']['decode_length']}-token prompt, "
                  f"median of {data['plan']['rounds'] * data['plan']['runs']} timed runs: {data['plan']['rounds']} rounds "
                  f"in which the runtimes take turns, each starting afresh and running every measurement "
@@ -99,11 +106,13 @@ def markdown(data: dict) -> str:
         lines += ["", f"## {m['model']}", ""]
         per_token = m["decode_bytes_per_token"]
         if m["decode_bound_tok_s"]:
-            lines.append(f"Decode bound: {per_token / GB:.3f} GB of bf16 weights read per token "
+            lines.append(f"Decode bound: {per_token / GB:.3f} GB of {m.get('quant', 'bf16')} weights read per token "
                          f"(linear layers + LM head + one embedding row) ÷ bandwidth = "
                          f"{1e3 / m['decode_bound_tok_s']:.1f} ms/token = **{m['decode_bound_tok_s']:.2f} tokens/s**.")
-        lines.append(f"Memory budget: 1.5 × (weights {m['weight_bytes'] / GIB:.2f} GiB + KV cache "
-                     f"{m['kv_cache_bytes'] / GIB:.2f} GiB) = {1.5 * (m['weight_bytes'] + m['kv_cache_bytes']) / GIB:.2f} GiB.")
+        if m.get("quant", "bf16") == "bf16":
+            lines.append(f"Memory budget: 1.5 × (weights {m['weight_bytes'] / GIB:.2f} GiB + KV cache "
+                         f"{m['kv_cache_bytes'] / GIB:.2f} GiB) = "
+                         f"{1.5 * (m['weight_bytes'] + m['kv_cache_bytes']) / GIB:.2f} GiB.")
         lines += ["", model_table(m)]
         for name, s in m["runtimes"].items():
             if s.get("error"):

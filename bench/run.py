@@ -11,7 +11,6 @@ empty cells, never a lost bench.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -24,25 +23,18 @@ from bench.bandwidth import Bandwidth, measure_bandwidth
 from bench.bandwidth import summarize as summarize_bandwidth
 from bench.machine import cpu_sample, describe, other_cores
 from bench.plan import Plan, prompt_ids
-from bench.protocol import JOB_FILE, RESULT_FILE, exit_description
+from bench.protocol import JOB_FILE, PERPLEXITY, PROJECT_ROOT, RESULT_FILE, child_env, exit_description
 from bench.render import markdown
-from bench.summary import BF16_RUNTIMES, HF, OURS, summarize_model
+from bench.summary import HF, OURS, OURS_BF16, summarize_model
 from bench.turns import decode_turns
 from llama_base.config import LlamaConfig
-from llama_runtime.models import EMBEDDED, resolve_checkpoint
+from llama_runtime.models import EMBEDDED, LLAMA1B_SHAPE, TINY, resolve_checkpoint
 from verify.report import write_report
 
-# The folder holding the `bench` package: the llama.cpp interpreter imports the side from here.
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 BUSY_CORES = 0.1   # other processes' average CPU use above which a runtime's times are flagged
 BANDWIDTH_SPREAD = 1.15   # max/min of the bandwidth samples above which the report says the bound is soft
 SIDE_TIMEOUT_S = 3600   # a runtime that has not finished by then is hung, not slow
-
-
-def child_env() -> dict:
-    """Every child's environment: offline, quiet, and the project importable from any interpreter."""
-    return dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
-                PYTHONPATH=os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])))
+RANDOM_WEIGHT_MODELS = (LLAMA1B_SHAPE, TINY)
 
 
 def run_side(module: str, job: dict, workdir: Path, python: str = sys.executable,
@@ -109,19 +101,16 @@ def _llamacpp(plan: Plan, skip: bool, rebuild: bool, notes: list[str], log, cpu_
         return None
 
 
-def bench_model(model: str, plan: Plan, device: str, llamacpp, work: Path, notes: list[str],
-                sample_bandwidth: Callable[[str], None], log) -> tuple[LlamaConfig, dict[str, dict], str]:
-    """Every runtime's raw results on `model`, the bandwidth sampled again after each one."""
-    folder = resolve_checkpoint(model)
-    cfg = LlamaConfig.from_json(folder)
-    prompts = prompt_ids(folder, cfg, plan.prompt_lengths)
-    base = {"prompts": {str(n): ids for n, ids in prompts.items()}, "decode_length": plan.decode_length,
-            "n_decode": plan.n_decode, "runs": plan.runs, "short_runs": plan.short_runs,
-            "short_limit": plan.short_limit, "warmup": plan.warmup, "max_context": plan.max_context}
-    sides: list[tuple[str, str, dict, str]] = [
-        (OURS, "bench.side_ours", {"model": str(folder), "device": device}, sys.executable),
-        (HF, "bench.side_hf", {"folder": str(folder)}, sys.executable),
-    ]
+def _sides(plan: Plan, folder: Path, cfg: LlamaConfig, device: str, llamacpp, model: str, notes: list[str],
+           log) -> list[tuple[str, str, dict, str]]:
+    """(name, module, job extras, interpreter) of every runtime measured against our `plan.quant` weights:
+    HF and llama.cpp's bf16/q8_0 for bf16; our own bf16 and llama.cpp's 4-bit types for q4nx."""
+    ours = {"model": str(folder), "device": device}
+    sides = [(OURS, "bench.side_ours", {**ours, "quant": plan.quant}, sys.executable)]
+    if plan.quant == "bf16":
+        sides.append((HF, "bench.side_hf", {"folder": str(folder)}, sys.executable))
+    else:
+        sides.append((OURS_BF16, "bench.side_ours", {**ours, "quant": "bf16"}, sys.executable))
     if llamacpp is not None:
         from bench.gguf_convert import ensure_gguf
 
@@ -132,6 +121,51 @@ def bench_model(model: str, plan: Plan, device: str, llamacpp, work: Path, notes
                 notes.append(f"{model}: llama.cpp {outtype} not measured: {e}")
                 continue
             sides.append((f"llama.cpp {outtype}", "bench.side_llamacpp", {"gguf": str(gguf)}, str(llamacpp.python)))
+    return sides
+
+
+def _prepare_weights(folder: Path, quant: str, log) -> None:
+    """Make the quantized weights' cache before anything is timed, so no round's load time includes it."""
+    if quant != "bf16":
+        from llama32_1b_weights import load_weights
+
+        log(f"[bench] {folder.name}: {quant} weights ...")
+        del load_weights(folder, quant, log).layers
+
+
+def _perplexity(model: str, folder: Path, cfg: LlamaConfig, plan: Plan, sides, base: dict, work: Path,
+                raw: dict[str, dict], notes: list[str], log) -> None:
+    """Every runtime's scores on the same chunks of real text, one untimed child each."""
+    if not plan.perplexity_chunks:
+        return
+    if model in RANDOM_WEIGHT_MODELS:
+        notes.append(f"{model}: perplexity not measured (random weights: it would be near the vocabulary size "
+                     "for every runtime).")
+        return
+    from llama_runtime.tokenizer import Tokenizer
+    from verify.eval_text import SOURCE, eval_chunks
+
+    chunks = eval_chunks(Tokenizer(folder, cfg), plan.perplexity_chunks, plan.perplexity_len)
+    raw_text = f"{SOURCE}: {plan.perplexity_chunks} chunks of {plan.perplexity_len} tokens"
+    for name, module, extra, python in sides:
+        log(f"[bench] {model}: {name} perplexity ({raw_text}) ...")
+        r = run_side(module, {**base, **extra, PERPLEXITY: chunks}, work / model / name.replace(" ", "-") / "ppl",
+                     python, log)
+        raw[name][PERPLEXITY] = r.get(PERPLEXITY) or {"error": r.get("error", "no scores")}
+    notes.append(f"{model}: perplexity on the {raw_text}, each scored after BOS on its own.")
+
+
+def bench_model(model: str, plan: Plan, device: str, llamacpp, work: Path, notes: list[str],
+                sample_bandwidth: Callable[[str], None], log) -> tuple[LlamaConfig, dict[str, dict], str]:
+    """Every runtime's raw results on `model`, the bandwidth sampled again after each one."""
+    folder = resolve_checkpoint(model)
+    cfg = LlamaConfig.from_json(folder)
+    prompts = prompt_ids(folder, cfg, plan.prompt_lengths)
+    base = {"prompts": {str(n): ids for n, ids in prompts.items()}, "decode_length": plan.decode_length,
+            "n_decode": plan.n_decode, "runs": plan.runs, "short_runs": plan.short_runs,
+            "short_limit": plan.short_limit, "warmup": plan.warmup, "max_context": plan.max_context}
+    _prepare_weights(folder, plan.quant, log)
+    sides = _sides(plan, folder, cfg, device, llamacpp, model, notes, log)
     rounds: dict[str, list[dict]] = {name: [] for name, *_ in sides}
     for r in range(plan.rounds):
         for name, module, extra, python in sides:
@@ -153,6 +187,7 @@ def bench_model(model: str, plan: Plan, device: str, llamacpp, work: Path, notes
         for name, series in rates.items():
             raw[name]["decode_turns_tok_s"] = series
         sample_bandwidth(f"{model} decode turns")
+    _perplexity(model, folder, cfg, plan, sides, base, work, raw, notes, log)
     return cfg, raw, str(folder)
 
 
@@ -186,13 +221,13 @@ def run_bench(models: list[str], plan: Plan, device: str = "auto", skip_llamacpp
                      "GB/s during the run (a shared host): the bound and the % of it are approximate.")
     for model, cfg, raw, folder in measured:
         summary = summarize_model(model, cfg, model == EMBEDDED, plan.prompt_lengths, plan.max_context, raw,
-                                  bw["bytes_per_s"])
+                                  bw["bytes_per_s"], quant=plan.quant)
         data["models"].append({**summary, "folder": folder})
-        for name in BF16_RUNTIMES:
+        for name in summary["bound_readers"]:
             frac = summary["bound_fraction"].get(name)
             if frac is not None and frac > 1:
                 rate = summary["runtimes"][name]["decode_tok_s"] * summary["decode_bytes_per_token"]
-                notes.append(f"{model}: {name} decoded at {frac:.0%} of the bound, reading bf16 weights at "
+                notes.append(f"{model}: {name} decoded at {frac:.0%} of the bound, reading {plan.quant} weights at "
                              f"{rate / 1e9:.1f} GB/s: faster than the median bandwidth sample, so the bound is a "
                              "reference here, not a ceiling.")
     md = markdown(data)

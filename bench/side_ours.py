@@ -12,10 +12,12 @@ def make_runner(job: dict):
     from llama32_1b_inference import build_session
     from verify.our_runner import OurRunner
 
-    session = build_session(job["model"], device=job["device"], max_context=job["max_context"], log=lambda _: None)
+    session = build_session(job["model"], device=job["device"], max_context=job["max_context"], log=lambda _: None,
+                            quant=job.get("quant", "bf16"))
     info = {"device": session.device.name, "buckets": list(session.model.buckets),
             "max_context": session.model.max_context, "kv_cache_bytes": session.model.kv.nbytes,
-            "resident_bytes": session.kc.resident_bytes(), "build_s": session.build_s}
+            "resident_bytes": session.kc.resident_bytes(), "build_s": session.build_s,
+            "quant": job.get("quant", "bf16")}
     return OurRunner(session), info
 
 

@@ -1,7 +1,9 @@
 """From raw runs to the bench's verdict: medians, ratios ours/peer, the decode bound, targets.
 
-Ratios are always ours ÷ peer, whatever the metric, so one rule reads them: for TTFT and
-memory below 1 is better for us, for tokens/s above 1 is. The decode ratio is paired where the
+Ratios are always ours ÷ peer, whatever the metric, so one rule reads them: for TTFT, memory
+and perplexity below 1 is better for us, for tokens/s above 1 is. "ours" is our runtime in the
+bench's weight format; in a 4-bit bench "ours bf16" is the same runtime on bf16 weights, a peer
+like the others. The decode ratio is paired where the
 decode turns ran (the median of the ratios within each turn, `bench.turns`); the ratio of the
 rounds' medians is kept beside it. Targets are the project's; each is
 PASS or MISS, or n/a when a run did not produce the value it needs (a skipped llama.cpp, a
@@ -13,11 +15,16 @@ import statistics
 from dataclasses import asdict, dataclass
 
 from bench.bound import decode_bound_tokens_per_s, decode_bytes_per_token, kv_cache_bytes, weight_bytes
+from bench.protocol import PERPLEXITY
 from llama_base.config import LlamaConfig
+from verify.scoring import agreement, perplexity
 
 OURS, HF, LLAMACPP_BF16 = "ours", "hf", "llama.cpp bf16"
+OURS_BF16 = "ours bf16"         # our runtime on bf16 weights, measured beside our 4-bit weights
+LLAMACPP = "llama.cpp"          # every llama.cpp side is named "llama.cpp <file type>"
+LLAMACPP_Q4_1 = "llama.cpp q4_1"
 EMBEDDED_LOAD_S = 3.0     # process start to ready, embedded model, kernel cache warm
-BF16_RUNTIMES = (OURS, HF, LLAMACPP_BF16)   # those that read bf16 weights, the bound's bytes
+BF16_RUNTIMES = (OURS, HF, LLAMACPP_BF16)   # those that read bf16 weights, the bf16 bound's bytes
 
 
 def median(values: list[float] | None) -> float | None:
@@ -69,6 +76,7 @@ def side_summary(raw: dict) -> dict:
         "wall_s": raw.get("wall_s"),
         "other_cores": raw.get("other_cores"),
         "info": raw.get("info", {}),
+        **({PERPLEXITY: raw[PERPLEXITY]} if PERPLEXITY in raw else {}),
         "runs": {"ttft_s": raw.get("ttft_s", {}), "decode_tok_s": raw.get("decode_tok_s", []),
                  "decode_turns_tok_s": raw.get("decode_turns_tok_s", [])},
         **({"error": raw["error"]} if "error" in raw else {}),
@@ -87,12 +95,50 @@ def ratios(sides: dict[str, dict], lengths: tuple[int, ...]) -> dict[str, dict[s
         r["decode"] = turns if turns is not None else r["decode_rounds"]
         r["peak_rss"] = ratio(ours.get("peak_rss_bytes"), s.get("peak_rss_bytes"))
         r["load"] = ratio(ours.get("load_s"), s.get("load_s"))
+        r[PERPLEXITY] = ratio(*(x.get(PERPLEXITY, {}).get("perplexity") for x in (ours, s)))
         out[peer] = r
     return out
 
 
+def _fastest(rat: dict, sides: dict[str, dict], peers: list[str], key: str, highest: bool) -> float | None:
+    """The ratio against whichever of `peers` did best on `key` (the highest rate or the lowest time)."""
+    def value(p: str) -> float | None:
+        s = sides.get(p, {})
+        return s.get("decode_tok_s") if key == "decode" else s.get("ttft_s", {}).get(int(key.split("@")[1]))
+
+    done = [p for p in peers if value(p) is not None]
+    if not done:
+        return None
+    best = (max if highest else min)(done, key=value)
+    return rat.get(best, {}).get(key)
+
+
+def q4_targets(embedded: bool, rat: dict, sides: dict[str, dict], bound_tok_s: float | None) -> list[Target]:
+    """A 4-bit bench's targets: against llama.cpp's best 4-bit type, our own bf16, the format's bound."""
+    ours = sides.get(OURS, {})
+    ppl = Target("perplexity ≤ 1.02× llama.cpp q4_1", PERPLEXITY, "<=", 1.02, rat.get(LLAMACPP_Q4_1, {}).get(PERPLEXITY))
+    if embedded:
+        return [ppl, Target(f"load ≤ {EMBEDDED_LOAD_S:g} s (warm cache)", "load", "<=", EMBEDDED_LOAD_S,
+                            ours.get("load_s"))]
+    peers = [p for p in sides if p.startswith(LLAMACPP)]
+    own = rat.get(OURS_BF16, {})
+    return [
+        Target("TTFT@128 ≤ 1.0× llama.cpp's fastest 4-bit", "ttft@128", "<=", 1.0,
+               _fastest(rat, sides, peers, "ttft@128", highest=False)),
+        Target("TTFT@2048 ≤ 1.0× llama.cpp's fastest 4-bit", "ttft@2048", "<=", 1.0,
+               _fastest(rat, sides, peers, "ttft@2048", highest=False)),
+        Target("decode ≥ 1.1× llama.cpp's fastest 4-bit", "decode", ">=", 1.1,
+               _fastest(rat, sides, peers, "decode", highest=True)),
+        Target("decode ≥ 2.0× ours bf16", "decode", ">=", 2.0, own.get("decode")),
+        Target("decode ≥ 85% of the q4nx bandwidth bound", "bound", ">=", 0.85,
+               ratio(ours.get("decode_tok_s"), bound_tok_s)),
+        Target("peak memory ≤ 0.45× ours bf16", "peak_rss", "<=", 0.45, own.get("peak_rss")),
+        *([ppl] if ppl.value is not None else []),
+    ]
+
+
 def targets(embedded: bool, rat: dict, ours: dict, bound_tok_s: float | None, memory_budget: int) -> list[Target]:
-    """The targets: the 1B-class ones, or for the embedded model its decode vs HF and its load time."""
+    """The bf16 targets: the 1B-class ones, or for the embedded model its decode vs HF and its load time."""
     hf, lc = rat.get(HF, {}), rat.get(LLAMACPP_BF16, {})
     if embedded:
         return [Target("decode ≥ 1.0× HF", "decode", ">=", 1.0, hf.get("decode")),
@@ -109,17 +155,40 @@ def targets(embedded: bool, rat: dict, ours: dict, bound_tok_s: float | None, me
     ]
 
 
+def perplexities(raw: dict[str, dict], reference: str) -> dict[str, dict]:
+    """Each side's perplexity and its top-1 agreement with `reference` over the same positions."""
+    ref = raw.get(reference, {}).get(PERPLEXITY, {}).get("top1")
+    out = {}
+    for name, r in raw.items():
+        p = r.get(PERPLEXITY)
+        if not p:
+            continue
+        if p.get("error"):
+            out[name] = {"error": p["error"]}
+            continue
+        out[name] = {"perplexity": perplexity(p["nll"]), "tokens": len(p["nll"]), "seconds": p.get("seconds"),
+                     "top1_agreement": agreement(p["top1"], ref) if ref else None}
+    return out
+
+
 def summarize_model(name: str, cfg: LlamaConfig, embedded: bool, lengths: tuple[int, ...], max_context: int,
-                    raw: dict[str, dict], bandwidth_bytes_per_s: float | None) -> dict:
-    sides = {k: side_summary(v) for k, v in raw.items()}
-    per_token = decode_bytes_per_token(cfg)
+                    raw: dict[str, dict], bandwidth_bytes_per_s: float | None, quant: str = "bf16") -> dict:
+    reference = OURS if quant == "bf16" else OURS_BF16
+    scored = perplexities(raw, reference)
+    sides = {k: {**side_summary({kk: vv for kk, vv in v.items() if kk != PERPLEXITY}),
+                 **({PERPLEXITY: scored[k]} if k in scored else {})} for k, v in raw.items()}
+    per_token = decode_bytes_per_token(cfg, quant)
     bound = decode_bound_tokens_per_s(per_token, bandwidth_bytes_per_s) if bandwidth_bytes_per_s else None
     weights = weight_bytes(cfg)
     kv = sides.get(OURS, {}).get("info", {}).get("kv_cache_bytes") or kv_cache_bytes(cfg, max_context)
     rat = ratios(sides, lengths)
-    tg = targets(embedded, rat, sides.get(OURS, {}), bound, weights + kv)
+    if quant == "bf16":
+        tg = targets(embedded, rat, sides.get(OURS, {}), bound, weights + kv)
+    else:
+        tg = q4_targets(embedded, rat, sides, bound)
     return {
         "model": name,
+        "quant": quant,
         "config": {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "intermediate": cfg.intermediate_size,
                    "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads, "vocab": cfg.vocab_size,
                    "tied": cfg.tie_word_embeddings},
@@ -127,7 +196,9 @@ def summarize_model(name: str, cfg: LlamaConfig, embedded: bool, lengths: tuple[
         "kv_cache_bytes": kv,
         "decode_bytes_per_token": per_token,
         "decode_bound_tok_s": bound,
+        "bound_readers": list(BF16_RUNTIMES) if quant == "bf16" else [OURS],
         "bound_fraction": {k: ratio(s.get("decode_tok_s"), bound) for k, s in sides.items()},
+        "perplexity_reference": reference,
         "runtimes": sides,
         "ratios": rat,
         "targets": [t.to_dict() for t in tg],
