@@ -128,8 +128,7 @@ class KernelCache:
 
     def _toolchain_record(self) -> str:
         """What built an entry, for its manifest; a device may describe more than its key stamp."""
-        describe = getattr(self.device, "toolchain_description", None)
-        return describe() if describe is not None else self.device.toolchain_stamp()
+        return self.device.toolchain_description()
 
     def _toolchain_changed(self, path: Path) -> bool:
         try:
@@ -241,7 +240,7 @@ class KernelCache:
         try:
             kernel = self.device.load(entry.path, entry.group)
         except Exception as e:
-            if not getattr(self.device, "rebuild_on_load_error", True):
+            if not self.device.rebuild_on_load_error:
                 if isinstance(e, DeviceError):
                     raise
                 first = str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -71,12 +71,16 @@ class InterpDevice:
 
     kind = "interp"
     name = "MLIR-AIR interpreter (stitched modules, host builds of the C++ kernels)"
+    rebuild_on_load_error = True
 
     def __init__(self):
         self.counters = Counters()
 
     def toolchain_stamp(self) -> str:
         return "interp-v1"
+
+    def toolchain_description(self) -> str:
+        return self.toolchain_stamp()
 
     def bo(self, nbytes: int, kernel: InterpKernel | None = None, arg: int | None = None) -> SimBO:
         self.counters.bos_allocated += 1

@@ -206,6 +206,7 @@ class SimDevice:
     """The simulated NPU2: CPU reference kernels, bf16 storage, f32 accumulation."""
 
     kind = "sim"
+    rebuild_on_load_error = True
 
     @property
     def name(self) -> str:
@@ -218,6 +219,9 @@ class SimDevice:
 
     def toolchain_stamp(self) -> str:
         return f"sim-ops-v1/torch-{torch.__version__}"
+
+    def toolchain_description(self) -> str:
+        return self.toolchain_stamp()
 
     def bo(self, nbytes: int, kernel: SimKernel | None = None, arg: int | None = None) -> SimBO:
         """A BO, laid out on the device for `kernel`'s argument `arg` when given (as XRT allocates
