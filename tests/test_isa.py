@@ -12,9 +12,9 @@ import subprocess
 import pytest
 import torch
 
-from llama32_1b_decode import decode_step
-from llama32_1b_prefill import prefill
-from llama32_1b_weights import load_weights
+from llama_runtime.decode import decode_step
+from llama_runtime.prefill import prefill
+from llama_runtime.checkpoint import load_weights
 from llama_runtime.device_model import DeviceModel
 from llama_runtime.models import resolve_model
 from llama_runtime.profile_report import isa_line

@@ -143,3 +143,13 @@ def test_devices_stay_apart_and_the_cache_drives_any_of_them():
         assert not [f"{m} -> {d}" for m, deps in graph.items() if m.startswith(a)
                     for d in deps if d.startswith(b)]
     assert not [d for d in graph["npu_runtime.cache"] if d.startswith(("npu_runtime.sim", "npu_runtime.xrt"))]
+
+
+def test_the_apps_import_the_session_they_drive():
+    """The command line, chat and server sit above `llama_runtime.session` and import it: the
+    dependency is declared where the layers can check it, not handed down as a callback."""
+    graph = import_graph(project_modules())
+    apps = ("llama_runtime.cli", "llama_runtime.chat", "llama_runtime.server", "llama_runtime.serve_worker")
+    for app in apps:
+        assert "llama_runtime.session" in graph[app], app
+    assert not graph["llama_runtime.session"] & set(apps)

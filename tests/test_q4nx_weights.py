@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from llama32_1b_weights import load_weights
+from llama_runtime.checkpoint import load_weights
 from llama_base import q4nx
 from llama_base.config import LAYER_TENSORS
 from llama_base.errors import CheckpointError, UserError

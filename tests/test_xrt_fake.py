@@ -208,7 +208,7 @@ def test_without_a_compiler_a_missing_npu_entry_says_so(fake, tiny_config, tmp_p
 
 
 def test_greedy_generation_through_xrt_equals_the_simulator(fake, tmp_path):
-    from llama32_1b_inference import build_session
+    from llama_runtime.session import build_session
 
     kw = dict(max_context=512, buckets=(128,), log=lambda s: None)
     prompt = "The capital of France is"
