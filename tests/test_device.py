@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cpu_kernels import native_cpu, weight_tiles
 from kernel_builder.groups import build_group
 from npu_runtime import api
 from npu_runtime.api import Sync
 from npu_runtime.devices import open_device
-from npu_runtime.sim import native_cpu, weight_tiles
 from npu_runtime.sim.device import SimDevice
 from npu_runtime.xrt import device as xrt_device
 

@@ -15,6 +15,7 @@ LAYERS = (
     ("llama_base",),
     ("kernel_builder",),
     ("multi_launch_builder",),
+    ("cpu_kernels",),
     ("npu_runtime",),
     ("llama_runtime",),
     ("llama32_1b_weights", "llama32_1b_decode", "llama32_1b_prefill", "llama32_1b_inference"),
@@ -153,3 +154,12 @@ def test_the_apps_import_the_session_they_drive():
     for app in apps:
         assert "llama_runtime.session" in graph[app], app
     assert not graph["llama_runtime.session"] & set(apps)
+
+
+def test_the_host_ops_run_on_the_cpu_kernels_not_on_the_simulator():
+    """The host ops run on every device, the NPU included: they reach the native library through
+    `cpu_kernels`, never through the simulated device."""
+    graph = import_graph(project_modules())
+    assert not [f"{m} -> {d}" for m, deps in graph.items() if m.startswith("llama_runtime")
+                for d in deps if d.startswith("npu_runtime.sim")]
+    assert "cpu_kernels.native_cpu" in graph["llama_runtime.host_ops"]

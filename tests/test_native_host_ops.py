@@ -14,9 +14,9 @@ import functools
 import pytest
 import torch
 
+from cpu_kernels import native_cpu
 from kernel_builder.groups import build_group
 from llama_runtime.host_ops import KVCache, decode_attention_cpu, reference_attention
-from npu_runtime.sim import native_cpu
 from npu_runtime.sim import ops as sim_ops
 from npu_runtime.sim.device import SimDevice
 

@@ -8,12 +8,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from llama_runtime.decode import decode_step
-from llama_runtime.session import build_session
-from llama_runtime.prefill import prefill
 from llama_base import q4nx
+from llama_runtime.decode import decode_step
 from llama_runtime.device_model import DeviceModel
+from llama_runtime.prefill import prefill
 from llama_runtime.q4nx_weights import linear_names, lm_head_rows
+from llama_runtime.session import build_session
 from llama_runtime.weights import LayerWeights
 
 

@@ -13,9 +13,9 @@ from safetensors.torch import save_file
 
 from kernel_builder.groups import build_group
 from llama32_1b_inference import main as run_cli
-from llama_runtime.checkpoint import load_weights
 from llama_base.config import LAYER_TENSORS
 from llama_base.errors import CheckpointError, KernelCacheError
+from llama_runtime.checkpoint import load_weights
 from npu_runtime.cache import KernelCache
 from npu_runtime.sim.device import SimDevice
 

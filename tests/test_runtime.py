@@ -4,13 +4,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llama_runtime.decode import decode_step
-from llama_runtime.session import build_session
-from llama_runtime.prefill import prefill
+from cpu_kernels import native_cpu
 from llama_base.errors import PromptError
+from llama_runtime.decode import decode_step
 from llama_runtime.host_ops import KVCache
+from llama_runtime.prefill import prefill
 from llama_runtime.sampling import SamplingParams
-from npu_runtime.sim import native_cpu
+from llama_runtime.session import build_session
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import torch
 
 from llama_runtime.decode import decode_step
-from llama_runtime.session import Session
 from llama_runtime.prefill import prefill
+from llama_runtime.session import Session
 from verify.runner import PrefillResult, StepResult
 
 

@@ -22,10 +22,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from cpu_kernels import native_cpu
+from cpu_kernels.weight_tiles import DeviceQ4nx, PackedWeight, declared_q4nx, dense
 from kernel_builder.groups import Launch
 from llama_base import q4nx
-from npu_runtime.sim import native_cpu
-from npu_runtime.sim.weight_tiles import DeviceQ4nx, PackedWeight, declared_q4nx, dense
 
 _BLOCK_ELEMS = 1 << 19        # f32 temporaries of 2 MiB: resident in L2/L3 while used
 

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
+from cpu_kernels import native_cpu
 from kernel_builder.groups import KernelGroup, Role
 from llama_base import q4nx
-from npu_runtime.sim import native_cpu
 
 LANES = 16                       # outputs per block: one vector of 16 f32 sums
 HEADER = 64                      # bytes: 8 exponent pairs, int64 escaped units, n, k
