@@ -163,3 +163,6 @@ def test_the_host_ops_run_on_the_cpu_kernels_not_on_the_simulator():
     assert not [f"{m} -> {d}" for m, deps in graph.items() if m.startswith("llama_runtime")
                 for d in deps if d.startswith("npu_runtime.sim")]
     assert "cpu_kernels.native_cpu" in graph["llama_runtime.host_ops"]
+    # the CPU kernels know tensors and the Q4NX format, not group declarations
+    assert {d.split(".")[0] for m, deps in graph.items() if m.startswith("cpu_kernels") for d in deps} <= {
+        "cpu_kernels", "llama_base"}

@@ -19,10 +19,11 @@ from pathlib import Path
 import torch
 
 from cpu_kernels import native_cpu
-from cpu_kernels.weight_tiles import DeviceQ4nx, PackedWeight, Packing, Q4nxPacking, packing_for
+from cpu_kernels.weight_tiles import DeviceQ4nx, PackedWeight, Packing, Q4nxPacking
 from kernel_builder.groups import KernelGroup
 from npu_runtime.api import Counters, DeviceError, Sync, copy_tensor
 from npu_runtime.sim import ops
+from npu_runtime.sim.packing import packing_for
 
 _VIEW_SETS = 256   # cached BO-list bindings per loaded group (one per layer in practice)
 _HUGE = 2 << 20    # buffers from this size up ask for transparent huge pages
