@@ -11,8 +11,9 @@ import pytest
 import torch
 from fake_pyxrt import FakeXrt, xclBOSyncDirection
 
-from kernel_builder.groups import Role, build_group, static_tensors
+from kernel_builder.groups import Role, build_group
 from llama_base.errors import KernelCacheError
+from llama_runtime.weight_slots import static_tensors
 from multi_launch_builder import compile as mlb_compile
 from npu_runtime.api import DeviceError, Sync
 from npu_runtime.cache import KernelCache
