@@ -143,7 +143,8 @@ def test_devices_stay_apart_and_the_cache_drives_any_of_them():
     for a, b in (("npu_runtime.sim", "npu_runtime.xrt"), ("npu_runtime.xrt", "npu_runtime.sim")):
         assert not [f"{m} -> {d}" for m, deps in graph.items() if m.startswith(a)
                     for d in deps if d.startswith(b)]
-    assert not [d for d in graph["npu_runtime.cache"] if d.startswith(("npu_runtime.sim", "npu_runtime.xrt"))]
+    for cache in ("npu_runtime.cache", "npu_runtime.artifacts"):
+        assert not [d for d in graph[cache] if d.startswith(("npu_runtime.sim", "npu_runtime.xrt"))]
 
 
 def test_the_apps_import_the_session_they_drive():
