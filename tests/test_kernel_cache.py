@@ -5,7 +5,7 @@ import json
 import multiprocessing as mp
 from pathlib import Path
 
-import group_reference as ref
+from llama_runtime import reference as ref
 import pytest
 import torch
 
