@@ -17,12 +17,13 @@ from cpu_kernels import native_cpu
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """f32 math, one rounding to bf16 at the end (as the device RMSNorm launch does)."""
+    """f32 statistics; the normalised row rounded to bf16, then its product with the weight
+    rounded again: HF's rounding points, which the device RMSNorm launch also follows."""
     out = torch.empty_like(x)
     if native_cpu.rmsnorm(x.contiguous(), weight.contiguous(), out, x.shape[-1], eps):
         return out
     xf = x.float()
-    return F.rms_norm(xf, (xf.shape[-1],), weight.float(), eps).to(torch.bfloat16)
+    return F.rms_norm(xf, (xf.shape[-1],), eps=eps).to(torch.bfloat16) * weight.to(torch.bfloat16)
 
 
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -64,7 +64,8 @@ def rmsnorm(l: Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> N
     d = l.p("dim")
     xs, os = _rows(x, d), _rows(out, d)
     for b in _row_blocks(xs.shape[0], d):
-        torch.mul(F.rms_norm(xs[b].float(), (d,), eps=l.p("eps")), w, out=os[b])   # w widened in-kernel
+        # HF's rounding points: the normalised row to bf16, then the bf16 product with the weight.
+        torch.mul(F.rms_norm(xs[b].float(), (d,), eps=l.p("eps")).to(torch.bfloat16), w, out=os[b])
 
 
 def _packed(w: torch.Tensor | PackedWeight) -> torch.Tensor | None:
