@@ -1,47 +1,7 @@
-"""Checkpoint loading: a folder of safetensors (resolved from a path, repo id or alias) into
-the `LlamaWeights` the device model uploads.
+"""Checkpoint folder → `LlamaWeights`.
 
-Shards are memory-mapped and every tensor is checked against the shape the config implies, so
-a truncated or wrong-shape checkpoint fails with one line naming the tensor.
+The entry point the layout names; the code is `llama_runtime.checkpoint`.
 """
-from __future__ import annotations
+from llama_runtime.checkpoint import load_weights
 
-from collections.abc import Callable
-from pathlib import Path
-
-from kernel_builder.groups import QUANTS
-from llama_base.config import LAYER_TENSORS, LlamaConfig, layer_shapes
-from llama_base.errors import CheckpointError, UserError
-from llama_runtime.models import resolve_checkpoint
-from llama_runtime.q4nx_weights import load_q4nx
-from llama_runtime.safetensors_io import Checkpoint
-from llama_runtime.weights import LayerWeights, LlamaWeights
-
-
-def load_weights(source: str | Path, quant: str = "bf16", log: Callable[[str], None] = print) -> LlamaWeights:
-    """Load a checkpoint folder; see `llama_runtime.models.resolve_checkpoint` for repo ids and
-    defaults. With `quant="q4nx"` the linear weights come from the Q4NX cache (made on first use)."""
-    if quant not in QUANTS:
-        raise UserError(f"unknown weight format QUANT={quant!r}: expected one of {', '.join(QUANTS)}")
-    folder = resolve_checkpoint(source)
-    weights = _load_bf16(folder)
-    return weights if quant == "bf16" else load_q4nx(folder, weights, log)
-
-
-def _load_bf16(folder: Path) -> LlamaWeights:
-    cfg = LlamaConfig.from_json(folder)
-    ckpt = Checkpoint(folder)
-    h, v = cfg.hidden_size, cfg.vocab_size
-    embed = ckpt.get("model.embed_tokens.weight", (v, h))
-    if cfg.tie_word_embeddings or "lm_head.weight" not in ckpt:
-        if not cfg.tie_word_embeddings:
-            raise CheckpointError(f"{folder}: tensor 'lm_head.weight' is missing and embeddings are not tied")
-        lm_head = embed
-    else:
-        lm_head = ckpt.get("lm_head.weight", (v, h))
-    shapes = layer_shapes(cfg)
-    layers = [
-        LayerWeights(**{n: ckpt.get(f"model.layers.{i}.{t}", shapes[n]) for n, t in LAYER_TENSORS.items()})
-        for i in range(cfg.num_hidden_layers)
-    ]
-    return LlamaWeights(cfg, embed, ckpt.get("model.norm.weight", (h,)), lm_head, layers, str(folder), ckpt)
+__all__ = ["load_weights"]

@@ -46,7 +46,7 @@ class Bandwidth:
 
 
 def _native_gemv():
-    from npu_runtime.sim.native_build import build_shared
+    from cpu_kernels.native_build import build_shared
 
     if "avx512f" not in cpu_flags():
         return None

@@ -26,7 +26,7 @@ import torch
 
 from kernel_builder import backend_presets as presets
 from llama_base import q4nx
-from llama_base.config import LAYER_TENSORS, LlamaConfig
+from llama_base.config import LlamaConfig
 
 
 class Role(str, Enum):
@@ -395,29 +395,3 @@ def context_bucket(positions: int, smallest: int, max_context: int) -> int:
     while c < positions:
         c *= 2
     return min(c, max_context) if positions <= max_context else c
-
-
-def static_tensors(group: KernelGroup, weights, layer: int | None) -> dict[str, torch.Tensor]:
-    """The tensor behind every static slot of `group`, for one layer (or the LM head).
-
-    Names are the contract: layer slots are named after `LAYER_TENSORS`, LM-head slots are row
-    partitions of the (possibly tied) LM head, zero-padded to the declared shape.
-    """
-    out: dict[str, torch.Tensor] = {}
-    for s in group.with_role(Role.STATIC):
-        if s.name in LAYER_TENSORS:
-            t = getattr(weights.layers[layer], s.name)
-        elif s.name.startswith("w_p"):
-            i, rows = int(s.name[3:]), s.shape[0]
-            # Rows of a quantized head are bytes of whole row-blocks (a partition is whole ones).
-            per_row = s.nbytes // rows if s.quantized else 1
-            t = weights.lm_head[i * rows * per_row:(i + 1) * rows * per_row]
-            if t.shape[0] < rows * per_row:
-                t = torch.cat([t, t.new_zeros((rows * per_row - t.shape[0],) + tuple(t.shape[1:]))])
-        else:
-            raise KeyError(f"no weight source for static slot {s.name!r} of {group.name}")
-        if tuple(t.shape) != s.storage_shape or t.dtype != s.torch_dtype:
-            raise ValueError(f"{group.name}.{s.name}: weight {tuple(t.shape)} {t.dtype} != declared "
-                             f"{s.storage_shape} {s.torch_dtype} ({s.dtype})")
-        out[s.name] = t
-    return out

@@ -1,10 +1,11 @@
-"""A conversation that keeps its KV cache between turns.
+"""A conversation over a session whose KV cache holds the turns so far.
 
-Each turn prefills only the tokens that are not cached yet: the end of the previous answer,
-the new user message and the assistant header (`ChatFormat.continuation`), at the offset
-where the cache ends. `render(all turns)` equals the cached tokens plus that continuation,
-so the model sees exactly what a fresh run of the whole transcript would. When a turn would
-not fit in the context, the oldest exchanges are dropped and the rest is prefilled again.
+Each turn hands the session the whole transcript: the tokens of every earlier turn, exactly
+as the model read and wrote them, then the end of the previous answer, the new user message
+and the assistant header (`ChatFormat.continuation`). `render(all turns)` equals that, so the
+model sees what a fresh run of the transcript would, and the session prefills only what its
+cache does not hold yet. When a turn would not fit in the context, the oldest exchanges are
+dropped and the rest is rendered again (the session still reuses whatever prefix is unchanged).
 """
 from __future__ import annotations
 
@@ -13,21 +14,20 @@ from typing import Callable
 
 from llama_base.errors import PromptError
 from llama_runtime.sampling import SamplingParams
+from llama_runtime.session import GenerationResult, Session
 
 
 @dataclass
 class Conversation:
-    session: object
+    session: Session
     system: str | None = None
     messages: list[dict] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)     # tokens whose K/V are in the cache, in order
-    pending: list[int] = field(default_factory=list)    # generated but never fed back (the last answer's tail)
+    transcript: list[int] = field(default_factory=list)  # every turn's tokens so far, answers as generated
     notices: list[str] = field(default_factory=list)
 
     def reset(self) -> None:
         self.messages.clear()
-        self.tokens.clear()
-        self.pending.clear()
+        self.transcript.clear()
 
     def _full_prompt(self) -> list[int]:
         fmt = self.session.tokenizer.chat
@@ -35,7 +35,7 @@ class Conversation:
         return fmt.render(head + self.messages)
 
     def ask(self, text: str, n_tokens: int, on_text: Callable[[str], None] | None = None,
-            sampling: SamplingParams = SamplingParams()):
+            sampling: SamplingParams = SamplingParams()) -> GenerationResult:
         if not text or not text.strip():
             raise PromptError("the message is empty")
         fmt = self.session.tokenizer.chat
@@ -43,27 +43,20 @@ class Conversation:
             raise PromptError("this model has no chat format; use a single prompt instead")
         limit = self.session.model.max_context
         self.messages.append({"role": "user", "content": text})
-        if self.tokens:
-            new, start = self.pending + fmt.continuation(text), len(self.tokens)
-        else:
-            new, start = self._full_prompt(), 0
+        prompt = self.transcript + fmt.continuation(text) if self.transcript else self._full_prompt()
         # Keep room for at least one generated token; otherwise forget the oldest exchanges.
-        while start + len(new) >= limit and len(self.messages) > 1:
+        while len(prompt) >= limit and len(self.messages) > 1:
             self.messages = self.messages[2:] if len(self.messages) > 2 else self.messages[-1:]
             self.notices.append("context full: dropped the oldest exchange and re-read the rest")
-            new, start = self._full_prompt(), 0
-        if start + len(new) >= limit:
+            prompt = self._full_prompt()
+        if len(prompt) >= limit:
             self.messages.pop()
-            raise PromptError(f"the message needs {len(new)} tokens; the context limit is {limit}")
-        history = self.tokens[:start]
+            raise PromptError(f"the message needs {len(prompt)} tokens; the context limit is {limit}")
         try:
-            result = self.session.generate(new, n_tokens, on_text, sampling, start=start, history=history)
+            result = self.session.generate(prompt, n_tokens, on_text, sampling)
         except BaseException:
             self.messages.pop()
             raise
-        fed = result.cached - start                # new tokens and answer tokens now in the cache
-        stream = new + result.tokens
-        self.tokens = history + stream[:fed]
-        self.pending = stream[fed:]
+        self.transcript = prompt + result.tokens
         self.messages.append({"role": "assistant", "content": result.text})
         return result

@@ -1,4 +1,4 @@
-"""Command line of `llama32_1b_inference.py`: one prompt, or an interactive chat.
+"""Command line of `llama32_1b_inference.py` (`make run`, `make chat`): one prompt, or an interactive chat.
 
 Errors a user can cause print one line (`error: ...`) and exit 2; `--verbose` adds the
 traceback. Ctrl-C stops the current answer; in chat the conversation stays usable.
@@ -8,11 +8,11 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
-from typing import Callable
 
 from kernel_builder.groups import QUANTS
 from llama_base.errors import PromptError, UserError
 from llama_runtime.sampling import SamplingParams
+from llama_runtime.session import GenerationResult, Session, build_session
 from npu_runtime.devices import DEVICE_KINDS
 
 
@@ -71,14 +71,14 @@ def _read_prompt(args) -> str:
     return args.prompt
 
 
-def _summary(r) -> str:
+def _summary(r: GenerationResult) -> str:
     why = {"end_token": "end of answer", "n_tokens": "token budget reached", "context_limit": "context limit reached",
            "interrupted": "interrupted"}[r.stop_reason]
     return (f"[stats] prompt {r.prompt_tokens} tokens, TTFT {r.ttft_s:.3f} s, {len(r.tokens)} tokens at "
             f"{r.decode_tokens_per_s:.2f} tok/s, stopped: {why}")
 
 
-def _chat(session, args, sampling) -> None:
+def _chat(session: Session, args: argparse.Namespace, sampling: SamplingParams) -> None:
     from llama_runtime.chat import Conversation
 
     conv = Conversation(session, system=args.system)
@@ -124,9 +124,8 @@ def user_error(e: UserError, verbose: bool) -> int:
     return 2
 
 
-def run_cli(build_session: Callable, argv: list[str] | None = None) -> int:
-    """`make run` / `make chat` on a session from `build_session` (llama32_1b_inference's, which
-    sits above this package and hands itself down)."""
+def run_cli(argv: list[str] | None = None) -> int:
+    """`make run` / `make chat`: parse, build the session, answer or chat; the exit status."""
     args = parser().parse_args(argv)
     try:
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed)

@@ -19,12 +19,12 @@ from kernel_builder.groups import (
     context_bucket,
     lm_head_gemv,
     prefill_buckets,
-    static_tensors,
 )
 from llama_base.config import LlamaConfig
 from llama_base.errors import PromptError
 from llama_runtime.host_ops import KVCache, rms_norm
 from llama_runtime.rope import generate_rope_lut
+from llama_runtime.weight_slots import static_tensors
 from llama_runtime.weights import LlamaWeights
 from npu_runtime.cache import KernelCache
 from npu_runtime.profiler import NULL_PROFILER, Profiler

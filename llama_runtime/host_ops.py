@@ -8,20 +8,22 @@ happens.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from npu_runtime.sim import native_cpu
+from cpu_kernels import native_cpu
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """f32 math, one rounding to bf16 at the end (as the device RMSNorm launch does)."""
+    """f32 statistics; the normalised row rounded to bf16, then its product with the weight
+    rounded again: HF's rounding points, which the device RMSNorm launch also follows."""
     out = torch.empty_like(x)
     if native_cpu.rmsnorm(x.contiguous(), weight.contiguous(), out, x.shape[-1], eps):
         return out
     xf = x.float()
-    return F.rms_norm(xf, (xf.shape[-1],), weight.float(), eps).to(torch.bfloat16)
+    return F.rms_norm(xf, (xf.shape[-1],), eps=eps).to(torch.bfloat16) * weight.to(torch.bfloat16)
 
 
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -49,10 +51,14 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_hea
 
 
 class KVCache:
-    """Head-major K/V for every layer: [layers, kv_heads, max_seq, head_dim], bf16.
+    """Head-major K/V for every layer: [layers, kv_heads, max_seq, head_dim], bf16, and the
+    token each position holds.
 
     Head-major keeps each head's keys contiguous over positions, so single-query decode
-    attention reads positions 0..pos of a head as one strided block.
+    attention reads positions 0..pos of a head as one strided block. `token_ids` lists, from
+    position 0, the tokens whose K/V every layer holds: a prompt that begins with them need
+    not be prefilled again. The step functions keep it true (`invalidate` before they write,
+    `hold` once every layer is written), so a step cut short leaves only what is whole.
     """
 
     def __init__(self, layers: int, kv_heads: int, max_seq: int, head_dim: int):
@@ -60,6 +66,17 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=torch.bfloat16)
         self.v = torch.zeros(shape, dtype=torch.bfloat16)
         self.max_seq = max_seq
+        self.token_ids: list[int] = []
+
+    def invalidate(self, start: int) -> None:
+        """Positions from `start` on are about to be rewritten: they no longer hold known tokens."""
+        del self.token_ids[start:]
+
+    def hold(self, start: int, ids: Sequence[int]) -> None:
+        """Every layer's K/V of `ids` are now at start..; recorded when they continue the known
+        prefix (a write past a gap says nothing about the positions in between)."""
+        if len(self.token_ids) == start:
+            self.token_ids.extend(ids)
 
     @property
     def nbytes(self) -> int:

@@ -1,7 +1,7 @@
 """The `make profile` breakdown: where a generation's time went, per device call and host op."""
 from __future__ import annotations
 
-from npu_runtime.sim import native_cpu
+from cpu_kernels import native_cpu
 
 
 def isa_line() -> str:

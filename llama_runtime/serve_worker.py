@@ -5,9 +5,9 @@ requests never run side by side and never on the event loop: the HTTP side puts 
 the queue and reads what the worker posts back through the loop (`loop.call_soon_threadsafe`).
 A full queue refuses the request at once rather than letting waits grow without bound.
 
-The worker remembers which token ids sit in the KV cache. A prompt that extends them (the
+The session remembers which token ids sit in its KV cache, so a prompt that extends them (the
 next turn of a conversation, the same system prompt, a repeated request) prefills only what
-is new. Matching is on token ids, so it works for any client, with no session identifiers.
+is new. Matching is on token ids, so it works for any client, with no conversation identifiers.
 
 A job stops early when its client goes away, when the server shuts down, or when its text
 reaches one of its stop strings; `Session.generate` checks `should_stop` once per token.
@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 from llama_runtime.logprobs import TokenLogprob
 from llama_runtime.sampling import SamplingParams
+from llama_runtime.session import Session
 
 DEFAULT_QUEUE_SIZE = 16
 # Weight of the latest job in the running mean of job durations that Retry-After is based on.
@@ -135,13 +136,12 @@ class StopText:
 class Worker:
     """Runs jobs one at a time, in arrival order, on a session it alone uses."""
 
-    def __init__(self, session, queue_size: int = DEFAULT_QUEUE_SIZE, log: Callable[[str], None] = print):
+    def __init__(self, session: Session, queue_size: int = DEFAULT_QUEUE_SIZE, log: Callable[[str], None] = print):
         if queue_size < 1:
             raise ValueError(f"the queue needs at least one slot (got {queue_size})")
         self.session = session
         self.log = log
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
-        self._cached_ids: list[int] = []   # token ids whose K/V are in the cache, position by position
         self._current: Job | None = None
         self._current_started = 0.0
         self._mean_job_s = 1.0
@@ -198,32 +198,16 @@ class Worker:
                 else:
                     self._generate(job)
             except Exception as e:  # noqa: BLE001 -- a bug or a device failure: report it, keep serving
-                self._cached_ids = []
                 self.log(f"[serve] {job.id} failed: {type(e).__name__}: {e}")
                 job._post("error", e)
             finally:
                 self._current = None
 
-    def _reuse(self, ids: list[int]) -> int:
-        """Length of the cached prefix `ids` can keep: at least one token is always prefilled,
-        because the last prompt token's logits are what the first answer token comes from."""
-        n, cached = 0, self._cached_ids
-        limit = min(len(cached), len(ids) - 1)
-        while n < limit and cached[n] == ids[n]:
-            n += 1
-        return n
-
     def _generate(self, job: Job) -> None:
         ids = job.prompt_ids
         started = time.perf_counter()
-        lcp = reused = self._reuse(ids)
         if job.score_prompt:
-            self._cached_ids = []
             job._post("prompt", self.session.score_prompt(ids, job.logprobs or 0, job.sampling))
-            lcp, reused = len(ids) - 1, 0   # all but the last token's K/V are now in the cache
-        # Positions past lcp are about to be overwritten: until the call returns, only the
-        # shared prefix is known to be in the cache.
-        self._cached_ids = ids[:lcp]
         cut = StopText(job.stops)
         scores: list[TokenLogprob] = []     # since the last piece posted
 
@@ -233,11 +217,11 @@ class Worker:
                 job._post("text", Piece(out, scores[:]))
                 scores.clear()
 
-        r = self.session.generate(ids[lcp:], job.max_tokens, on_text, job.sampling, start=lcp,
-                                  history=ids[:lcp], should_stop=lambda: cut.hit or job.cancelled_by is not None,
+        r = self.session.generate(ids, job.max_tokens, on_text, job.sampling,
+                                  should_stop=lambda: cut.hit or job.cancelled_by is not None,
                                   logprobs=job.logprobs, on_logprob=scores.append, constraint=job.constraint)
-        fed = r.cached - lcp
-        self._cached_ids = ids[:lcp] + (ids[lcp:] + r.tokens)[:fed]
+        # Scoring read the whole prompt, so nothing of it was reused, whatever the cache held.
+        reused = 0 if job.score_prompt else r.reused_tokens
         elapsed = time.perf_counter() - started
         self._mean_job_s += _DURATION_EMA * (elapsed - self._mean_job_s)
         tail = cut.finish()

@@ -7,9 +7,6 @@ codes), turns it into prompt token ids, and hands a `Job` to the `Worker` (serve
 which owns the model.
 Everything here runs on the event loop and never generates; streamed answers are
 server-sent events in OpenAI's chunk format, closed by `data: [DONE]`.
-
-`llama32_1b_inference.serve_main` calls `serve(build_session, argv)`: the session builder
-sits above this package and is handed down, as with `cli.run_cli`.
 """
 from __future__ import annotations
 
@@ -58,6 +55,7 @@ from llama_runtime.constrained import Grammars
 from llama_runtime.logprobs import MAX_TOP_CHAT, MAX_TOP_COMPLETIONS, TokenText
 from llama_runtime.sampling import SamplingParams
 from llama_runtime.serve_worker import DEFAULT_QUEUE_SIZE, Job, Piece, QueueFull, Worker
+from llama_runtime.session import Session, build_session
 from llama_runtime.tool_calls import ToolRequest, tool_request
 from npu_runtime.devices import DEVICE_KINDS
 
@@ -76,7 +74,7 @@ class Api:
     def __init__(self, worker: Worker, model_id: str, log: Callable[[str], None] = print):
         self.worker = worker
         self.log = log
-        self.session = worker.session
+        self.session: Session = worker.session
         self.model_id = model_id
         self.created = int(time.time())
         self.grammars = Grammars(self.session.tokenizer)
@@ -430,7 +428,8 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(build_session: Callable, argv: list[str] | None = None) -> int:
+def serve(argv: list[str] | None = None) -> int:
+    """`make serve`: parse, bind, build the session, serve until Ctrl-C; the exit status."""
     args = parser().parse_args(argv)
 
     def log(line: str) -> None:

@@ -1,6 +1,6 @@
 """A model's weights in memory, as the device model uploads them.
 
-`load_weights` (llama32_1b_weights) fills these from a checkpoint; `synthetic_weights` makes
+`load_weights` (llama_runtime.checkpoint) fills these from a checkpoint; `synthetic_weights` makes
 random ones for tests and for the Llama-3.2-1B-shape checkpoint.
 """
 from __future__ import annotations

@@ -66,13 +66,19 @@ class Kernel(Protocol):
 
 class Device(Protocol):
     """Builds, loads and runs groups. `compile` returns the artifact's file names (the
-    KernelCache hashes them into its manifest); `toolchain_stamp` is part of the cache key."""
+    KernelCache hashes them into its manifest); `toolchain_stamp` is part of the cache key,
+    `toolchain_description` only recorded in the manifest (what built an entry, down to paths
+    and dates that must not re-key it). `rebuild_on_load_error` says whether an entry that
+    fails to load is rebuilt (a damaged artifact) or the load error is the answer (a driver
+    that refuses a valid artifact would refuse the rebuild too)."""
 
     kind: str
     name: str
     counters: Counters
+    rebuild_on_load_error: bool
 
     def toolchain_stamp(self) -> str: ...
+    def toolchain_description(self) -> str: ...
     def bo(self, nbytes: int, kernel: Kernel | None = None, arg: int | None = None) -> BO: ...
     def compile(self, group: KernelGroup, out_dir: Path, mlir_text: str) -> list[str]: ...
     def load(self, artifact_dir: Path, group: KernelGroup) -> Kernel: ...

@@ -30,7 +30,7 @@ def _native_isas() -> list[str]:
     """The ISA classes the native-kernel tests run under: every one this CPU runs, so that an
     AVX-512 CI host also covers the AVX2 kernels, and the emulated AMX tiles; only the one asked
     for when LLAMA_NPU_ISA (or LLAMA_NPU_NATIVE=0) picks one; torch alone where there are none."""
-    from npu_runtime.sim import native_cpu
+    from cpu_kernels import native_cpu
 
     asked = native_cpu._requested()
     if asked is not None:
@@ -40,7 +40,7 @@ def _native_isas() -> list[str]:
 
 @pytest.fixture(params=_native_isas())
 def native_isa(request):
-    from npu_runtime.sim import native_cpu
+    from cpu_kernels import native_cpu
 
     with native_cpu.use_isa(request.param):
         yield request.param

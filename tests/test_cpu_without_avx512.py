@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from npu_runtime.sim import native_cpu
+from cpu_kernels import native_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 QEMU = shutil.which("qemu-x86_64")
@@ -32,7 +32,7 @@ def _child(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_a_haswell_gets_the_avx2_class():
-    r = _child("-c", "from npu_runtime.sim import native_cpu as n; print(n.supported_isas(), n.isa())")
+    r = _child("-c", "from cpu_kernels import native_cpu as n; print(n.supported_isas(), n.isa())")
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split("\n")[0] == "['avx2'] avx2"
 

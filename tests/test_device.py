@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cpu_kernels import native_cpu, weight_tiles
 from kernel_builder.groups import build_group
 from npu_runtime import api
 from npu_runtime.api import Sync
 from npu_runtime.devices import open_device
-from npu_runtime.sim import native_cpu, weight_tiles
 from npu_runtime.sim.device import SimDevice
 from npu_runtime.xrt import device as xrt_device
 
@@ -255,3 +255,18 @@ def test_xrt_device_round_trip():
     bo.map().zero_()
     bo.sync(Sync.FROM_DEVICE)
     assert bo.map().tolist() == list(range(64))
+
+
+def test_every_device_implements_the_whole_device_api():
+    """The KernelCache calls every member of `api.Device` directly: a device without one would
+    fail in the middle of a load, so each device class is checked against the protocol."""
+    from npu_runtime.interp.device import InterpDevice
+
+    methods = {n for n, v in vars(api.Device).items() if callable(v) and not n.startswith("_")}
+    attributes = set(api.Device.__annotations__)
+    assert {"toolchain_description", "load", "compile", "bo"} <= methods and "rebuild_on_load_error" in attributes
+    for device in (SimDevice(), InterpDevice()):
+        assert [n for n in sorted(methods | attributes) if not hasattr(device, n)] == [], type(device).__name__
+    # XrtDevice opens pyxrt when made: its class carries everything but what __init__ sets.
+    assert [n for n in sorted(methods | {"kind", "rebuild_on_load_error"})
+            if not hasattr(xrt_device.XrtDevice, n)] == []

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from llama32_1b_weights import load_weights
 from llama_base.config import LAYER_TENSORS, LlamaConfig, layer_shapes
 from llama_base.paths import ENV_CACHE, models_dir
 from llama_runtime import fixtures, gguf_import
+from llama_runtime.checkpoint import load_weights
 from llama_runtime.checkpoint_writer import INDEX_FILE, balanced_shards
 
 

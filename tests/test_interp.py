@@ -50,7 +50,7 @@ def test_every_group_kind_matches_the_simulated_device(tiny):
 def test_every_q4nx_group_kind_matches_the_simulated_device(tiny):
     """The Q4NX groups on the tiny model's own weights, quantized: the fused GEMVs and the
     dequantizing GEMMs executed as MLIR against the simulated device's torch bodies."""
-    from llama32_1b_weights import load_weights
+    from llama_runtime.checkpoint import load_weights
 
     weights = load_weights(fixtures.ensure_tiny_checkpoint())
     rows = [verify_mlir.compare(c, weights=weights) for c in verify_mlir.cases(tiny, BUCKET, q4nx.NAME)]
@@ -66,7 +66,7 @@ def test_q4nx_groups_at_smollm2_shapes_match_the_simulated_device():
     """The embedded model (SmolLM2: hidden 576 = 2 x 256 + 64, FFN 1536) on its real weights,
     quantized: rows whose last Q4NX block is narrower, and a down projection whose K takes
     several L2 steps with partial sums, executed as MLIR."""
-    from llama32_1b_weights import load_weights
+    from llama_runtime.checkpoint import load_weights
     from llama_base.config import LlamaConfig
 
     folder = fixtures.ensure_embedded_model()
@@ -158,7 +158,7 @@ def test_each_check_catches_its_mistake(tiny, mutation):
 
 @pytest.fixture(scope="module")
 def embedded_pair():
-    from llama32_1b_inference import build_session
+    from llama_runtime.session import build_session
 
     return [build_session("embedded", d, max_context=64, log=lambda *_: None) for d in ("sim", "interp")]
 
@@ -166,8 +166,8 @@ def embedded_pair():
 def test_one_decode_step_of_the_embedded_model_runs_through_the_interpreter(embedded_pair):
     """At the real SmolLM2 shapes (hidden 576, 30 layers): the decode groups and the LM head,
     executed as MLIR, give the simulated device's logits on the same KV cache."""
-    from llama32_1b_decode import decode_step
-    from llama32_1b_prefill import prefill
+    from llama_runtime.decode import decode_step
+    from llama_runtime.prefill import prefill
 
     sim, interp = embedded_pair
     ids = sim.encode("What is the capital of Japan?")

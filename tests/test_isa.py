@@ -12,16 +12,16 @@ import subprocess
 import pytest
 import torch
 
-from llama32_1b_decode import decode_step
-from llama32_1b_prefill import prefill
-from llama32_1b_weights import load_weights
+from cpu_kernels import native_build, native_cpu
+from llama_runtime.checkpoint import load_weights
+from llama_runtime.decode import decode_step
 from llama_runtime.device_model import DeviceModel
 from llama_runtime.models import resolve_model
+from llama_runtime.prefill import prefill
 from llama_runtime.profile_report import isa_line
 from llama_runtime.tokenizer import Tokenizer
 from npu_runtime.cache import KernelCache
 from npu_runtime.devices import open_device
-from npu_runtime.sim import native_build, native_cpu
 from npu_runtime.sim.device import SimDevice
 
 NATIVE = native_cpu.supported_isas()

@@ -5,13 +5,14 @@ import json
 import multiprocessing as mp
 from pathlib import Path
 
-import group_reference as ref
 import pytest
 import torch
 
-from kernel_builder.groups import Role, build_group, lm_head_gemv, static_tensors
+from kernel_builder.groups import Role, build_group, lm_head_gemv
 from llama_base.errors import KernelCacheError
+from llama_runtime import reference as ref
 from llama_runtime.rope import generate_rope_lut
+from llama_runtime.weight_slots import static_tensors
 from npu_runtime.cache import KernelCache
 from npu_runtime.profiler import Profiler
 from npu_runtime.sim.device import SimDevice

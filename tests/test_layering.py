@@ -15,6 +15,7 @@ LAYERS = (
     ("llama_base",),
     ("kernel_builder",),
     ("multi_launch_builder",),
+    ("cpu_kernels",),
     ("npu_runtime",),
     ("llama_runtime",),
     ("llama32_1b_weights", "llama32_1b_decode", "llama32_1b_prefill", "llama32_1b_inference"),
@@ -142,4 +143,27 @@ def test_devices_stay_apart_and_the_cache_drives_any_of_them():
     for a, b in (("npu_runtime.sim", "npu_runtime.xrt"), ("npu_runtime.xrt", "npu_runtime.sim")):
         assert not [f"{m} -> {d}" for m, deps in graph.items() if m.startswith(a)
                     for d in deps if d.startswith(b)]
-    assert not [d for d in graph["npu_runtime.cache"] if d.startswith(("npu_runtime.sim", "npu_runtime.xrt"))]
+    for cache in ("npu_runtime.cache", "npu_runtime.artifacts"):
+        assert not [d for d in graph[cache] if d.startswith(("npu_runtime.sim", "npu_runtime.xrt"))]
+
+
+def test_the_apps_import_the_session_they_drive():
+    """The command line, chat and server sit above `llama_runtime.session` and import it: the
+    dependency is declared where the layers can check it, not handed down as a callback."""
+    graph = import_graph(project_modules())
+    apps = ("llama_runtime.cli", "llama_runtime.chat", "llama_runtime.server", "llama_runtime.serve_worker")
+    for app in apps:
+        assert "llama_runtime.session" in graph[app], app
+    assert not graph["llama_runtime.session"] & set(apps)
+
+
+def test_the_host_ops_run_on_the_cpu_kernels_not_on_the_simulator():
+    """The host ops run on every device, the NPU included: they reach the native library through
+    `cpu_kernels`, never through the simulated device."""
+    graph = import_graph(project_modules())
+    assert not [f"{m} -> {d}" for m, deps in graph.items() if m.startswith("llama_runtime")
+                for d in deps if d.startswith("npu_runtime.sim")]
+    assert "cpu_kernels.native_cpu" in graph["llama_runtime.host_ops"]
+    # the CPU kernels know tensors and the Q4NX format, not group declarations
+    assert {d.split(".")[0] for m, deps in graph.items() if m.startswith("cpu_kernels") for d in deps} <= {
+        "cpu_kernels", "llama_base"}

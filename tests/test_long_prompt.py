@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from llama32_1b_inference import build_session
-from llama32_1b_prefill import prefill
+from llama_runtime.prefill import prefill
+from llama_runtime.session import build_session
 from verify.compare import TOP_K, gate_prompt
 
 PROMPT_TOKENS = 3000

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from npu_runtime.sim import native_cpu
+from cpu_kernels import native_cpu
+from cpu_kernels.weight_tiles import HEADER, LANES, UNIT_BYTES, PackedWeight, from_packed, to_tiles
 from npu_runtime.sim import ops as sim_ops
-from npu_runtime.sim.weight_tiles import HEADER, LANES, UNIT_BYTES, PackedWeight, from_packed, to_tiles
 
 pytestmark = [pytest.mark.skipif(native_cpu._library() is None,
                                  reason="no C++ compiler or no AVX2/AVX512-BF16 on this CPU: the simulator uses torch"),

@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from kernel_builder.groups import QUANTS, Role, all_groups, build_group, lm_head_gemv, static_tensors
+from cpu_kernels import native_cpu
+from cpu_kernels.weight_tiles import Q4nxPacking
+from kernel_builder.groups import QUANTS, Role, all_groups, build_group, lm_head_gemv
 from llama_base import q4nx
 from llama_runtime import quantize
+from llama_runtime.weight_slots import static_tensors
 from llama_runtime.weights import synthetic_weights
-from npu_runtime.sim import native_cpu
-from npu_runtime.sim.weight_tiles import Q4nxPacking
 
 SHAPES = [(32, 256), (64, 576), (96, 64), (32, 1536)]   # 576 = 2 x 256 + a 64-wide last block
 
@@ -243,7 +244,7 @@ def test_the_simulated_ops_compute_the_contract_on_either_path(isa, tiny_config)
     """The launch ops as the device binds them: with no native library (torch) on the declared
     bytes, natively on the device form; both give the reference's numbers."""
     from npu_runtime.sim import ops
-    from npu_runtime.sim.weight_tiles import DeviceQ4nx
+    from cpu_kernels.weight_tiles import DeviceQ4nx
 
     if isa == "native" and not native_cpu.supported_isas():
         pytest.skip("no native library")

@@ -8,12 +8,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from llama32_1b_decode import decode_step
-from llama32_1b_inference import build_session
-from llama32_1b_prefill import prefill
 from llama_base import q4nx
+from llama_runtime.decode import decode_step
 from llama_runtime.device_model import DeviceModel
+from llama_runtime.prefill import prefill
 from llama_runtime.q4nx_weights import linear_names, lm_head_rows
+from llama_runtime.session import build_session
 from llama_runtime.weights import LayerWeights
 
 
@@ -26,7 +26,7 @@ def session(tmp_path_factory):
 @pytest.fixture(scope="module")
 def dequantized(session, tmp_path_factory):
     """A bf16 device model of the q4nx session's own weights, dequantized."""
-    from llama32_1b_weights import load_weights
+    from llama_runtime.checkpoint import load_weights
 
     w = load_weights(session.resolved.folder, "q4nx", lambda s: None)
     cfg = w.config

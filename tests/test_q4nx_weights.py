@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from llama32_1b_weights import load_weights
 from llama_base import q4nx
 from llama_base.config import LAYER_TENSORS
 from llama_base.errors import CheckpointError, UserError
 from llama_base.paths import ENV_CACHE
 from llama_runtime import fixtures, q4nx_weights
+from llama_runtime.checkpoint import load_weights
 from llama_runtime.checkpoint_writer import write_configs, write_sharded
 from llama_runtime.fixtures import _random_tensors
 

@@ -13,9 +13,9 @@ from safetensors.torch import save_file
 
 from kernel_builder.groups import build_group
 from llama32_1b_inference import main as run_cli
-from llama32_1b_weights import load_weights
 from llama_base.config import LAYER_TENSORS
 from llama_base.errors import CheckpointError, KernelCacheError
+from llama_runtime.checkpoint import load_weights
 from npu_runtime.cache import KernelCache
 from npu_runtime.sim.device import SimDevice
 
@@ -187,7 +187,7 @@ def test_an_interrupted_compile_leaves_nothing_that_is_used(tmp_path, tiny_confi
 # ---- interruptions ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
-    from llama32_1b_inference import build_session
+    from llama_runtime.session import build_session
 
     return build_session("embedded", "sim", max_context=1024, cache_dir=tmp_path_factory.mktemp("k"),
                          buckets=(128,), log=lambda s: None)
@@ -230,12 +230,12 @@ def test_ctrl_c_in_prefill_and_decode_keeps_the_chat_usable(session, monkeypatch
     it what a fresh `generate` computes up to the first differing choice, and the logits are
     compared at every step; the greedy choices must agree up to a near-tie.
     """
-    import llama32_1b_inference as inference
+    import llama_runtime.session as inference
     from llama_runtime.chat import Conversation
 
     real_prefill, real_decode = inference.prefill, inference.decode_step
     conv = Conversation(session)
-    conv.ask("What is the capital of Japan?", 6)   # cut short: its tail stays pending, not cached
+    conv.ask("What is the capital of Japan?", 6)   # cut short: its last token is chosen, never fed back
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
@@ -252,7 +252,7 @@ def test_ctrl_c_in_prefill_and_decode_keeps_the_chat_usable(session, monkeypatch
 
     r = conv.ask("And of France?", 12, on_text=stop_after_two)
     assert r.stop_reason == "interrupted"
-    start = len(conv.tokens)
+    start = len(session.cached_ids)
     cached: list[torch.Tensor] = []
     _recording(monkeypatch, inference, cached)
     third = conv.ask("Thanks. And of Italy?", 12)
@@ -324,6 +324,6 @@ def test_chat_context_overflow_drops_the_oldest_exchange(session):
         turns += 1
         assert turns < 40
     assert "dropped the oldest exchange" in conv.notices[0]
-    assert len(conv.tokens) + len(conv.pending) < session.model.max_context
+    assert len(conv.transcript) < session.model.max_context
     rendered = session.tokenizer.chat.render(conv.messages, add_generation_prompt=False)
     assert len(conv.messages) < 2 * turns and len(rendered) < session.model.max_context

@@ -4,13 +4,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llama32_1b_decode import decode_step
-from llama32_1b_inference import build_session
-from llama32_1b_prefill import prefill
+from cpu_kernels import native_cpu
 from llama_base.errors import PromptError
+from llama_runtime.decode import decode_step
 from llama_runtime.host_ops import KVCache
+from llama_runtime.prefill import prefill
 from llama_runtime.sampling import SamplingParams
-from npu_runtime.sim import native_cpu
+from llama_runtime.session import build_session
 
 
 @pytest.fixture(scope="module")
@@ -126,20 +126,20 @@ def test_two_turn_chat_matches_a_fresh_run_of_the_transcript(session):
     second = conv.ask("And of France?", 12)
     layers = session.config.num_hidden_layers
     # the second turn prefilled only its new tokens: one chunk, far fewer than the transcript
-    assert second.prefill_tokens < len(conv.tokens) // 2
+    assert second.prefill_tokens < len(conv.transcript) // 2
     assert _calls(session) - before == _prefill_calls(layers) + (2 * layers + 1) * (len(second.tokens) - 1 +
                                                                                (second.stop_reason == "end_token"))
     fresh_ids = session.tokenizer.chat.render(conv.messages[:-1])
-    fresh = session.generate(fresh_ids, 12)
+    fresh = session.generate(fresh_ids, 12, reuse_cache=False)
     assert fresh.tokens == second.tokens
 
 
 def test_sampling_is_reproducible_with_a_seed(session):
     p = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=7)
-    a = session.generate("Write a word.", 8, sampling=p).tokens
-    b = session.generate("Write a word.", 8, sampling=p).tokens
+    a = session.generate("Write a word.", 8, sampling=p, reuse_cache=False).tokens
+    b = session.generate("Write a word.", 8, sampling=p, reuse_cache=False).tokens
     c = session.generate("Write a word.", 8, sampling=SamplingParams(temperature=1.0, top_k=50, top_p=0.95,
-                                                                     seed=8)).tokens
+                                                                     seed=8), reuse_cache=False).tokens
     assert a == b and a != c
 
 
@@ -153,14 +153,27 @@ def test_over_long_input_is_refused(session):
         session.generate("hi", 0)
 
 
+def test_the_cache_knows_its_tokens_and_a_prompt_reuses_their_prefix(session):
+    ids = session.encode("Name a colour.")
+    first = session.generate(ids, 3, reuse_cache=False)
+    assert first.prefill_tokens == len(ids)
+    assert session.cached_ids == (ids + first.tokens)[: first.cached]
+    again = session.generate(ids, 3)
+    # everything but the last prompt token, whose logits choose the first answer token
+    assert again.prefill_tokens == 1 and again.reused_tokens == len(ids) - 1
+    prefill(session.model, ids[:2])          # a step called directly keeps the record true too
+    assert session.cached_ids == ids[:2]
+
+
 def test_generation_stops_at_the_context_limit(session):
+    """Three free positions: three answer tokens are fed back, and a fourth is chosen from the
+    last one. End tokens are forbidden, so the context is the only limit reached."""
     limit = session.model.max_context
     ids = session.encode("a b c d e f g h")
-    start = limit - len(ids) - 3          # continue a (pretend) long conversation near the limit
-    r = session.generate(ids, 50, start=start, history=[0] * start)
-    # three free positions: three tokens are fed back, and a fourth is sampled from the last one
-    assert r.stop_reason in ("context_limit", "end_token") and len(r.tokens) <= 4
-    assert r.stop_reason == "end_token" or (len(r.tokens) == 4 and r.cached == limit)
+    filler = (session.encode("Tell me about the sea.") * limit)[: limit - len(ids) - 3]
+    no_end = SamplingParams(logit_bias=tuple((e, float("-inf")) for e in session.tokenizer.end_token_ids))
+    r = session.generate(filler + ids, 50, sampling=no_end)
+    assert r.stop_reason == "context_limit" and len(r.tokens) == 4 and r.cached == limit
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from npu_runtime.sim import native_cpu
+from cpu_kernels import native_cpu
 
 EMULATED = "amx-emulated"
 HAVE_EMULATION = native_cpu.runnable(EMULATED)

@@ -383,7 +383,7 @@ def test_run_path_does_not_import_transformers():
     code = textwrap.dedent("""
         import sys, time
         t0 = time.perf_counter()
-        from llama32_1b_inference import build_session
+        from llama_runtime.session import build_session
         s = build_session("embedded", "sim", 256, log=lambda m: None)
         s.generate(s.tokenizer.encode_prompt("Hi", chat=True), 1)
         print(f"build_session {s.build_s:.2f} s, import + build {time.perf_counter() - t0:.2f} s")

@@ -11,8 +11,9 @@ import pytest
 import torch
 from fake_pyxrt import FakeXrt, xclBOSyncDirection
 
-from kernel_builder.groups import Role, build_group, static_tensors
+from kernel_builder.groups import Role, build_group
 from llama_base.errors import KernelCacheError
+from llama_runtime.weight_slots import static_tensors
 from multi_launch_builder import compile as mlb_compile
 from npu_runtime.api import DeviceError, Sync
 from npu_runtime.cache import KernelCache
@@ -208,7 +209,7 @@ def test_without_a_compiler_a_missing_npu_entry_says_so(fake, tiny_config, tmp_p
 
 
 def test_greedy_generation_through_xrt_equals_the_simulator(fake, tmp_path):
-    from llama32_1b_inference import build_session
+    from llama_runtime.session import build_session
 
     kw = dict(max_context=512, buckets=(128,), log=lambda s: None)
     prompt = "The capital of France is"

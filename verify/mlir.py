@@ -30,6 +30,7 @@ from llama_base.config import LlamaConfig
 from llama_base.errors import UserError
 from llama_runtime.models import TINY, resolve_checkpoint
 from llama_runtime.quantize import quantize
+from llama_runtime.weight_slots import static_tensors
 from multi_launch_builder.compile import compile_group_mlir
 from npu_runtime.api import Sync
 from npu_runtime.interp.device import InterpDevice
@@ -78,7 +79,7 @@ def inputs(case: Case, seed: int = 0, weights=None) -> dict[str, torch.Tensor]:
     if weights is not None and case.group.with_role(Role.STATIC):
         grp = case.group    # its bf16 twin names the bf16 tensors behind the slots
         twin = groups.build_group(grp.kind, weights.config, grp.seq_len, grp.ctx_len or None)
-        real = groups.static_tensors(twin, weights, 0)
+        real = static_tensors(twin, weights, 0)
         for s in grp.with_role(Role.STATIC):
             t = real[s.name]
             if s.quantized and t.shape[0] < s.shape[0]:     # Q4NX LM-head partitions are padded further

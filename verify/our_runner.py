@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
-from llama32_1b_decode import decode_step
-from llama32_1b_inference import Session
-from llama32_1b_prefill import prefill
+from llama_runtime.decode import decode_step
+from llama_runtime.prefill import prefill
+from llama_runtime.session import Session
 from verify.runner import PrefillResult, StepResult
 
 

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Callable
 
 from kernel_builder.groups import QUANTS
-from llama32_1b_inference import Session, build_session, is_chat_model
-from llama32_1b_weights import load_weights
 from llama_base.config import LlamaConfig
+from llama_runtime.checkpoint import load_weights
 from llama_runtime.models import resolve_model
+from llama_runtime.session import Session, build_session, is_chat_model
 from llama_runtime.tokenizer import Tokenizer
 from npu_runtime.devices import DEVICE_KINDS
 from verify import VerifyError

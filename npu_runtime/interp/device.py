@@ -1,7 +1,7 @@
 """The interpreter device: runs the stitched MLIR-AIR module itself, behind the device API.
 
 Its artifact is the module the NPU build would compile (`group.mlir`); loading parses it and
-binds its external kernels to host builds of the same C++ sources (`kernel_builder.host_kernels`).
+binds its external kernels to host builds of the same C++ sources (`npu_runtime.interp.host_kernels`).
 Buffers behave as on the simulated device (host and device copies apart until synced, so the
 BO contract is checked the same way), but weights are never packed: the module reads them in
 the layout the NPU would.
@@ -15,9 +15,9 @@ from iree.compiler import ir
 
 from kernel_builder.externs import externs_for_launch
 from kernel_builder.groups import KernelGroup
-from kernel_builder.host_kernels import HostKernels
 from llama_base.paths import cache_root
 from npu_runtime.api import Counters, DeviceError
+from npu_runtime.interp.host_kernels import HostKernels
 from npu_runtime.interp.machine import DTYPES, ExternCall, Machine
 from npu_runtime.interp.program import load_program
 from npu_runtime.sim.device import SimBO
@@ -71,12 +71,16 @@ class InterpDevice:
 
     kind = "interp"
     name = "MLIR-AIR interpreter (stitched modules, host builds of the C++ kernels)"
+    rebuild_on_load_error = True
 
     def __init__(self):
         self.counters = Counters()
 
     def toolchain_stamp(self) -> str:
         return "interp-v1"
+
+    def toolchain_description(self) -> str:
+        return self.toolchain_stamp()
 
     def bo(self, nbytes: int, kernel: InterpKernel | None = None, arg: int | None = None) -> SimBO:
         self.counters.bos_allocated += 1

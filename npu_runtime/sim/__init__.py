@@ -1,2 +1,2 @@
-"""The simulated NPU: the device API on the CPU, its reference ops, and the native CPU library
-(packed weights, GEMM, GEMV, elementwise, attention) those ops and the host ops call."""
+"""The simulated NPU: the device API on the CPU (BOs with separate host and device copies) and
+the reference ops its launch programs run, on the CPU kernels of `cpu_kernels`."""

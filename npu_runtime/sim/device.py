@@ -18,10 +18,12 @@ from pathlib import Path
 
 import torch
 
+from cpu_kernels import native_cpu
+from cpu_kernels.weight_tiles import DeviceQ4nx, PackedWeight, Packing, Q4nxPacking
 from kernel_builder.groups import KernelGroup
 from npu_runtime.api import Counters, DeviceError, Sync, copy_tensor
-from npu_runtime.sim import native_cpu, ops
-from npu_runtime.sim.weight_tiles import DeviceQ4nx, PackedWeight, Packing, Q4nxPacking, packing_for
+from npu_runtime.sim import ops
+from npu_runtime.sim.packing import packing_for
 
 _VIEW_SETS = 256   # cached BO-list bindings per loaded group (one per layer in practice)
 _HUGE = 2 << 20    # buffers from this size up ask for transparent huge pages
@@ -206,6 +208,7 @@ class SimDevice:
     """The simulated NPU2: CPU reference kernels, bf16 storage, f32 accumulation."""
 
     kind = "sim"
+    rebuild_on_load_error = True
 
     @property
     def name(self) -> str:
@@ -218,6 +221,9 @@ class SimDevice:
 
     def toolchain_stamp(self) -> str:
         return f"sim-ops-v1/torch-{torch.__version__}"
+
+    def toolchain_description(self) -> str:
+        return self.toolchain_stamp()
 
     def bo(self, nbytes: int, kernel: SimKernel | None = None, arg: int | None = None) -> SimBO:
         """A BO, laid out on the device for `kernel`'s argument `arg` when given (as XRT allocates

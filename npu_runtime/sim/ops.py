@@ -22,10 +22,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from cpu_kernels import native_cpu
+from cpu_kernels.weight_tiles import DeviceQ4nx, PackedWeight, declared_q4nx, dense
 from kernel_builder.groups import Launch
 from llama_base import q4nx
-from npu_runtime.sim import native_cpu
-from npu_runtime.sim.weight_tiles import DeviceQ4nx, PackedWeight, declared_q4nx, dense
 
 _BLOCK_ELEMS = 1 << 19        # f32 temporaries of 2 MiB: resident in L2/L3 while used
 
@@ -64,7 +64,8 @@ def rmsnorm(l: Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> N
     d = l.p("dim")
     xs, os = _rows(x, d), _rows(out, d)
     for b in _row_blocks(xs.shape[0], d):
-        torch.mul(F.rms_norm(xs[b].float(), (d,), eps=l.p("eps")), w, out=os[b])   # w widened in-kernel
+        # HF's rounding points: the normalised row to bf16, then the bf16 product with the weight.
+        torch.mul(F.rms_norm(xs[b].float(), (d,), eps=l.p("eps")).to(torch.bfloat16), w, out=os[b])
 
 
 def _packed(w: torch.Tensor | PackedWeight) -> torch.Tensor | None:

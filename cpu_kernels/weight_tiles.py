@@ -21,9 +21,10 @@ every weight again, so the simulated device keeps one, packed, converting when a
 much as an NPU's DMA re-tiles what it moves. The host never sees it: BOs are written and read
 row-major, and the NPU path does not change.
 
-A weight is packed when the kernel it is allocated for only reads it, as the weight of GEMMs
-and GEMVs, and when native kernels of any ISA class are there to read it (`packing_for`): the
-format is the same on every class, so the AVX2 path keeps weights in 12 bits too.
+The simulated device packs a weight when the kernel it is allocated for only reads it, as the
+weight of GEMMs and GEMVs, and when native kernels of any ISA class are there to read it
+(`npu_runtime.sim.packing`): the format is the same on every class, so the AVX2 path keeps
+weights in 12 bits too.
 """
 from __future__ import annotations
 
@@ -32,15 +33,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kernel_builder.groups import KernelGroup, Role
+from cpu_kernels import native_cpu
 from llama_base import q4nx
-from npu_runtime.sim import native_cpu
 
 LANES = 16                       # outputs per block: one vector of 16 f32 sums
 HEADER = 64                      # bytes: 8 exponent pairs, int64 escaped units, n, k
 UNIT_BYTES = 96                  # two tile vectors: 32 bytes of nibbles, 64 low bytes
 UNIT_VALUES = 64
-_WEIGHT_OPS = {"gemm", "gemv"}   # ops whose second operand is a [N, K] weight; both read it packed
 
 
 def to_tiles(w: torch.Tensor) -> torch.Tensor:
@@ -190,28 +189,3 @@ class DeviceQ4nx:
 
 def declared_q4nx(w: torch.Tensor | DeviceQ4nx) -> torch.Tensor:
     return w.declared() if isinstance(w, DeviceQ4nx) else w
-
-
-_Q4NX_OPS = {"gemm_q4nx", "gemv_q4nx"}
-
-
-def packing_for(group: KernelGroup, index: int) -> Packing | Q4nxPacking | None:
-    """The layout a BO for the group's argument `index` should have on the simulated device.
-
-    Packs only a static matrix that every launch using it reads as the weight of a GEMM or GEMV
-    of its format, and only where the native kernels run and read that layout: a bf16 one with
-    N a multiple of 16 and K of 4 into packed tiles, a Q4NX one into 4-column units.
-    """
-    slot = group.slots[index]
-    if slot.role is not Role.STATIC or len(slot.shape) != 2 or not native_cpu.available():
-        return None
-    ops = _Q4NX_OPS if slot.quantized else _WEIGHT_OPS
-    uses = [l for l in group.launches if slot.name in l.args]
-    if not uses or any(l.op not in ops or l.args.index(slot.name) != 1 or slot.name in l.writes for l in uses):
-        return None
-    if slot.quantized:
-        return Q4nxPacking(*slot.shape)
-    if (slot.dtype != "bf16" or not native_cpu.tileable(*slot.shape) or native_cpu.tile_rows() != LANES
-            or native_cpu.packed_header() != HEADER):
-        return None
-    return Packing(*slot.shape)

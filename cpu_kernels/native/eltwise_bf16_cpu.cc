@@ -27,8 +27,13 @@ void rmsnorm_row(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t di
   }
   const float mean = nv::reduce_add(ss) / static_cast<float>(dim);
   const nv::F16 inv = nv::set1(1.0f / __builtin_sqrtf(mean + eps));
+  // HF's rounding points (and the MLIR launch's): the normalised row is rounded to bf16, then
+  // multiplied by the weight and rounded again. `out` holds the rounded row in between, so both
+  // ISA builds share the one rounding `store_bf16` does; the row is in L1 for the second pass.
   for (int64_t i = 0; i < dim; i += kW)
-    nv::store_bf16(out + i, nv::mul(nv::mul(nv::load_bf16(x + i, dim - i), inv), nv::load_bf16(w + i, dim - i)), dim - i);
+    nv::store_bf16(out + i, nv::mul(nv::load_bf16(x + i, dim - i), inv), dim - i);
+  for (int64_t i = 0; i < dim; i += kW)
+    nv::store_bf16(out + i, nv::mul(nv::load_bf16(out + i, dim - i), nv::load_bf16(w + i, dim - i)), dim - i);
 }
 
 void swiglu_span(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t n) {

@@ -29,7 +29,7 @@ import torch
 
 from llama_base import q4nx
 from llama_base.errors import UserError
-from npu_runtime.sim.native_build import ALL_CLASSES, CPU_FLAGS, EMULATIONS, ISAS, TILE_CLASSES, cpu_flags, library_path
+from cpu_kernels.native_build import ALL_CLASSES, CPU_FLAGS, EMULATIONS, ISAS, TILE_CLASSES, cpu_flags, library_path
 
 TORCH = "torch"                 # no native library: the simulator's torch bodies
 ENV_ISA = "LLAMA_NPU_ISA"

@@ -1,0 +1,51 @@
+"""Decode: one token through every layer as 2 device calls plus host attention.
+
+Per layer: `rms_gemv_rope` (RMSNorm, Q/K/V GEMVs, RoPE at the token's position) → the new K/V
+appended to the KV cache at `pos` → `decode_attention_cpu` over positions 0..pos →
+`o_gemv_ffn` (O GEMV, residual, RMSNorm, SwiGLU GEMVs, residual). Attention stays on the host
+because for one query it is a small, memory-bound read of the cache that would otherwise need
+the whole cache in device buffers.
+"""
+from __future__ import annotations
+
+import torch
+
+from llama_runtime.device_model import Capture, DeviceModel, bo_key
+from llama_runtime.host_ops import decode_attention_cpu
+
+
+def decode_layer(model: DeviceModel, layer: int, x: torch.Tensor, pos: int,
+                 capture: Capture | None = None) -> torch.Tensor:
+    g1 = model.decode_groups["rms_gemv_rope"]
+    qkv = model.kc.load_and_run(g1.name, {"x": x, "rope_lut": model.rope_lut[pos]}, bo_key(g1, layer))
+    with model.profiler.host_op("kv_write"):
+        model.kv.write(layer, pos, qkv["k"].view(1, -1), qkv["v"].view(1, -1))
+    return attend_and_ffn(model, layer, qkv["q"], x, pos, capture)
+
+
+def attend_and_ffn(model: DeviceModel, layer: int, q: torch.Tensor, x: torch.Tensor, pos: int,
+                   capture: Capture | None = None) -> torch.Tensor:
+    """The rest of a layer for one token whose K/V are already cached at `pos`: host attention,
+    then `o_gemv_ffn` on its residual row `x`. Prefill ends with this too, for the one row whose
+    output anything reads."""
+    with model.profiler.host_op("decode_attention"):
+        attn = decode_attention_cpu(q, model.kv, layer, pos, model.config.num_attention_heads)
+    if capture:
+        capture(layer, "attn", attn)
+    g2 = model.decode_groups["o_gemv_ffn"]
+    out = model.kc.load_and_run(g2.name, {"attn": attn, "x_res": x}, bo_key(g2, layer))["out"]
+    if capture:
+        capture(layer, "out", out)
+    return out
+
+
+def decode_step(model: DeviceModel, token: int, pos: int, capture: Capture | None = None) -> torch.Tensor:
+    """Feed `token` at position `pos` (= number of tokens already cached); f32 logits of the next token."""
+    if pos >= model.max_context:
+        raise IndexError(f"position {pos} is past the KV cache ({model.max_context} positions)")
+    x = model.embed_tokens([token])[0]
+    model.kv.invalidate(pos)
+    for layer in range(model.config.num_hidden_layers):
+        x = decode_layer(model, layer, x, pos, capture)
+    model.kv.hold(pos, [token])
+    return model.logits(x, capture)

@@ -1,0 +1,97 @@
+"""Prefill: the prompt through every layer as 3 device calls, then the first token's logits.
+
+Per layer: `rms_gemms_rope` (RMSNorm, Q/K/V projections, RoPE) → K and V into the head-major
+KV cache → `flash_attn` (causal GQA of the chunk over the cache) → `o_ffn` (O projection,
+residual, RMSNorm, SwiGLU MLP, residual). A chunk is padded to the smallest compiled bucket
+that holds it and its real length is passed explicitly: the host writes and reads only the
+real rows, and causality guarantees the padding never reaches them. A prompt longer than the
+largest bucket, or a chat turn after earlier ones, is prefilled at an offset: its queries
+attend to the cached positions before it plus itself.
+
+The last layer's outputs feed nothing but the next token's logits, so only the prompt's last
+row goes past its K/V: that row finishes the layer the way decode does (host attention, then
+`o_gemv_ffn`), which skips one layer's O projection and MLP over the prompt; earlier chunks of
+a long prompt stop at the last layer's K/V. With a capture hook (per-layer diagnosis) every row
+runs every layer.
+"""
+from __future__ import annotations
+
+import torch
+
+from llama_runtime.decode import attend_and_ffn
+from llama_base.errors import PromptError
+from llama_runtime.device_model import Capture, DeviceModel, bo_key
+
+
+def qkv_to_cache(model: DeviceModel, layer: int, x: torch.Tensor, start: int, n: int,
+                 bucket: int) -> dict[str, torch.Tensor]:
+    """`rms_gemms_rope` on rows [0, n), their K/V written to the cache at start..; returns Q/K/V."""
+    g = model.prefill_groups[bucket].rms_gemms_rope
+    lut = model.rope_lut[start:start + n]
+    qkv = model.kc.load_and_run(g.name, {"x": x, "rope_lut": lut}, bo_key(g, layer), rows=n)
+    with model.profiler.host_op("kv_write"):
+        model.kv.write(layer, start, qkv["k"], qkv["v"])
+    return qkv
+
+
+def prefill_layer(model: DeviceModel, layer: int, x: torch.Tensor, start: int, n: int, bucket: int,
+                  capture: Capture | None = None) -> torch.Tensor:
+    """One transformer block on rows [0, n) of the bucket at positions start..; returns its output rows."""
+    kc, g = model.kc, model.prefill_groups[bucket]
+    qkv = qkv_to_cache(model, layer, x, start, n, bucket)
+    ga = model.attention_group(bucket, start, n)
+    ctx = ga.ctx_len
+    att = kc.load_and_run(ga.name, {"q": qkv["q"], "k_cache": model.kv.k[layer, :, :ctx],
+                                    "v_cache": model.kv.v[layer, :, :ctx],
+                                    "q_start": torch.tensor([start], dtype=torch.int32)},
+                          bo_key(ga, layer), rows=n)
+    if capture:
+        for name in ("q", "k", "v"):
+            capture(layer, name, qkv[name])
+        capture(layer, "attn", att["attn"])
+    out = kc.load_and_run(g.o_ffn.name, {"attn": att["attn"], "x_res": x}, bo_key(g.o_ffn, layer), rows=n)["out"]
+    if capture:
+        capture(layer, "out", out)
+    return out
+
+
+def prefill_chunk(model: DeviceModel, tokens: list[int], start: int, capture: Capture | None = None,
+                  final: bool = True) -> torch.Tensor | None:
+    """One bucket-sized chunk at positions start..; returns its last row's hidden state if `final`.
+
+    A chunk that is not the prompt's last only has to leave its K/V in the cache.
+    """
+    n = len(tokens)
+    bucket = model.bucket_for(n)
+    x = model.embed_tokens(tokens)
+    last = model.config.num_hidden_layers - 1
+    for layer in range(last):
+        x = prefill_layer(model, layer, x, start, n, bucket, capture)
+    if capture:
+        return prefill_layer(model, last, x, start, n, bucket, capture)[n - 1]
+    qkv = qkv_to_cache(model, last, x, start, n, bucket)
+    if not final:
+        return None
+    return attend_and_ffn(model, last, qkv["q"][n - 1], x[n - 1], start + n - 1)
+
+
+def prefill(model: DeviceModel, tokens: list[int], start: int = 0, capture: Capture | None = None) -> torch.Tensor:
+    """Prefill `tokens` at positions start.. (KV of 0..start already cached); f32 logits of the last token.
+
+    Prompts longer than the largest bucket go chunk by chunk; every chunk but the last is a
+    full bucket, so the result equals a single-shot prefill wherever both are possible.
+    """
+    n = len(tokens)
+    if n == 0:
+        raise PromptError("the prompt is empty")
+    if start + n > model.max_context:
+        raise PromptError(f"{start + n} positions exceed the context limit of {model.max_context}")
+    step = model.buckets[-1]
+    pos = start
+    model.kv.invalidate(start)
+    for i in range(0, n, step):
+        chunk = tokens[i:i + step]
+        last = prefill_chunk(model, chunk, pos, capture, final=i + step >= n)
+        model.kv.hold(pos, chunk)
+        pos += len(chunk)
+    return model.logits(last, capture)
