@@ -126,6 +126,12 @@ def _foreign_op(text):
     return text.replace("math.rsqrt", "math.sqrt", 1)
 
 
+def _l2_in_herd(text):
+    """An L2 buffer allocated by each core of the SwiGLU herd."""
+    m = re.search(r"( *)(%swiglu_a_l1 = memref.alloc\(\) : .*)", text)
+    return text.replace(m.group(0), f"{m.group(0)}\n{m.group(1)}%swiglu_l2 = memref.alloc() : memref<64xbf16, 1 : i32>", 1)
+
+
 MUTATIONS = {
     "shifted_dma_offset": ("rms_gemv_rope", _shift_dma,
                            r"q_gemv_launch.*herd q_gemv_herd core \(7,0\).*dma_memcpy_nd: source .* accessed outside"),
@@ -139,6 +145,14 @@ MUTATIONS = {
                           r"core \(0,0\), memref.alloc: core holds \d+ bytes of L1 \(double buffers counted twice\), over"),
     "two_cores_same_rows": ("rms_gemv_rope", _race, r"core \(1,0\).*writes elements of q_raw that another core"),
     "unknown_op": ("rms_gemv_rope", _foreign_op, r"rms_gemv_rope: .*math.sqrt: op not implemented"),
+    "swiglu_into_up": ("o_gemv_ffn", lambda t: t.replace('"air.dma_memcpy_nd"(%swiglu_act_2,', '"air.dma_memcpy_nd"(%swiglu_up_2,'),
+                       r"launch swiglu_launch, herd swiglu_herd core \(0,0\), air.dma_memcpy_nd: writes up, "
+                       r"which this launch does not declare"),
+    "rmsnorm_over_its_input": ("o_gemv_ffn", lambda t: t.replace('"air.dma_memcpy_nd"(%rmsnorm_normed_2,',
+                                                                 '"air.dma_memcpy_nd"(%rmsnorm_h1_2,'),
+                               r"launch rmsnorm_launch, .*dma_memcpy_nd: writes h1, which this launch does not declare"),
+    "l2_in_a_herd": ("o_gemv_ffn", _l2_in_herd,
+                     r"herd swiglu_herd core \(0,0\), memref.alloc: allocates L2 .* inside a herd"),
 }
 
 
@@ -243,3 +257,23 @@ def test_a_dma_of_part_of_a_word_is_refused(offset, count, ok):
     else:
         with pytest.raises(InterpError, match="not on a 32-bit word|not whole 32-bit words"):
             machine.run([a, b])
+
+
+def test_a_herd_linking_the_wrong_object_is_refused(tiny):
+    """The declaration and the herd name an object that does not define the kernel: the
+    validator and the interpreter's load both refuse it, naming herd and kernel."""
+    from kernel_builder import externs
+    from multi_launch_builder.mlir_validate import MlirValidationError, validate_group_module
+    from npu_runtime.api import DeviceError
+
+    group = groups.build_group("o_gemv_ffn", tiny)
+    swiglu = next(l for l in group.launches if l.op == "swiglu")
+    obj = externs.externs_for_launch(swiglu)[0].link_object
+    text = compile_group_mlir(group)
+    wrong = text.replace(f'link_with = "{obj}"', 'link_with = "gemv_other.o"')
+    assert wrong.count("gemv_other.o") == 2                # the declaration and the herd
+    with pytest.raises(MlirValidationError, match=rf"herd swiglu_herd calls @\w+ \(defined in '{obj}'\) but links 'gemv_other.o'"):
+        validate_group_module(wrong, group)
+    data = verify_mlir.inputs(verify_mlir.Case(group))
+    with pytest.raises(DeviceError, match=rf"o_gemv_ffn: herd swiglu_herd calls @\w+, defined in '{obj}', but links 'gemv_other.o'"):
+        verify_mlir.run_group(InterpDevice(), group, wrong, data)
