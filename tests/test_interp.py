@@ -277,3 +277,18 @@ def test_a_herd_linking_the_wrong_object_is_refused(tiny):
     data = verify_mlir.inputs(verify_mlir.Case(group))
     with pytest.raises(DeviceError, match=rf"o_gemv_ffn: herd swiglu_herd calls @\w+, defined in '{obj}', but links 'gemv_other.o'"):
         verify_mlir.run_group(InterpDevice(), group, wrong, data)
+
+
+def test_interpreter_entries_are_keyed_by_the_module_text(tiny, tmp_path, monkeypatch):
+    """A module that changes with no builder source changing (here: text appended by a stand-in
+    for the pipeline) is a new entry holding the new text, never the old entry reused."""
+    from npu_runtime.cache import KernelCache
+
+    group = groups.build_group("lm_head_gemv", tiny)
+    first = KernelCache(InterpDevice(), tmp_path).compile_and_cache(group)
+    again = KernelCache(InterpDevice(), tmp_path)
+    assert again.compile_and_cache(group) == first and again.stats.loaded_from_disk == 1
+    monkeypatch.setattr(KernelCache, "_mlir", staticmethod(lambda g: compile_group_mlir(g) + "// edited\n"))
+    edited = KernelCache(InterpDevice(), tmp_path).compile_and_cache(group)
+    assert edited != first
+    assert (edited / "group.mlir").read_text().endswith("// edited\n")

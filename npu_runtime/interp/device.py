@@ -86,6 +86,7 @@ class InterpDevice:
     """Executes group modules on the CPU; slow, and meant for small shapes and checking."""
 
     kind = "interp"
+    key_on_module_text = True     # the artifact is the module: a changed text is a new entry
     name = "MLIR-AIR interpreter (stitched modules, host builds of the C++ kernels)"
 
     def __init__(self):
