@@ -292,3 +292,54 @@ def test_interpreter_entries_are_keyed_by_the_module_text(tiny, tmp_path, monkey
     edited = KernelCache(InterpDevice(), tmp_path).compile_and_cache(group)
     assert edited != first
     assert (edited / "group.mlir").read_text().endswith("// edited\n")
+
+
+def test_the_comparison_catches_a_one_percent_systematic_error():
+    """A 1 % scale or offset over all elements fails; bf16 rounding noise of an ulp does not."""
+    rng = np.random.default_rng(5)
+    ref = torch.randn(32, 256, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).float().numpy()
+    bf16 = lambda a: torch.from_numpy(a).to(torch.bfloat16).float().numpy()   # noqa: E731
+    ulp = np.abs(ref) * 2.0 ** -7 * rng.choice([-1, 0, 0, 1], ref.shape)
+    assert verify_mlir.systematic_error(ref, bf16(ref + ulp)) <= 1
+    assert verify_mlir.systematic_error(ref, bf16(ref * 1.01)) > 1
+    assert verify_mlir.systematic_error(ref, bf16(ref * 1.005)) > 1
+    assert verify_mlir.systematic_error(ref, bf16(ref + 0.01 * np.sqrt((ref ** 2).mean()))) > 1
+    small = ref[0, :128]                                         # a decode output: 128 elements
+    assert verify_mlir.systematic_error(small, bf16(small * 1.01)) > 1
+
+
+RMSNORM_MISTAKES = {
+    "divides_by_248": ("2.560000000e+02 : f32", "2.480000000e+02 : f32"),
+    "eps_1e-2": ("1.000000000e-05 : f32", "1.000000000e-02 : f32"),
+}
+
+
+@pytest.mark.parametrize("mistake", RMSNORM_MISTAKES)
+def test_a_norm_off_by_a_constant_fails_the_group_check(tiny, monkeypatch, mistake):
+    """Each passed the per-element bound alone; the fitted scale of the outputs does not."""
+    old, new = RMSNORM_MISTAKES[mistake]
+    assert tiny.hidden_size == 256 and tiny.rms_norm_eps == 1e-5
+    real = verify_mlir.compile_group_mlir
+    monkeypatch.setattr(verify_mlir, "compile_group_mlir", lambda g: real(g).replace(old, new))
+    assert old in real(groups.build_group("rms_gemv_rope", tiny))
+    row = verify_mlir.compare(verify_mlir.Case(groups.build_group("rms_gemv_rope", tiny)))
+    assert row.worst <= 1 and row.systematic > 1 and not row.passed
+
+
+def test_a_mask_from_the_key_position_fails_only_at_unaligned_starts(tiny, monkeypatch):
+    """The mask call given the key tile's position where the query's belongs agrees with the
+    real mask wherever a query tile starts on a key tile (starts 0 and one tile): the
+    unaligned starts verify-mlir now runs are what catch it."""
+    real = verify_mlir.compile_group_mlir
+    mask = re.compile(r"(func\.call @attn_mask_\w+\((%\w+)), (%\w+), (%\w+)\)")
+    monkeypatch.setattr(verify_mlir, "compile_group_mlir", lambda g: mask.sub(r"\1, \4, \4)", real(g)))
+    seq = groups.prefill_buckets(tiny)[0]
+    starts = dict(verify_mlir.attention_starts(seq))
+    rows = {}
+    for start, n in starts.items():
+        ctx = max(seq, groups.context_bucket(start + n, seq, groups.prefill_buckets(tiny)[-1]))
+        rows[start] = verify_mlir.compare(verify_mlir.Case(groups.build_group("flash_attn", tiny, seq, ctx), start))
+    assert mask.search(real(groups.build_group("flash_attn", tiny, seq))) is not None
+    assert verify_mlir.compare(verify_mlir.Case(groups.build_group("flash_attn", tiny, seq))).passed
+    assert rows[seq].passed
+    assert not any(r.passed for s, r in rows.items() if s % seq)
