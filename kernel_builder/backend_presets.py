@@ -7,13 +7,12 @@ a tile divides its dimension and fits the 64 KiB L1 of an AIE2P core with double
 """
 from __future__ import annotations
 
+from kernel_builder import hw_rules
 from llama_base import q4nx
 
-# NPU2 (Strix, AIE2P): 8 columns x 4 compute rows; 64 KiB data memory per core.
-ARRAY_COLS, ARRAY_ROWS = 8, 4
-L1_BYTES = 64 * 1024
-L1_BUDGET = L1_BYTES - 8 * 1024  # what buffers may use: the rest is the core's stack and slack
-L2_BYTES = 512 * 1024  # one memory tile: an L2 buffer never spans two
+# The array and its memories are hardware facts, declared with the other rules in `hw_rules`.
+ARRAY_COLS, ARRAY_ROWS = hw_rules.ARRAY_COLS, hw_rules.ARRAY_ROWS
+L1_BYTES, L1_BUDGET, L2_BYTES = hw_rules.L1_BYTES, hw_rules.L1_BUDGET, hw_rules.L2_BYTES
 GEMM_HERD = (8, 4)
 ELEMENTWISE_HERD = (8, 1)
 ROPE_HERD_PREFILL = (8, 1)
@@ -76,22 +75,32 @@ def _search_tile_m(m: int, n: int, k: int, herd: tuple[int, int], tn: int, tk: i
 def gemv_tiling(m: int, k: int) -> dict:
     """y[m] = W[m,k] · x[k] on [8,1]: each core owns m/8 rows, `tile_m` rows at a time in L1.
 
-    The K=ffn (down projection) GEMV gets its own kernel symbol (see `externs.py`) because the
-    extern declaration's memref types carry K.
+    `tile_m` is the largest count of rows that divides a core's share, moves whole 32-bit words
+    out (an even number of bf16 rows: the DMAs move words) and fits L1 with its slab of W
+    double-buffered. When no full-K slab of even rows fits (the down projection's K = ffn: at
+    K = 8192 two rows double-buffered need 80 KiB), K is split into `tile_k` columns, the
+    longest whole-word run a shim DMA row can wrap (`hw_rules.SHIM`), each core keeping f32
+    sums across the K tiles. `tile_k` = K means no split. The K=ffn GEMV gets its own kernel
+    symbol (see `externs.py`) because the extern declaration's memref types carry K.
     """
     herd = (ARRAY_COLS, 1) if m % ARRAY_COLS == 0 else (1, 1)
     per_core = m // herd[0]
-    tm = 1
-    for cand in range(per_core, 0, -1):
-        if per_core % cand == 0 and gemv_l1_bytes(cand, k) <= L1_BUDGET:
-            tm = cand
-            break
-    return {"M": m, "K": k, "herd": herd, "tile_m": tm}
+    rows = [d for d in range(per_core, 0, -1) if per_core % d == 0 and d * BF16 % hw_rules.WORD == 0]
+    for tm in rows:
+        if gemv_l1_bytes(tm, k, k) <= L1_BUDGET:
+            return {"M": m, "K": k, "herd": herd, "tile_m": tm, "tile_k": k}
+    run = hw_rules.SHIM.max_wrap * hw_rules.WORD // BF16
+    tk = _largest_divisor(k, run, hw_rules.WORD // BF16)
+    for tm in rows:
+        if gemv_l1_bytes(tm, k, tk) <= L1_BUDGET:
+            return {"M": m, "K": k, "herd": herd, "tile_m": tm, "tile_k": tk}
+    raise ValueError(f"no GEMV tiling of {m}x{k} moves whole words and fits L1 ({L1_BUDGET} B)")
 
 
-def gemv_l1_bytes(tile_m: int, k: int) -> int:
-    """x, a double-buffered tile_m x k slab of W and the output tile."""
-    return (k + 2 * tile_m * k + tile_m) * BF16
+def gemv_l1_bytes(tile_m: int, k: int, tile_k: int) -> int:
+    """x, a double-buffered tile_m x tile_k slab of W and the output tile (doubled: it drains
+    while the next fills), plus the f32 sums when K is split."""
+    return (k + 2 * tile_m * tile_k + 2 * tile_m) * BF16 + (tile_m * 4 if tile_k < k else 0)
 
 
 def gemv_q4nx_tiling(m: int, k: int) -> dict:

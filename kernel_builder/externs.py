@@ -67,8 +67,20 @@ class ExternKernel:
                 f'attributes {{link_with = "{self.link_object}", llvm.emit_c_interface}}')
 
 
-def gemv(tile_m: int, k: int) -> ExternKernel:
-    """y[tile_m] = W[tile_m, k] · x[k]: one L1 tile of output rows, full K, f32 accumulation."""
+def gemv(tile_m: int, k: int, tile_k: int | None = None) -> ExternKernel:
+    """y[tile_m] = W[tile_m, k] · x[k]: one L1 tile of output rows, full K, f32 accumulation.
+
+    With `tile_k` < k the rows take K a tile at a time: acc[tile_m] (f32, in L1 across the
+    tiles) += W[tile_m, tile_k] · x[col0 : col0 + tile_k], which lets a long K (the down
+    projection's) keep several output rows per core, so the output moves whole 32-bit words."""
+    if tile_k is not None and tile_k < k:
+        sym = f"gemv_bf16_acc_m{tile_m}_t{tile_k}_k{k}"
+        return ExternKernel(
+            sym, "gemv_bf16.cc",
+            (memref((tile_m, tile_k)), memref((k,)), memref((tile_m,), "f32"), "i32"),
+            (("GEMV_TILE_M", tile_m), ("GEMV_TILE_K", tile_k), ("GEMV_K", k), ("GEMV_SYMBOL", sym)),
+            reads=(0, 1, 2), writes=(2,),
+        )
     return ExternKernel(
         f"gemv_bf16_m{tile_m}_k{k}", "gemv_bf16.cc",
         (memref((tile_m, k)), memref((k,)), memref((tile_m,))),
@@ -175,7 +187,7 @@ def externs_for_launch(launch: Launch) -> list[ExternKernel]:
     these and the object build compiles them, both through this one mapping.
     """
     if launch.op == "gemv":
-        return [gemv(launch.p("tile_m"), launch.p("K"))]
+        return [gemv(launch.p("tile_m"), launch.p("K"), launch.param_dict.get("tile_k"))]
     if launch.op == "gemv_q4nx":
         return [gemv_q4nx(launch.p("tile_k"), launch.p("K"))]
     if launch.op == "gemm_q4nx":

@@ -30,8 +30,10 @@ from typing import Iterable
 
 from iree.compiler import ir
 
+from kernel_builder.externs import externs_for_launch
 from kernel_builder.mlir.common import slot_type
 from kernel_builder.mlir.emit import DYNAMIC, L1, L2
+from multi_launch_builder.hw_check import check_function, location
 
 CALL_OP = "mlir_validate.call"
 HIERARCHY = ("air.launch", "air.segment", "air.herd")
@@ -66,6 +68,7 @@ class ModuleSummary:
     arg_types: tuple[str, ...]
     launches: tuple[LaunchUse, ...]
     externs: dict[str, str] = field(default_factory=dict)  # symbol -> link_with object
+    herd_links: tuple[tuple[str, str | None, frozenset[str]], ...] = ()  # (herd, its link_with, callees)
 
 
 def rewrite_calls(text: str) -> str:
@@ -111,20 +114,41 @@ def cross_check(summary: ModuleSummary, group) -> None:
         herd = launch.param_dict.get("herd")
         if herd is not None and (not got.herds or any(h != tuple(herd) for h in got.herds)):
             problems.append(f"launch {got.name} runs herds {list(got.herds)}, {launch.name} declares {tuple(herd)}")
+    problems += _link_problems(summary, group)
     if problems:
         raise MlirValidationError([f"{group.name}: {p}" for p in problems])
 
 
+def _link_problems(summary: ModuleSummary, group) -> list[str]:
+    """Every herd that calls a kernel names, in `link_with`, the object that defines it (the
+    extern contract's `link_object`), and so does every declaration: a wrong name links on
+    no machine without the toolchain, so nothing else would notice."""
+    defined = {k.symbol: k.link_object for launch in group.launches for k in externs_for_launch(launch)}
+    problems = []
+    for sym, obj in summary.externs.items():
+        if sym in defined and obj != defined[sym]:
+            problems.append(f"@{sym} is declared with link_with {obj!r}; it is defined in {defined[sym]!r}")
+    for herd, link, callees in summary.herd_links:
+        for callee in sorted(callees):
+            want = defined.get(callee)
+            if want is None:
+                problems.append(f"herd {herd} calls @{callee}, which no launch of the group declares")
+            elif link != want:
+                problems.append(f"herd {herd} calls @{callee} (defined in {want!r}) but links "
+                                f"{repr(link) if link else 'no object'}")
+    return problems
+
+
 def validate_group_module(text: str, group) -> ModuleSummary:
-    summary = validate_module(text)
+    try:
+        summary = validate_module(text)
+    except MlirValidationError as e:
+        raise MlirValidationError([f"{group.name}: {p}" for p in e.problems]) from None
     cross_check(summary, group)
     return summary
 
 
 # ---- the checker ---------------------------------------------------------------------------
-def _loc(op) -> str:
-    m = re.search(r":(\d+):(\d+)", str(op.location))
-    return f"line {m.group(1)}" if m else "?"
 
 
 def _space(t: ir.Type) -> int | None:
@@ -143,9 +167,10 @@ class _Checker:
         self.called: set[str] = set()
         self.sym_names: dict[str, str] = {}
         self.all_values: set = set()
+        self.herd_calls: dict = {}      # herd op -> callees
 
     def problem(self, op, msg: str) -> None:
-        self.problems.append(f"{_loc(op)}: {op.name}: {msg}")
+        self.problems.append(f"{location(op)}: {op.name}: {msg}")
 
     # -- attributes (AIR inherent attributes may also arrive as properties) --
     def attr(self, op, name: str):
@@ -201,6 +226,8 @@ class _Checker:
             self.all_values.update(o.results)
         self._scope(entry, set(), set(), None)
         self._visit_block(entry, [])
+        if not self.problems:           # the hardware rules read a structure the checks above vouch for
+            self.problems += check_function(func)
         for name in self.externs:
             if name not in self.called:
                 self.problems.append(f"external kernel @{name} is declared but never called")
@@ -377,6 +404,8 @@ class _Checker:
             return
         callee = ir.FlatSymbolRefAttr(ref).value
         self.called.add(callee)
+        if herd is not None:
+            self.herd_calls.setdefault(herd, set()).add(callee)
         decl = self.externs.get(callee)
         if decl is None:
             self.problem(op, f"calls @{callee}, which no func.func private declares")
@@ -413,10 +442,13 @@ class _Checker:
             launches.append(LaunchUse(ir.StringAttr(sym).value if sym else "?",
                                       tuple(arg_index.get(v) for v in kernel_ops),
                                       frozenset(reads), frozenset(writes), herds))
+        herd_links = tuple((ir.StringAttr(self.attr(h, "sym_name")).value if self.attr(h, "sym_name") else "?",
+                            ir.StringAttr(h.attributes["link_with"]).value if "link_with" in h.attributes else None,
+                            frozenset(calls)) for h, calls in self.herd_calls.items())
         return ModuleSummary(ir.StringAttr(func.attributes["sym_name"]).value,
                              tuple(str(a.type) for a in fargs), tuple(launches),
                              {n: ir.StringAttr(o.attributes["link_with"]).value
-                              for n, o in self.externs.items() if "link_with" in o.attributes})
+                              for n, o in self.externs.items() if "link_with" in o.attributes}, herd_links)
 
     def _herd_sizes(self, herd) -> tuple[int, ...]:
         segs = self.segments(herd) or [0, 0, 0]

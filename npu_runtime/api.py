@@ -70,12 +70,14 @@ class Device(Protocol):
     `toolchain_description` only recorded in the manifest (what built an entry, down to paths
     and dates that must not re-key it). `rebuild_on_load_error` says whether an entry that
     fails to load is rebuilt (a damaged artifact) or the load error is the answer (a driver
-    that refuses a valid artifact would refuse the rebuild too)."""
+    that refuses a valid artifact would refuse the rebuild too). `key_on_module_text` adds the
+    stitched module's text to the cache key, for a device whose artifact is that text."""
 
     kind: str
     name: str
     counters: Counters
     rebuild_on_load_error: bool
+    key_on_module_text: bool
 
     def toolchain_stamp(self) -> str: ...
     def toolchain_description(self) -> str: ...

@@ -3,7 +3,8 @@
 Disk: one folder per target kind and group entry, `<target kind>/<group name>-<key>`, so the
 simulated and the NPU targets never replace each other's entries. The key hashes the target
 kind, the group's declaration, the builder sources and the device's `toolchain_stamp()`:
-what decides the artifact's contents *for that target*. The NPU target's stamp names its
+what decides the artifact's contents *for that target* (and, on the interpreter, whose
+artifact is the module text, that text). The NPU target's stamp names its
 artifact format, not the compiler's path, so a machine that has the ELFs but no compiler (or
 another PATH) finds them; the toolchain that built an entry is recorded in its manifest, and
 an entry is rebuilt for a new toolchain only when asked (`refresh_toolchain`). The folder
@@ -94,9 +95,14 @@ class ArtifactCache:
 
     # ---- disk ---------------------------------------------------------------------------
     def entry_key(self, group: KernelGroup) -> str:
-        blob = json.dumps([FORMAT_VERSION, self.device.kind, group.fingerprint(), self._builder_hash,
-                           self.device.toolchain_stamp()]).encode()
-        return hashlib.sha256(blob).hexdigest()
+        """A device whose artifact is the module text itself (the interpreter) keys on that text
+        too: it can change with no builder source changing (a number the builders import from
+        elsewhere), and an entry must never outlive it."""
+        parts = [FORMAT_VERSION, self.device.kind, group.fingerprint(), self._builder_hash,
+                 self.device.toolchain_stamp()]
+        if self.device.key_on_module_text:
+            parts.append(hashlib.sha256(self._mlir(group).encode()).hexdigest())
+        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
     def _toolchain_record(self) -> str:
         """What built an entry, for its manifest; a device may describe more than its key stamp."""

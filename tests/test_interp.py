@@ -126,19 +126,33 @@ def _foreign_op(text):
     return text.replace("math.rsqrt", "math.sqrt", 1)
 
 
+def _l2_in_herd(text):
+    """An L2 buffer allocated by each core of the SwiGLU herd."""
+    m = re.search(r"( *)(%swiglu_a_l1 = memref.alloc\(\) : .*)", text)
+    return text.replace(m.group(0), f"{m.group(0)}\n{m.group(1)}%swiglu_l2 = memref.alloc() : memref<64xbf16, 1 : i32>", 1)
+
+
 MUTATIONS = {
     "shifted_dma_offset": ("rms_gemv_rope", _shift_dma,
                            r"q_gemv_launch.*herd q_gemv_herd core \(7,0\).*dma_memcpy_nd: source .* accessed outside"),
     "half_word_dma": ("rms_gemv_rope", lambda t: _shift_dma(t, rows=1),
-                      r"q_gemv_launch.*core \(0,0\).*dma_memcpy_nd: .* moves part of a 32-bit word"),
+                      r"q_gemv_launch.*core \(0,0\).*dma_memcpy_nd: destination q_raw \(shim tile\): .*not on a 32-bit word"),
     "herd_skips_last_tile": ("lm_head_gemv", _skip_last_tile,
                              r"launch gemv_p0_launch.*leaves \d+ of \d+ elements of logits_p0 unwritten"),
     "extern_args_swapped": ("o_gemv_ffn", _swap_extern_args,
                             r"swiglu_launch.*mlir_validate.call: reads \d+ element\(s\) of .* never written"),
     "oversized_l1_tile": ("rms_gemv_rope", _oversize_l1,
-                          r"core \(0,0\), memref.alloc: core holds \d+ bytes of L1, over"),
+                          r"core \(0,0\), memref.alloc: core holds \d+ bytes of L1 \(double buffers counted twice\), over"),
     "two_cores_same_rows": ("rms_gemv_rope", _race, r"core \(1,0\).*writes elements of q_raw that another core"),
     "unknown_op": ("rms_gemv_rope", _foreign_op, r"rms_gemv_rope: .*math.sqrt: op not implemented"),
+    "swiglu_into_up": ("o_gemv_ffn", lambda t: t.replace('"air.dma_memcpy_nd"(%swiglu_act_2,', '"air.dma_memcpy_nd"(%swiglu_up_2,'),
+                       r"launch swiglu_launch, herd swiglu_herd core \(0,0\), air.dma_memcpy_nd: writes up, "
+                       r"which this launch does not declare"),
+    "rmsnorm_over_its_input": ("o_gemv_ffn", lambda t: t.replace('"air.dma_memcpy_nd"(%rmsnorm_normed_2,',
+                                                                 '"air.dma_memcpy_nd"(%rmsnorm_h1_2,'),
+                               r"launch rmsnorm_launch, .*dma_memcpy_nd: writes h1, which this launch does not declare"),
+    "l2_in_a_herd": ("o_gemv_ffn", _l2_in_herd,
+                     r"herd swiglu_herd core \(0,0\), memref.alloc: allocates L2 .* inside a herd"),
 }
 
 
@@ -241,5 +255,91 @@ def test_a_dma_of_part_of_a_word_is_refused(offset, count, ok):
         machine.run([a, b])
         np.testing.assert_array_equal(b[offset:offset + count], a[offset:offset + count])
     else:
-        with pytest.raises(InterpError, match="part of a 32-bit word"):
+        with pytest.raises(InterpError, match="not on a 32-bit word|not whole 32-bit words"):
             machine.run([a, b])
+
+
+def test_a_herd_linking_the_wrong_object_is_refused(tiny):
+    """The declaration and the herd name an object that does not define the kernel: the
+    validator and the interpreter's load both refuse it, naming herd and kernel."""
+    from kernel_builder import externs
+    from multi_launch_builder.mlir_validate import MlirValidationError, validate_group_module
+    from npu_runtime.api import DeviceError
+
+    group = groups.build_group("o_gemv_ffn", tiny)
+    swiglu = next(l for l in group.launches if l.op == "swiglu")
+    obj = externs.externs_for_launch(swiglu)[0].link_object
+    text = compile_group_mlir(group)
+    wrong = text.replace(f'link_with = "{obj}"', 'link_with = "gemv_other.o"')
+    assert wrong.count("gemv_other.o") == 2                # the declaration and the herd
+    with pytest.raises(MlirValidationError, match=rf"herd swiglu_herd calls @\w+ \(defined in '{obj}'\) but links 'gemv_other.o'"):
+        validate_group_module(wrong, group)
+    data = verify_mlir.inputs(verify_mlir.Case(group))
+    with pytest.raises(DeviceError, match=rf"o_gemv_ffn: herd swiglu_herd calls @\w+, defined in '{obj}', but links 'gemv_other.o'"):
+        verify_mlir.run_group(InterpDevice(), group, wrong, data)
+
+
+def test_interpreter_entries_are_keyed_by_the_module_text(tiny, tmp_path, monkeypatch):
+    """A module that changes with no builder source changing (here: text appended by a stand-in
+    for the pipeline) is a new entry holding the new text, never the old entry reused."""
+    from npu_runtime.cache import KernelCache
+
+    group = groups.build_group("lm_head_gemv", tiny)
+    first = KernelCache(InterpDevice(), tmp_path).compile_and_cache(group)
+    again = KernelCache(InterpDevice(), tmp_path)
+    assert again.compile_and_cache(group) == first and again.stats.loaded_from_disk == 1
+    monkeypatch.setattr(KernelCache, "_mlir", staticmethod(lambda g: compile_group_mlir(g) + "// edited\n"))
+    edited = KernelCache(InterpDevice(), tmp_path).compile_and_cache(group)
+    assert edited != first
+    assert (edited / "group.mlir").read_text().endswith("// edited\n")
+
+
+def test_the_comparison_catches_a_one_percent_systematic_error():
+    """A 1 % scale or offset over all elements fails; bf16 rounding noise of an ulp does not."""
+    rng = np.random.default_rng(5)
+    ref = torch.randn(32, 256, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).float().numpy()
+    bf16 = lambda a: torch.from_numpy(a).to(torch.bfloat16).float().numpy()   # noqa: E731
+    ulp = np.abs(ref) * 2.0 ** -7 * rng.choice([-1, 0, 0, 1], ref.shape)
+    assert verify_mlir.systematic_error(ref, bf16(ref + ulp)) <= 1
+    assert verify_mlir.systematic_error(ref, bf16(ref * 1.01)) > 1
+    assert verify_mlir.systematic_error(ref, bf16(ref * 1.005)) > 1
+    assert verify_mlir.systematic_error(ref, bf16(ref + 0.01 * np.sqrt((ref ** 2).mean()))) > 1
+    small = ref[0, :128]                                         # a decode output: 128 elements
+    assert verify_mlir.systematic_error(small, bf16(small * 1.01)) > 1
+
+
+RMSNORM_MISTAKES = {
+    "divides_by_248": ("2.560000000e+02 : f32", "2.480000000e+02 : f32"),
+    "eps_1e-2": ("1.000000000e-05 : f32", "1.000000000e-02 : f32"),
+}
+
+
+@pytest.mark.parametrize("mistake", RMSNORM_MISTAKES)
+def test_a_norm_off_by_a_constant_fails_the_group_check(tiny, monkeypatch, mistake):
+    """Each passed the per-element bound alone; the fitted scale of the outputs does not."""
+    old, new = RMSNORM_MISTAKES[mistake]
+    assert tiny.hidden_size == 256 and tiny.rms_norm_eps == 1e-5
+    real = verify_mlir.compile_group_mlir
+    monkeypatch.setattr(verify_mlir, "compile_group_mlir", lambda g: real(g).replace(old, new))
+    assert old in real(groups.build_group("rms_gemv_rope", tiny))
+    row = verify_mlir.compare(verify_mlir.Case(groups.build_group("rms_gemv_rope", tiny)))
+    assert row.worst <= 1 and row.systematic > 1 and not row.passed
+
+
+def test_a_mask_from_the_key_position_fails_only_at_unaligned_starts(tiny, monkeypatch):
+    """The mask call given the key tile's position where the query's belongs agrees with the
+    real mask wherever a query tile starts on a key tile (starts 0 and one tile): the
+    unaligned starts verify-mlir now runs are what catch it."""
+    real = verify_mlir.compile_group_mlir
+    mask = re.compile(r"(func\.call @attn_mask_\w+\((%\w+)), (%\w+), (%\w+)\)")
+    monkeypatch.setattr(verify_mlir, "compile_group_mlir", lambda g: mask.sub(r"\1, \4, \4)", real(g)))
+    seq = groups.prefill_buckets(tiny)[0]
+    starts = dict(verify_mlir.attention_starts(seq))
+    rows = {}
+    for start, n in starts.items():
+        ctx = max(seq, groups.context_bucket(start + n, seq, groups.prefill_buckets(tiny)[-1]))
+        rows[start] = verify_mlir.compare(verify_mlir.Case(groups.build_group("flash_attn", tiny, seq, ctx), start))
+    assert mask.search(real(groups.build_group("flash_attn", tiny, seq))) is not None
+    assert verify_mlir.compare(verify_mlir.Case(groups.build_group("flash_attn", tiny, seq))).passed
+    assert rows[seq].passed
+    assert not any(r.passed for s, r in rows.items() if s % seq)

@@ -1,9 +1,8 @@
 """The Q4NX groups' modules: every group of every shape the project runs builds, stitches,
-validates and cross-checks; weight slots are their bytes; and every DMA moves whole 32-bit
-words, which the AIE DMAs require and a byte format makes easy to get wrong."""
+validates and cross-checks (the validation includes the hardware rules: every DMA moves whole
+32-bit words, which a byte format makes easy to get wrong); weight slots are their bytes."""
 from __future__ import annotations
 
-import math
 import re
 
 import pytest
@@ -17,11 +16,8 @@ from llama_base import q4nx
 from llama_runtime import fixtures
 from multi_launch_builder.compile import compile_group_mlir
 from multi_launch_builder.mlir_validate import validate_group_module
-from npu_runtime.interp.program import MemRefType, load_program
 
 QUANT = q4nx.NAME
-ITEMSIZE = {"bf16": 2, "f32": 4, "i32": 4, "i8": 1}
-WORD = 4
 
 
 @pytest.fixture(scope="module")
@@ -56,84 +52,6 @@ def test_q4nx_groups_use_the_q4nx_ops_and_only_their_kernels(configs):
     prefill = compile_group_mlir(groups.build_group("o_ffn", configs["llama32_1b"], BUCKET, quant=QUANT))
     assert set(re.findall(r"func\.func private @(\w+)", prefill)) == {
         "dequant_q4nx_n64_k64", "silu_and_mul_bf16_n1024"}
-
-
-def _divisors(text):
-    """Per DMA side: (element type, whole buffer?, known divisors of offsets, sizes and strides).
-
-    A known divisor of every index value, propagated from constants through the arithmetic the
-    builders emit, loop counters (a divisor of both bound and step) and hierarchy operands: what
-    any iteration's value is a multiple of, so a check on it holds for every iteration."""
-    p = load_program(text)
-    div, types, sides = {}, dict(zip(p.args, p.arg_types)), []
-    d = lambda v: div.get(v, 1)  # noqa: E731  (ids, divisions: nothing known)
-
-    def walk(block):
-        for op in block.ops:
-            name, res = op.name, op.results
-            if name == "arith.constant" and op.types[0] == "index":
-                div[res[0]] = abs(int(op.attrs["value"]))
-            elif name == "arith.muli":
-                div[res[0]] = d(op.operands[0]) * d(op.operands[1])
-            elif name in ("arith.addi", "arith.remui", "arith.minui"):
-                div[res[0]] = math.gcd(d(op.operands[0]), d(op.operands[1]))
-            elif name == "arith.index_cast":
-                div[res[0]] = d(op.operands[0])
-            elif name == "memref.alloc":
-                types[res[0]] = MemRefType.parse(op.types[0])
-            elif name == "scf.for":
-                div[op.regions[0].args[0]] = math.gcd(d(op.operands[0]), d(op.operands[2]))
-            elif name in ("air.launch", "air.segment", "air.herd"):
-                _, sizes, operands = op.segments()
-                for arg, o in zip(op.regions[0].args[2 * len(sizes):], operands):
-                    div[arg] = d(o)
-                    if o in types:
-                        types[arg] = types[o]
-            elif name == "air.dma_memcpy_nd":
-                _, dst, *dp, src, so, ss, st = op.segments()
-                for buf, pat in ((dst[0], dp), (src[0], (so, ss, st))):
-                    sides.append((types[buf], [[d(v) for v in part] for part in pat]))
-            for r in op.regions:
-                walk(r)
-
-    walk(p.body)
-    return sides
-
-
-def word_problems(text):
-    """DMA sides that move a part of a 32-bit word: a contiguous run that is not whole words, a
-    first byte off a word boundary, or an outer stride that is not whole words."""
-    out = []
-    for t, (offs, sizes, strides) in _divisors(text):
-        item = ITEMSIZE[t.dtype]
-        if not sizes:
-            if math.prod(t.shape) * item % WORD:
-                out.append(f"whole {t}")
-            continue
-        run = sizes[-1] * item if strides[-1] == 1 else item
-        if run % WORD or any(o * s * item % WORD for o, s in zip(offs, strides)) or \
-                any(s * item % WORD for s in strides[:-1]):
-            out.append(f"{t}: offsets {offs} sizes {sizes} strides {strides} (known divisors)")
-    return out
-
-
-def test_every_q4nx_dma_moves_whole_words_at_word_offsets(configs):
-    checked = 0
-    for cfg in configs.values():
-        for g in q4nx_groups(cfg):
-            text = compile_group_mlir(g)
-            assert not word_problems(text), g.name
-            checked += text.count('"air.dma_memcpy_nd"')
-    assert checked > 0
-
-
-def test_the_word_check_sees_a_half_word_run():
-    """The check is not vacuous: a bf16 GEMV slab of one row of an odd-length output moves 2 bytes."""
-    cfg = CONFIGS["llama32_1b"]
-    g = groups.build_group("o_gemv_ffn", cfg)
-    down = next(l for l in g.launches if l.name == "down_proj")
-    assert down.p("tile_m") == 1
-    assert word_problems(build_launch(g, down))
 
 
 def _launch(cfg, kind, name, seq=BUCKET):

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence, Union
 
-from kernel_builder import externs
+from kernel_builder import externs, hw_rules
 
 DYNAMIC = -(2 ** 63)  # ShapedType::kDynamic: marks an entry of a static_* list as an operand
 L1 = externs.L1       # AIR memory spaces: L1 is a core's data memory, L2 the memory tiles;
@@ -61,6 +61,26 @@ def memref_parts(t: str) -> tuple[tuple[int, ...], str, int | None]:
         raise ValueError(f"not a static memref type: {t}")
     dims = tuple(int(d) for d in m.group(1).split("x") if d)
     return dims, m.group(2), (int(m.group(3)) if m.group(3) else None)
+
+
+def _fit_wraps(buf: Value, pattern: Pattern | None) -> Pattern | None:
+    """A strided pattern whose contiguous innermost run is too long for the wrap of the DMA
+    that serves `buf`'s memory (`hw_rules`) walks it as pieces that fit, one dimension more;
+    a pattern that is one contiguous run is left alone (the DMA moves it in linear mode)."""
+    if not pattern or len(pattern[1]) < 2:
+        return pattern
+    offsets, sizes, strides = (list(p) for p in pattern)
+    n, step = sizes[-1], strides[-1]
+    outer_sizes = [s for s in sizes[:-1] if s != 1]
+    if not (isinstance(n, int) and step == 1) or not outer_sizes:
+        return pattern
+    if all(isinstance(v, int) for v in sizes + strides) and len(hw_rules.canonical(sizes, strides)) == 1:
+        return pattern
+    shape, dtype, space = memref_parts(buf.type)
+    piece = hw_rules.split_long_run(space or 0, hw_rules.ITEMSIZE[dtype], n)
+    if piece is None:
+        return pattern
+    return offsets[:-1] + [0, offsets[-1]], sizes[:-1] + [n // piece, piece], strides[:-1] + [piece, 1]
 
 
 def float_literal(v: float) -> str:
@@ -210,6 +230,7 @@ class Emitter:
         segments = [0]
         attrs = []
         for side, buf, pattern in (("dst", dst, dst_pattern), ("src", src, src_pattern)):
+            pattern = _fit_wraps(buf, pattern)
             operands.append(buf)
             segments.append(1)
             lists = pattern or ((), (), ())

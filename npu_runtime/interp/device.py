@@ -19,12 +19,27 @@ from llama_base.paths import cache_root
 from npu_runtime.api import Counters, DeviceError
 from npu_runtime.interp.host_kernels import HostKernels
 from npu_runtime.interp.machine import DTYPES, ExternCall, Machine
-from npu_runtime.interp.program import load_program
+from npu_runtime.interp.program import CALL_OP, Block, Op, load_program
 from npu_runtime.sim.device import SimBO
 
 
 def host_kernel_dir() -> Path:
     return cache_root() / "host_kernels"
+
+
+def _check_links(group: str, block: Block, kernels: dict, herd: Op | None = None) -> None:
+    """Every herd names, in `link_with`, the object that defines each kernel it calls (the
+    extern contract's `link_object`): the host builds would run a call that the NPU's link
+    could not resolve, so the module is refused here as the validator refuses it."""
+    for op in block.ops:
+        if op.name == CALL_OP and herd is not None:
+            callee, link = op.attrs["callee"], herd.attrs.get("link_with")
+            want = kernels[callee].link_object if callee in kernels else None
+            if want is not None and link != want:
+                raise DeviceError(f"{group}: herd {herd.attrs.get('sym_name', '?')} calls @{callee}, defined in "
+                                  f"{want!r}, but links {repr(link) if link else 'no object'}")
+        for region in op.regions:
+            _check_links(group, region, kernels, op if op.name == "air.herd" else herd)
 
 
 class InterpKernel:
@@ -40,6 +55,7 @@ class InterpKernel:
         missing = sorted(set(program.externs) - set(kernels))
         if missing:
             raise DeviceError(f"{group.name}: the module declares {missing}, which no launch of the group calls")
+        _check_links(group.name, program.body, kernels)
         host = HostKernels(kernels.values(), host_kernel_dir()) if kernels else None
         calls = {s: ExternCall(lambda *a, _s=s: host(_s, *a), k.reads, k.writes) for s, k in kernels.items()}
         index = {s.name: i for i, s in enumerate(group.slots)}
@@ -70,6 +86,7 @@ class InterpDevice:
     """Executes group modules on the CPU; slow, and meant for small shapes and checking."""
 
     kind = "interp"
+    key_on_module_text = True     # the artifact is the module: a changed text is a new entry
     name = "MLIR-AIR interpreter (stitched modules, host builds of the C++ kernels)"
     rebuild_on_load_error = True
 

@@ -7,16 +7,20 @@ buffers, and external kernels run from their C++ sources' host builds (`HostKern
 
 While it runs it checks, and stops at the first failure with an `InterpError` naming the
 group, launch, herd core and op:
-- a DMA that reads or writes outside either memref, or moves part of a 32-bit word;
+- a DMA that reads or writes outside either memref, or breaks a rule of the DMA serving its
+  side (`kernel_builder.hw_rules`: whole 32-bit words at word-aligned offsets, the tile kind's
+  dimensions, wraps, strides and transfer length), checked with that iteration's values;
 - a read of L1/L2 bytes nobody wrote since allocation (DMA source, linalg input, load, or a
   kernel argument the kernel reads);
 - two cores of one herd writing the same element of a shared buffer, or a core reading an
   element another core of the same herd wrote (the cores run concurrently on the NPU, so the
   result would depend on timing);
-- per-core live L1 bytes above `L1_BUDGET`, per-segment live L2 bytes above one memory tile,
-  a herd larger than the array (numbers from `kernel_builder.backend_presets`);
-- a launch that leaves part of an L3 buffer it writes unwritten, when the caller says which
-  buffers each launch writes (the group declaration does).
+- per-core live L1 bytes above `L1_BUDGET`, per-segment live L2 bytes above one memory tile
+  (a buffer a DMA moves inside a loop counts twice from then on: the compiler ping-pongs it),
+  an L2 allocation inside a herd (a core allocates only its own L1), a herd larger than the
+  array (`hw_rules`);
+- a launch that writes an L3 buffer it does not declare, or leaves part of one it declares
+  unwritten, when the caller says which buffers each launch writes (the group declaration does).
 """
 from __future__ import annotations
 
@@ -28,14 +32,13 @@ from typing import Callable
 import ml_dtypes
 import numpy as np
 
-from kernel_builder.backend_presets import ARRAY_COLS, ARRAY_ROWS, L1_BUDGET, L2_BYTES
+from kernel_builder import hw_rules
 from npu_runtime.api import DeviceError
 from npu_runtime.interp.linalg import generic
 from npu_runtime.interp.program import CALL_OP, Block, MemRefType, Op, Program
 
 DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "f32": np.dtype(np.float32), "i32": np.dtype(np.int32),
           "i8": np.dtype(np.uint8)}      # bytes (a Q4NX matrix): unsigned, as the kernels read them
-WORD = 4                   # bytes: the AIE DMAs move whole 32-bit words
 DYNAMIC = -(1 << 63)       # marks a dynamic entry in a DMA's static_* list
 L1, L2, L3 = 2, 1, 0
 _CMP = {0: lambda a, b: a == b, 1: lambda a, b: a != b, 2: lambda a, b: a < b, 3: lambda a, b: a <= b,
@@ -54,6 +57,7 @@ class Buffer:
     space: int
     name: str
     written: np.ndarray | None       # per element, for L1/L2: what has been written since allocation
+    doubled: bool = False            # a DMA moved it inside a loop: the compiler keeps two of it
 
     @property
     def nbytes(self) -> int:
@@ -101,8 +105,10 @@ class Machine:
         """A run starts clean, even after one that stopped at a failed check."""
         self.where = {"launch": "-", "herd": "-", "core": "-", "op": "-"}
         self._l1 = self._l2 = 0                                # live L1 bytes of the core, L2 of the segment
-        self._owners: dict[int, np.ndarray] | None = None     # buffer id -> writing core, within one herd run
+        # buffer id -> (the buffer, kept alive so its id is not reused; writing core per element)
+        self._owners: dict[int, tuple[Buffer, np.ndarray]] | None = None
         self._core = -1
+        self._loops = 0                                        # loop depth inside the current hierarchy body
         self._l3_written: dict[int, np.ndarray] | None = None  # per top-level launch, when checked
         self._top_launch = -1
 
@@ -118,6 +124,7 @@ class Machine:
                 raise self.error(f"argument {i} of type {t} given {a.dtype}[{a.size}]")
             env[vid] = Buffer(a, t.shape, L3, self.arg_names[i] if self.arg_names else f"%arg{i}", None)
             self._arg_buffers.append(env[vid])
+        self._arg_index = {id(b): i for i, b in enumerate(self._arg_buffers)}
         self.block(self.p.body, env)
 
     def block(self, block: Block, env: list) -> None:
@@ -150,27 +157,34 @@ class Machine:
         t = MemRefType.parse(op.types[0])
         if t.space not in (L1, L2):
             raise self.error(f"allocation in memory space {t.space}")
+        if t.space == L2 and self._core >= 0:
+            raise self.error(f"allocates L2 ({op.types[0]}) inside a herd: a core allocates only its own L1; "
+                             f"allocate L2 in the segment and pass it to the herd")
         n = math.prod(t.shape)
         fill = np.nan if t.dtype in ("bf16", "f32") else 0   # poison: an unchecked float read shows as NaN
         buf = Buffer(np.full(n, fill, DTYPES[t.dtype]), t.shape, t.space, f"%{op.results[0]}",
                      np.zeros(n, bool))
-        if t.space == L1:
-            self._l1 += buf.nbytes
-            if self._l1 > L1_BUDGET:
-                raise self.error(f"core holds {self._l1} bytes of L1, over the {L1_BUDGET}-byte budget "
-                                 f"(64 KiB data memory less 8 KiB for stack)")
-        else:
-            self._l2 += buf.nbytes
-            if self._l2 > L2_BYTES:
-                raise self.error(f"segment holds {self._l2} bytes of L2, over one {L2_BYTES}-byte memory tile")
+        self._hold(buf, buf.nbytes)
         env[op.results[0]] = buf
+
+    def _hold(self, buf: Buffer, nbytes: int) -> None:
+        """Count `nbytes` more of `buf`'s memory against its budget (per core or per segment)."""
+        if buf.space == L1:
+            self._l1 += nbytes
+            problem = hw_rules.l1_problem(self._l1)
+        else:
+            self._l2 += nbytes
+            problem = hw_rules.l2_problem(self._l2)
+        if problem:
+            raise self.error(problem)
 
     def _dealloc(self, op: Op, env: list) -> None:
         buf = env[op.operands[0]]
+        n = buf.nbytes * (hw_rules.DOUBLE_BUFFER if buf.doubled else 1)
         if buf.space == L1:
-            self._l1 -= buf.nbytes
+            self._l1 -= n
         else:
-            self._l2 -= buf.nbytes
+            self._l2 -= n
 
     def _load(self, op: Op, env: list) -> None:
         buf, *idx = (env[i] for i in op.operands)
@@ -187,8 +201,9 @@ class Machine:
                 raise self.error(f"reads {missing} element(s) of {buf.name} (L{3 - buf.space}) never written "
                                  f"since allocation")
         if self._owners is not None and buf.space != L1:
-            owner = self._owners.get(id(buf))
-            if owner is not None:
+            held = self._owners.get(id(buf))
+            if held is not None:
+                owner = held[1]
                 o = owner if idx is None else owner[idx]
                 if ((o >= 0) & (o != self._core)).any():
                     raise self.error(f"reads elements of {buf.name} that another core of this herd wrote")
@@ -201,8 +216,12 @@ class Machine:
                 buf.written[idx] = True
         if buf.space == L1:
             return
+        if buf.space == L3 and self.launch_writes is not None and 0 <= self._top_launch < len(self.launch_writes):
+            arg = self._arg_index.get(id(buf))
+            if arg is not None and arg not in self.launch_writes[self._top_launch]:
+                raise self.error(f"writes {buf.name}, which this launch does not declare as written")
         if self._owners is not None:
-            owner = self._owners.setdefault(id(buf), np.full(buf.data.size, -1, np.int32))
+            owner = self._owners.setdefault(id(buf), (buf, np.full(buf.data.size, -1, np.int32)))[1]
             o = owner if idx is None else owner[idx]
             if ((o >= 0) & (o != self._core)).any():
                 raise self.error(f"writes elements of {buf.name} that another core of this herd also writes")
@@ -247,20 +266,23 @@ class Machine:
         _, dst, d_off, d_size, d_str, src, s_off, s_size, s_str = op.segments()
         a = op.attrs
         dbuf, sbuf = env[dst[0]], env[src[0]]
-        di = self._indices(dbuf, self._pattern(a["static_dst_offsets"], d_off, env),
-                           self._pattern(a["static_dst_sizes"], d_size, env),
-                           self._pattern(a["static_dst_strides"], d_str, env), "destination")
-        si = self._indices(sbuf, self._pattern(a["static_src_offsets"], s_off, env),
-                           self._pattern(a["static_src_sizes"], s_size, env),
-                           self._pattern(a["static_src_strides"], s_str, env), "source")
+        dpat = [self._pattern(a[f"static_dst_{k}"], v, env) for k, v in
+                (("offsets", d_off), ("sizes", d_size), ("strides", d_str))]
+        spat = [self._pattern(a[f"static_src_{k}"], v, env) for k, v in
+                (("offsets", s_off), ("sizes", s_size), ("strides", s_str))]
+        di = self._indices(dbuf, *dpat, "destination")
+        si = self._indices(sbuf, *spat, "source")
         dn = dbuf.data.size if di is None else di.size
         sn = sbuf.data.size if si is None else si.size
         if dn != sn:
             raise self.error(f"moves {sn} elements from {sbuf.name} into {dn} of {dbuf.name}")
         if dbuf.data.dtype != sbuf.data.dtype:
             raise self.error(f"copies {sbuf.data.dtype} into {dbuf.data.dtype}")
-        for side, buf, idx in (("destination", dbuf, di), ("source", sbuf, si)):
-            self._check_words(side, buf, idx)
+        for side, buf, pattern in (("destination", dbuf, dpat), ("source", sbuf, spat)):
+            self._check_rules(side, buf, *pattern)
+            if self._loops and buf.space != L3 and not buf.doubled:
+                buf.doubled = True
+                self._hold(buf, buf.nbytes)
         self._check_read(sbuf, si)
         values = sbuf.data if si is None else sbuf.data[si]
         if di is None:
@@ -269,20 +291,13 @@ class Machine:
             dbuf.data[di] = values
         self._mark_written(dbuf, di)
 
-    def _check_words(self, side: str, buf: Buffer, idx: np.ndarray | None) -> None:
-        """Every contiguous run a DMA moves starts on a 32-bit word and is whole words."""
+    def _check_rules(self, side: str, buf: Buffer, offsets: list[int], sizes: list[int], strides: list[int]) -> None:
+        """The DMA serving this side's memory must be able to move this iteration's pattern."""
         item = buf.data.itemsize
-        if idx is None:
-            bad = buf.nbytes % WORD != 0
-        else:
-            at = idx * item
-            starts = np.concatenate(([0], np.flatnonzero(np.diff(at) != item) + 1))
-            ends = np.append(starts[1:], at.size)
-            bad = bool((at[starts] % WORD).any() or ((ends - starts) * item % WORD).any())
-        if bad:
-            raise self.error(f"{side} {buf.name}: moves part of a 32-bit word (elements of {item} bytes"
-                             f"{'' if idx is None else f', first at byte {int(idx[0]) * item}'}); "
-                             f"the DMAs move whole words at word-aligned addresses")
+        first = sum(o * s for o, s in zip(offsets, strides)) * item
+        problems = hw_rules.dma_side_problems(buf.space, item, first, sizes, strides, buf.nbytes)
+        if problems:
+            raise self.error(f"{side} {buf.name} ({hw_rules.ENGINE[buf.space].tile}): " + "; ".join(problems))
 
     # ---- compute ----------------------------------------------------------------------
     def _fill(self, op: Op, env: list) -> None:
@@ -323,9 +338,11 @@ class Machine:
         if step <= 0:
             raise self.error(f"loop step {step} (scf.for needs a positive step)")
         body = op.regions[0]
+        self._loops += 1
         for iv in range(lb, ub, step):
             env[body.args[0]] = iv
             self.block(body, env)
+        self._loops -= 1
 
     def _if(self, op: Op, env: list) -> None:
         if env[op.operands[0]]:
@@ -339,6 +356,7 @@ class Machine:
         return [int(env[s]) for s in sizes], op.regions[0], [env[o] for o in operands]
 
     def _bind(self, body: Block, ids: tuple[int, ...], sizes: list[int], operands: list, env: list) -> None:
+        self._loops = 0     # a hierarchy body starts its own loops: the compiler ping-pongs within it
         values = list(ids) + sizes + operands
         if len(body.args) != len(values):
             raise self.error(f"body takes {len(body.args)} arguments, expected {len(values)}")
@@ -346,6 +364,7 @@ class Machine:
             env[arg] = v
 
     def _launch(self, op: Op, env: list) -> None:
+        loops = self._loops
         sizes, body, operands = self._hierarchy(op, env)
         top = self.where["launch"] == "-"
         if top:
@@ -358,6 +377,7 @@ class Machine:
         if top:
             self._check_launch_coverage()
             self.where["launch"] = "-"
+        self._loops = loops
 
     def _check_launch_coverage(self) -> None:
         if self.launch_writes is None:
@@ -374,19 +394,23 @@ class Machine:
         self._l3_written = None
 
     def _segment(self, op: Op, env: list) -> None:
+        loops = self._loops
         sizes, body, operands = self._hierarchy(op, env)
         for ids in itertools.product(*(range(s) for s in sizes)):
             self._bind(body, ids, sizes, operands, env)
             l2 = self._l2
             self.block(body, env)
             self._l2 = l2
+        self._loops = loops
 
     def _herd(self, op: Op, env: list) -> None:
+        loops = self._loops
         sizes, body, operands = self._hierarchy(op, env)
         name = op.attrs.get("sym_name", "?")
-        if len(sizes) != 2 or sizes[0] > ARRAY_COLS or sizes[1] > ARRAY_ROWS or min(sizes) < 1:
+        problem = hw_rules.herd_problem(sizes)
+        if problem:
             self.where["herd"] = name
-            raise self.error(f"herd of {sizes} does not fit the {ARRAY_COLS}x{ARRAY_ROWS} NPU2 array")
+            raise self.error(problem)
         outer = self._owners
         self._owners = {}
         for core, (ty, tx) in enumerate(itertools.product(range(sizes[1]), range(sizes[0]))):
@@ -397,6 +421,7 @@ class Machine:
             self.block(body, env)
             self._l1 = l1
         self._owners = outer
+        self._core, self._loops = -1, loops
         self.where["herd"], self.where["core"] = "-", "-"
 
 

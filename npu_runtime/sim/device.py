@@ -209,6 +209,7 @@ class SimDevice:
 
     kind = "sim"
     rebuild_on_load_error = True
+    key_on_module_text = False    # its artifacts follow from the declaration and the builders
 
     @property
     def name(self) -> str:

@@ -153,6 +153,7 @@ class NpuTarget:
     kind = "npu"
     # A valid entry that XRT refuses is an XRT problem; a rebuild would fail the same way.
     rebuild_on_load_error = False
+    key_on_module_text = False    # its artifacts follow from the declaration and the builders
 
     def toolchain_stamp(self) -> str:
         return ARTIFACT_STAMP
