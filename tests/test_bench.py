@@ -201,6 +201,9 @@ def test_summary_ratios_and_targets():
     bound = bw / decode_bytes_per_token(LLAMA_1B)
     assert m["decode_bound_tok_s"] == pytest.approx(bound)
     assert m["kv_cache_bytes"] == gib // 4          # what the runtime reported, not a recomputation
+    est = m["npu_estimate"]      # the cost model, calibrated on upstream's published 1.21 s / 12.2 tok/s
+    assert est["ttft_s"]["2048"] == pytest.approx(1.21, rel=0.1) and est["decode_tok_s"] == pytest.approx(12.2, rel=0.1)
+    assert est["ttft_s"]["128"] < est["ttft_s"]["2048"]
     status = {t["name"]: t["status"] for t in m["targets"]}
     assert status == {
         "TTFT@128 ≤ 0.8× HF": "PASS",                      # 0.56×
@@ -353,4 +356,5 @@ def test_quick_bench_on_the_embedded_model_writes_both_reports(reports, capsys):
     assert 0 < ours["load_s"] < 600 and "| load: process start to ready (s) |" in md
     assert any("--skip-llamacpp" in n for n in data["notes"])
     assert "| metric | ours | HF transformers | ours/HF transformers | target |" in md
+    assert "NPU estimate (cost model, not a measurement)" in md and m["npu_estimate"]["decode_tok_s"] > 0
     assert str(jpath) in out
