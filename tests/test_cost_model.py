@@ -100,3 +100,16 @@ def test_the_down_projection_ranking_names_a_tiling_the_npu_accepts():
                    and c.tile_m == today["tile_m"] and c.double_buffered)
     assert not current.legal          # today's 1-row slabs write 2-byte outputs
     assert math.isfinite(best.seconds) and best.seconds < 2 * current.seconds
+
+
+def test_the_interp_profile_ends_with_the_estimate_of_the_groups_it_called():
+    from types import SimpleNamespace
+
+    from llama_runtime.profile_report import npu_estimate
+
+    session = SimpleNamespace(config=TINY, model=SimpleNamespace(quant="bf16"),
+                              profiler=SimpleNamespace(groups={"o_ffn": None, "o_gemv_ffn": None}))
+    text = npu_estimate(session, SimpleNamespace(prompt_tokens=40))
+    assert text.startswith("== NPU2 estimate (cost model, not a measurement) ==")
+    assert "o_ffn_s64:" in text and "o_gemv_ffn:" in text and "flash_attn" not in text
+    assert "estimated on NPU2: TTFT" in text
