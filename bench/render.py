@@ -114,6 +114,11 @@ def markdown(data: dict) -> str:
                          f"{m['kv_cache_bytes'] / GIB:.2f} GiB) = "
                          f"{1.5 * (m['weight_bytes'] + m['kv_cache_bytes']) / GIB:.2f} GiB.")
         lines += ["", model_table(m)]
+        est = m.get("npu_estimate")
+        if est and not est.get("error"):
+            ttft = ", ".join(f"TTFT@{n} {v * 1e3:.0f} ms" for n, v in est["ttft_s"].items())
+            lines.append(f"\nNPU estimate (cost model, not a measurement): {ttft}, decode "
+                         f"{est['decode_tok_s']:.1f} tok/s on NPU2 ({est['calibration']}; docs/profile.md gives its error).")
         for name, s in m["runtimes"].items():
             if s.get("error"):
                 lines.append(f"\n- {LABELS.get(name, name)} failed: {s['error']}")

@@ -202,4 +202,21 @@ def summarize_model(name: str, cfg: LlamaConfig, embedded: bool, lengths: tuple[
         "runtimes": sides,
         "ratios": rat,
         "targets": [t.to_dict() for t in tg],
+        "npu_estimate": npu_estimate(cfg, lengths, quant),
     }
+
+
+def npu_estimate(cfg: LlamaConfig, lengths: tuple[int, ...], quant: str = "bf16") -> dict:
+    """The cost model's NPU2 figures for this shape and weight format (an estimate from the
+    modules, never run)."""
+    from npu_runtime.cost.calibrate import CALIBRATION_NOTE
+    from npu_runtime.cost.hardware import FITTED
+    from npu_runtime.cost.model import estimate_phases
+
+    try:
+        phases = {n: estimate_phases(cfg, FITTED, n, quant) for n in lengths}
+    except (ValueError, KeyError) as e:      # a shape the builders cannot tile
+        return {"error": str(e)}
+    any_phase = next(iter(phases.values()))
+    return {"ttft_s": {str(n): p.ttft_s for n, p in phases.items()},
+            "decode_tok_s": any_phase.decode_tokens_per_s, "calibration": CALIBRATION_NOTE}

@@ -27,4 +27,20 @@ def report(session, result) -> str:
         f"{dev.counters.bytes_from_device / 1e6:.1f} MB from device; resident "
         + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in session.kc.resident_bytes().items()),
     ]
+    if dev.kind == "interp":
+        lines.append(npu_estimate(session, result))
+    return "\n".join(lines)
+
+
+def npu_estimate(session, result) -> str:
+    """The cost model's NPU2 time for every group this run called (the interpreter runs the modules
+    the NPU would get, so this is where their estimate belongs), and for the whole generation."""
+    from npu_runtime.cost.hardware import FITTED
+    from npu_runtime.cost.model import estimate_phases, format_group
+
+    est = estimate_phases(session.config, FITTED, result.prompt_tokens, session.model.quant)
+    lines = ["== NPU2 estimate (cost model, not a measurement) =="]
+    lines += [format_group(e) for kind, e in est.groups.items() if kind in session.profiler.groups]
+    lines.append(f"estimated on NPU2: TTFT {est.ttft_s * 1e3:.1f} ms at this prompt's bucket, "
+                 f"decode {est.decode_tokens_per_s:.1f} tok/s")
     return "\n".join(lines)

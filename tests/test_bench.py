@@ -212,6 +212,9 @@ def test_summary_ratios_and_targets():
     assert m["ratios"][LLAMACPP_BF16]["peak_rss"] == pytest.approx(1.5)
     assert m["decode_bound_tok_s"] == pytest.approx(12.1384, abs=1e-4)     # 30 GB/s over 2.471 GB a token
     assert m["kv_cache_bytes"] == gib // 4          # what the runtime reported, not a recomputation
+    est = m["npu_estimate"]      # the cost model, calibrated on upstream's published 1.21 s / 12.2 tok/s
+    assert est["ttft_s"]["2048"] == pytest.approx(1.21, rel=0.1) and est["decode_tok_s"] == pytest.approx(12.2, rel=0.1)
+    assert est["ttft_s"]["128"] < est["ttft_s"]["2048"]
     status = {t["name"]: t["status"] for t in m["targets"]}
     assert status == {
         "TTFT@128 ≤ 0.8× HF": "PASS",                      # 0.56×
@@ -376,6 +379,7 @@ def test_quick_bench_on_the_embedded_model_writes_both_reports(reports, capsys):
     assert ours["load_s"] > 0 and "| load: process start to ready (s) |" in md
     assert any("--skip-llamacpp" in n for n in data["notes"])
     assert "| metric | ours | HF transformers | ours/HF transformers | target |" in md
+    assert "NPU estimate (cost model, not a measurement)" in md and m["npu_estimate"]["decode_tok_s"] > 0
     assert str(jpath) in out
 
 

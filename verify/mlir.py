@@ -136,9 +136,10 @@ def run_group(device, group: KernelGroup, mlir_text: str, data: dict[str, torch.
     return out
 
 
-def compare(case: Case, label: str | None = None, weights=None) -> Row:
+def compare(case: Case, label: str | None = None, weights=None, text: str | None = None) -> Row:
+    """`text` runs another module for the group (a mutant) in place of the one its builders make."""
     name = label or (case.group.name + (f"@{case.q_start}" if case.q_start else ""))
-    text = compile_group_mlir(case.group)
+    text = text or compile_group_mlir(case.group)
     data = inputs(case, weights=weights)
     ref = run_group(SimDevice(), case.group, text, data)
     try:

@@ -1,0 +1,53 @@
+"""The mutation suite: a fixed sample of mutants of the tiny model's stitched modules, each of
+which verify-mlir's checks must catch unless a rule proves it equivalent or `expected.py`
+gives the reason it gets through today."""
+from __future__ import annotations
+
+from kernel_builder import groups
+from llama_base.config import LlamaConfig
+from llama_runtime.models import TINY, resolve_checkpoint
+from multi_launch_builder.compile import compile_group_mlir
+from verify.mutants.operators import mutants
+from verify.mutants.run import Outcome, check, run, suite_cases, summary, well_formed
+
+
+def _cfg() -> LlamaConfig:
+    return LlamaConfig.from_json(resolve_checkpoint(TINY))
+
+
+def test_every_sampled_computation_changing_mutant_is_killed():
+    outcomes = run(_cfg(), per_operator=2, seed=0, log=lambda *_: None)
+    text, ok = summary(outcomes)
+    assert ok, text
+    killed = sum(o.verdict == "killed" for o in outcomes)
+    assert killed >= 0.8 * len(outcomes), text
+    # every check takes part: a suite whose kills all came from one stage would test little
+    assert {o.stage for o in outcomes if o.killed} == {"validator", "interpreter", "comparison"}
+
+
+def test_a_malformed_mutant_is_discarded_not_killed():
+    case = suite_cases(_cfg())[0]
+    m = mutants(compile_group_mlir(case.group), case.group)[0]
+    broken = type(m)(m.operator, m.site, m.text.replace("arith.constant", "arith.constant %nowhere", 1))
+    assert well_formed(broken.text)
+    o = check(case, broken)
+    assert o.stage == "malformed" and not o.killed and o.verdict == "malformed"
+
+
+def test_every_operator_finds_sites_and_mutants_stay_well_formed():
+    cfg = _cfg()
+    g = groups.build_group("flash_attn", cfg, 32, 64)
+    ms = mutants(compile_group_mlir(g), g)
+    ops = {m.operator for m in ms}
+    for want in ("dma_offset_addi1", "dma_size_divui2", "dma_stride_muli2", "loop_ub", "loop_step", "herd_halve_x",
+                 "call_delete", "call_swap_args", "call_scalar_plus1", "dma_delete", "swap_operands", "cmpi_widen",
+                 "const_int_plus1", "argmap_swap"):
+        assert want in ops, want
+    assert all(not well_formed(m.text) for m in ms[::7])
+
+
+def test_an_equivalence_rule_that_is_wrong_is_reported():
+    case = suite_cases(_cfg())[0]
+    m = next(m for m in mutants(compile_group_mlir(case.group), case.group) if m.operator == "dma_delete")
+    wrong = type(m)(m.operator, m.site, m.text, equivalent="claimed without proof")
+    assert Outcome(case.group.name, wrong, "interpreter").verdict == "RULE BROKEN"
