@@ -22,6 +22,7 @@ from kernel_builder.groups import (
 )
 from llama_base.config import LlamaConfig
 from llama_base.errors import PromptError
+from llama_runtime.head_rescore import TOP_K, rescore
 from llama_runtime.host_ops import KVCache, rms_norm
 from llama_runtime.rope import generate_rope_lut
 from llama_runtime.weight_slots import static_tensors
@@ -67,6 +68,10 @@ class DeviceModel:
         self._preload(weights)
         self.embed = weights.embed
         self.final_norm = weights.final_norm
+        # A quantized head's leading logits are recomputed from its bf16 rows (`head_rescore`);
+        # `rescore_k` 0 turns that off (a bf16 head is exact already).
+        self.head_rows = weights.backing.lm_head if weights.backing is not None else None
+        self.rescore_k = TOP_K if self.head_rows is not None else 0
         # A context shorter than the smallest bucket still prefills a whole bucket's rows (the
         # padding included), so the cache and the RoPE table hold at least that many positions;
         # `max_context` alone bounds the tokens a sequence may have.
@@ -125,11 +130,16 @@ class DeviceModel:
             return self.embed[torch.tensor(ids, dtype=torch.long)]
 
     def logits(self, hidden_row: torch.Tensor, capture=None) -> torch.Tensor:
-        """Final RMSNorm on one row (host), then the LM head as one 8-partition GEMV call."""
+        """Final RMSNorm on one row (host), then the LM head as one 8-partition GEMV call (and a
+        quantized head's leading logits recomputed on the host, `head_rescore`)."""
         with self.profiler.host_op("final_norm"):
             h = rms_norm(hidden_row, self.final_norm, self.config.rms_norm_eps)
         if capture:
             capture(-1, "final_normed", h)
         out = self.kc.load_and_run(self.lm_head.name, {"x": h}, bo_key(self.lm_head, None))
         parts = [out[f"logits_p{i}"] for i in range(len(out))]
-        return torch.cat(parts)[: self.config.vocab_size].float()
+        logits = torch.cat(parts)[: self.config.vocab_size].float()
+        if self.rescore_k:
+            with self.profiler.host_op("head_rescore"):
+                rescore(logits, h, self.head_rows, self.rescore_k)
+        return logits

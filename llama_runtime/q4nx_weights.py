@@ -4,8 +4,9 @@ What is quantized: every linear weight of every layer (Q, K, V, O, gate, up, dow
 head (its rows padded to whole row-blocks). What stays bf16: the norms and the embedding table,
 which the host reads a row at a time, so their bytes never limit a token. The LM head is
 quantized because it is a fifth of Llama-3.2-1B's weights and decode reads all of it every
-token: kept bf16 it would cost as much as every layer's Q4NX weights together
-(docs/profile.md measures what quantizing it costs in perplexity).
+token: kept bf16 it would cost nearly as much as every layer's Q4NX weights together. What a
+4-bit head costs in quality is won back on the host, which recomputes the leading logits from
+the bf16 rows (`head_rescore`; docs/explain.md has the measured perplexities).
 
 Where the weights come from: a GGUF whose linear tensors are Q4_1 (the embedded model) or Q4_0
 keeps its 4-bit values exactly and only converts its fp16 scales and mins to bf16

@@ -26,18 +26,19 @@ class HFRunner:
             str(folder), dtype=torch.bfloat16, trust_remote_code=False, local_files_only=True
         ).eval()
         if q4nx_folder is not None:
-            self._load_dequantized(Path(folder), Path(q4nx_folder))
+            self._load_dequantized(Path(q4nx_folder))
         self._cache = None
         self._cached = 0
 
     @torch.no_grad()
-    def _load_dequantized(self, folder: Path, q4nx_folder: Path) -> None:
-        """Replace every linear weight and the LM head by the Q4NX weights dequantized
-        (`q4nx.dequantize`: the bf16 numbers the runtime's GEMMs multiply), so the gate compares
-        kernels, not the quantization. The head gets its own weight: the embedding stays bf16."""
+    def _load_dequantized(self, q4nx_folder: Path) -> None:
+        """Replace every layer's linear weights by the Q4NX weights dequantized (`q4nx.dequantize`:
+        the bf16 numbers the runtime's GEMMs multiply), so the gate compares kernels, not the
+        quantization. The head stays bf16: our 4-bit head only picks the candidates whose logits
+        the host recomputes from the bf16 rows (`llama_runtime.head_rescore`), so every logit the
+        gate's top-5 ranks compare is the bf16 head's on both sides."""
         from llama_base import q4nx
-        from llama_base.config import LAYER_TENSORS, LlamaConfig
-        from llama_runtime.q4nx_weights import LM_HEAD, lm_head_rows
+        from llama_base.config import LAYER_TENSORS
         from llama_runtime.safetensors_io import Checkpoint
 
         ckpt = Checkpoint(q4nx_folder)
@@ -46,11 +47,6 @@ class HFRunner:
             if short is not None and param.dim() == 2:
                 n, k = param.shape
                 param.copy_(q4nx.dequantize(ckpt.get_raw(name, (q4nx.nbytes(n, k),)), n, k))
-        vocab, hidden = self.model.lm_head.weight.shape
-        rows = lm_head_rows(LlamaConfig.from_json(folder))
-        head = q4nx.dequantize(ckpt.get_raw(LM_HEAD, (q4nx.nbytes(rows, hidden),)), rows, hidden)[:vocab]
-        self.model.lm_head.weight = torch.nn.Parameter(head, requires_grad=False)
-        self.model.config.tie_word_embeddings = False
 
     def _forward(self, ids: Sequence[int]) -> torch.Tensor:
         from transformers import DynamicCache
