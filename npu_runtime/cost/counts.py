@@ -26,6 +26,10 @@ ITEMSIZE = {"bf16": 2, "f32": 4, "i32": 4, "i8": 1}
 # External kernels that contract (multiply-accumulate); every other extern is a vector pass
 # over its largest buffer. The prefixes are the symbols `kernel_builder.externs` emits.
 CONTRACTIONS = ("gemv_bf16_", "gemv_q4nx_", "attn_qk_", "attn_pv_")
+# Contractions that add into f32 sums kept in L1 across calls (a GEMV whose K is split): besides
+# the products, each call reads and rewrites those sums, elementwise work of their size, which
+# grows as the K tile shrinks (more calls for the same products).
+ACCUMULATING = ("gemv_bf16_acc_", "gemv_q4nx_")
 
 
 @dataclass
@@ -257,7 +261,8 @@ class Counter:
 
     def _call(self, op: Op, w: Work) -> None:
         symbol = op.attrs["callee"]
-        shapes = [MemRefType.parse(t).shape for t in self.p.externs.get(symbol, ()) if t.startswith("memref")]
+        types = [MemRefType.parse(t) for t in self.p.externs.get(symbol, ()) if t.startswith("memref")]
+        shapes = [t.shape for t in types]
         if symbol.startswith(CONTRACTIONS) and len(shapes) >= 2:
             # Both operand tiles share the contracted dimension: rows(a) x rows(b) x shared, or a
             # matrix times a vector (the GEMVs), whose product is the matrix's size.
@@ -265,6 +270,10 @@ class Counter:
             macs = math.prod(a) if len(b) == 1 else a[0] * math.prod(b)
             w.macs += macs
             w.core_macs += macs
+            if symbol.startswith(ACCUMULATING):
+                sums = sum(math.prod(t.shape) for t in types if t.dtype == "f32")
+                w.vector += sums
+                w.core_vector += sums
         else:
             n = max((math.prod(s) for s in shapes), default=0)
             w.vector += n
@@ -289,4 +298,4 @@ def count_module(text: str, scalars: dict[int, int] | None = None) -> list[Launc
     return Counter(load_program(text), scalars).run()
 
 
-__all__ = ["CONTRACTIONS", "Counter", "LaunchCounts", "Work", "count_module"]
+__all__ = ["ACCUMULATING", "CONTRACTIONS", "Counter", "LaunchCounts", "Work", "count_module"]

@@ -37,9 +37,6 @@ SHIM_CHANNELS_PER_COLUMN = 2        # per direction
 MEMTILE_CHANNELS = 6                # per direction, one memory tile per column
 CORE_CHANNELS = 2                   # per direction, per compute tile
 
-# The DMAs move whole 32-bit words (the interpreter's `WORD` checks the same rule).
-WORD_BYTES = 4
-
 # Fixed work of one DMA transfer (a buffer descriptor: lock acquire, address generation start,
 # lock release) in cycles. Not published; an assumption of the model, which only ranks tilings
 # that move the same bytes in more or fewer transfers by it.
@@ -60,4 +57,4 @@ class Calibration:
 FITTED = Calibration(gemm_efficiency=0.20, l3_bandwidth=38.9e9, call_overhead_s=0.575e-3)
 
 __all__ = ["FITTED", "BF16_MACS_PER_CYCLE", "CHANNEL_BYTES_PER_CYCLE", "CLOCK_HZ", "CORE_CHANNELS", "Calibration",
-           "DMA_TRANSFER_CYCLES", "MEMTILE_CHANNELS", "SHIM_CHANNELS_PER_COLUMN", "VECTOR_LANES", "WORD_BYTES"]
+           "DMA_TRANSFER_CYCLES", "MEMTILE_CHANNELS", "SHIM_CHANNELS_PER_COLUMN", "VECTOR_LANES"]

@@ -1,28 +1,50 @@
 """Ranking GEMV tilings by the cost model, legal or not, with the rules each one breaks.
 
-A candidate is a herd width (cores in one array row), rows per L1 slab (`tile_m`) and whether
-the slab is double-buffered. Its work is what `kernel_builder.mlir.gemv` emits for it (x once
-per core, one DMA per slab, one output DMA per slab), counted in closed form so candidates the
-builder refuses can be costed too; `tests/test_cost_model.py` holds the closed form to the
-walker's count of the built module wherever the builder accepts the candidate. Without double
-buffering a core waits for each slab, so its DMA and compute times add instead of overlapping.
+A candidate is a herd width (cores in one array row), rows per L1 slab (`tile_m`) and columns
+per slab (`tile_k`, dividing K; K itself is no split). Its work is what `kernel_builder.mlir.gemv`
+emits for it: x once per core (whole, so a K step moves only W), one DMA of W per slab and K
+step, one output DMA per slab; with a split, the f32 partial sums stay in L1, the accumulating
+kernel reads and rewrites them on every call, and one pass per slab rounds them to bf16. It is
+counted in closed form so that candidates the builder refuses can be costed too;
+`tests/test_cost_model.py` holds the closed form to the walker's count of the built module
+wherever the builder accepts the candidate.
+
+L1 is counted as the rules count it (`backend_presets.gemv_l1_bytes`, the validator's count of
+the built module): the compiler ping-pongs every buffer a DMA fills or drains inside a loop, so
+a slab always takes twice its size and its DMA always overlaps compute. A single-buffered slab
+is not something the toolchain builds, so it is not a candidate.
+
+Candidates that move the same bytes differ only in their number of transfers (W per K step,
+the output per slab), which the model prices at an assumed `DMA_TRANSFER_CYCLES` each, and in
+core work the DMAs hide. The ranking's order among those is therefore within a fraction of a
+percent and rests on that assumption; `gemv_margin` says how far a tiling is from the best,
+and `MARGIN` / `MARGIN_S` bound what the model tells apart.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernel_builder.backend_presets import ARRAY_COLS, BF16, L1_BUDGET
+from kernel_builder.backend_presets import ARRAY_COLS, BF16, L1_BUDGET, gemv_l1_bytes
+from kernel_builder.hw_rules import WORD
 from npu_runtime.cost.counts import Work
-from npu_runtime.cost.hardware import FITTED, WORD_BYTES, Calibration
+from npu_runtime.cost.hardware import FITTED, Calibration
 from npu_runtime.cost.model import launch_components
+
+
+# Below either of these, two GEMV tilings are a tie as far as the model can tell: their
+# difference is a few transfers at the assumed `DMA_TRANSFER_CYCLES`, or (on a tiny GEMV) a
+# thousandth of the fitted per-call overhead that every launch sits inside.
+MARGIN = 0.01
+MARGIN_S = FITTED.call_overhead_s / 1000
 
 
 @dataclass(frozen=True)
 class GemvCandidate:
     cores: int
     tile_m: int
-    double_buffered: bool
+    tile_k: int
     seconds: float
+    bound: str                  # the resource that sets the time (model.launch_components' keys)
     l1_bytes: int
     broken: tuple[str, ...]     # the NPU rules it breaks; empty if the NPU would accept it
 
@@ -30,33 +52,50 @@ class GemvCandidate:
     def legal(self) -> bool:
         return not self.broken
 
+    def describe(self, k: int) -> str:
+        split = f"{self.tile_k} columns (K in {k // self.tile_k} steps)" if self.tile_k < k else "full K"
+        return f"{self.cores} cores, {self.tile_m} rows x {split}"
 
-def gemv_work(m: int, k: int, cores: int, tile_m: int) -> Work:
+
+def gemv_work(m: int, k: int, cores: int, tile_m: int, tile_k: int | None = None) -> Work:
+    tk = tile_k or k
     slabs = m // tile_m
-    per_core_slabs = slabs // cores
-    return Work(l3_read=(m * k + cores * k) * BF16, l3_write=m * BF16, l3_dmas=cores + 2 * slabs,
-                macs=m * k, core_macs=per_core_slabs * tile_m * k,
-                core_dma_bytes=(k + per_core_slabs * tile_m * (k + 1)) * BF16, cores=cores, columns=cores)
+    per_core_rows = m // cores
+    steps = k // tk
+    split = tk < k
+    # per output row with a split: its f32 sum read and rewritten by each K step's call, then rounded
+    sums = m * (steps + 1) if split else 0
+    return Work(l3_read=(m * k + cores * k) * BF16, l3_write=m * BF16, l3_dmas=cores + slabs * (steps + 1),
+                macs=m * k, core_macs=per_core_rows * k,
+                vector=sums, core_vector=sums // cores,
+                core_dma_bytes=(k + per_core_rows * (k + 1)) * BF16, cores=cores, columns=cores)
+
+
+def gemv_candidate(m: int, k: int, cores: int, tile_m: int, tile_k: int | None = None,
+                   cal: Calibration = FITTED) -> GemvCandidate:
+    """One tiling, timed by the model, with its L1 as the rules count it and the rules it breaks."""
+    tk = tile_k or k
+    l1 = gemv_l1_bytes(tile_m, k, tk)
+    broken = []
+    if l1 > L1_BUDGET:
+        broken.append(f"L1 {l1} B > {L1_BUDGET} B")
+    if tile_m * BF16 % WORD:
+        broken.append(f"{tile_m * BF16}-byte output DMAs (not whole 32-bit words)")
+    if tk < k and tk * BF16 % WORD:
+        broken.append(f"{tk * BF16}-byte runs of W (not whole 32-bit words)")
+    parts = launch_components(gemv_work(m, k, cores, tile_m, tk), cal)
+    bound = max(parts, key=parts.get)
+    return GemvCandidate(cores, tile_m, tk, parts[bound], bound, l1, tuple(broken))
 
 
 def gemv_candidates(m: int, k: int, cal: Calibration = FITTED) -> list[GemvCandidate]:
-    """Every (cores, tile_m, buffering) that splits `m` evenly, fastest first."""
+    """Every (cores, tile_m, tile_k) that splits `m` and `k` evenly, fastest first (legal first on a tie)."""
     out = []
     for cores in (c for c in range(ARRAY_COLS, 0, -1) if m % c == 0):
         per_core = m // cores
         for tm in (t for t in range(1, per_core + 1) if per_core % t == 0):
-            for double in (True, False):
-                l1 = (k + (2 if double else 1) * tm * k + tm) * BF16
-                broken = []
-                if l1 > L1_BUDGET:
-                    broken.append(f"L1 {l1} B > {L1_BUDGET} B")
-                if (tm * BF16) % WORD_BYTES:
-                    broken.append(f"{tm * BF16}-byte output DMA (not whole 32-bit words)")
-                work = gemv_work(m, k, cores, tm)
-                parts = launch_components(work, cal)
-                compute = parts.pop("compute")
-                t = max(compute, *parts.values()) if double else compute + max(parts.values())
-                out.append(GemvCandidate(cores, tm, double, t, l1, tuple(broken)))
+            for tk in (t for t in range(k, 0, -1) if k % t == 0):
+                out.append(gemv_candidate(m, k, cores, tm, tk, cal))
     return sorted(out, key=lambda c: (c.seconds, not c.legal))
 
 
@@ -65,4 +104,13 @@ def best_gemv(m: int, k: int, cal: Calibration = FITTED) -> GemvCandidate | None
     return next((c for c in gemv_candidates(m, k, cal) if c.legal), None)
 
 
-__all__ = ["GemvCandidate", "best_gemv", "gemv_candidates", "gemv_work"]
+def gemv_margin(tiling: dict, cal: Calibration = FITTED) -> tuple[float, float]:
+    """How much slower the model finds `tiling` (a `backend_presets.gemv_tiling` dict) than the
+    best legal candidate of its shape, relative and in seconds: (0.0, 0.0) when it is the best."""
+    m, k = tiling["M"], tiling["K"]
+    best = best_gemv(m, k, cal)
+    mine = gemv_candidate(m, k, tiling["herd"][0] * tiling["herd"][1], tiling["tile_m"], tiling["tile_k"], cal)
+    return mine.seconds / best.seconds - 1.0, mine.seconds - best.seconds
+
+
+__all__ = ["MARGIN", "MARGIN_S", "GemvCandidate", "best_gemv", "gemv_candidate", "gemv_candidates", "gemv_margin", "gemv_work"]
