@@ -82,3 +82,25 @@ def test_the_readme_lists_every_folder_the_runtime_writes():
         assert f"{name}/`" in section, name
     for env in (paths.ENV_CACHE, paths.ENV_REPORTS, "HF_HOME"):
         assert env in section, env
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_relative_link_and_anchor_resolves(doc):
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        file = (doc.parent / path).resolve() if path else doc
+        if not file.exists():
+            broken.append(target)
+        elif anchor and file.suffix == ".md":
+            headings = re.findall(r"^#+ (.+)$", file.read_text(), flags=re.M)
+            if anchor not in {_anchor(h) for h in headings}:
+                broken.append(target)
+    assert not broken
