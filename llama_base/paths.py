@@ -3,8 +3,9 @@
 Everything the runtime writes lives under one root so that `make clean` and a user's
 disk-usage audit only have to look in one place, and so tests can point the whole
 runtime at a temporary folder with one environment variable. Each folder under the root
-is declared here, once (`CACHE_FOLDERS`); code asks `cache_dir(name)` for it, and a test
-holds every folder named in code and in the README to this table. Two things are written
+is declared here, once (`CACHE_FOLDERS`); code asks `cache_dir(name)` (or one of the
+functions below) for it, and a test holds every folder named under the root anywhere in the
+code, and the README's list, to this table. Two things are written
 elsewhere: reports (`reports_dir`, a working-directory folder meant to be read and kept) and
 Llama checkpoints downloaded from the Hugging Face hub, which stay in huggingface_hub's own
 cache (`$HF_HOME`, default `~/.cache/huggingface`) so that other tools share one download.

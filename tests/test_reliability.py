@@ -279,6 +279,7 @@ def test_ctrl_c_in_prefill_and_decode_keeps_the_chat_usable(session, monkeypatch
             break
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("LLAMA_NPU_NATIVE") == "0", reason="this run already uses the torch path")
 def test_ctrl_c_chat_on_the_torch_fallback_path():
     """The same test where the native library is off (CPUs without AVX512-BF16): the simulator
@@ -314,6 +315,7 @@ def test_no_pickle_loading_and_no_remote_code():
         assert banned not in text, banned
 
 
+@pytest.mark.slow
 def test_chat_context_overflow_drops_the_oldest_exchange(session):
     from llama_runtime.chat import Conversation
 

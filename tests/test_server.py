@@ -451,7 +451,7 @@ def test_a_client_that_leaves_while_queued_still_gets_a_log_line(server):
         time.sleep(0.3)
     finally:
         conn.close()
-    _timed_probe(server)               # queued behind the skipped job, so that one has been logged
+    _probe(server)                     # queued behind the skipped job, so that one has been logged
     assert re.search(r"\] \S+ prompt \d+ tokens, never started: queued [\d.]+ s, cancelled by client", server.log())
 
 
