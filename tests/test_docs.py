@@ -22,9 +22,7 @@ def _code(text: str) -> str:
 
 
 def _make_targets() -> set[str]:
-    text = (REPO / "Makefile").read_text()
-    targets = set(re.findall(r"^([a-z][a-z0-9-]*):", text, flags=re.M))
-    return targets
+    return set(re.findall(r"^([a-z][a-z0-9-]*):", (REPO / "Makefile").read_text(), flags=re.M))
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
@@ -49,7 +47,7 @@ def test_every_python_module_the_docs_and_makefile_run_exists():
     assert not [m for m in sorted(named) if not _runnable(m)]
 
 
-def test_the_helper_recognises_a_missing_target_and_module():
+def test_the_checks_recognise_a_missing_target_and_module():
     assert "no-such-target" not in _make_targets() and "test" in _make_targets()
     assert not _runnable("verify.no_such_module") and not _runnable("llama_base")   # a package without __main__
 

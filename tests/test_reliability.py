@@ -315,7 +315,6 @@ def test_no_pickle_loading_and_no_remote_code():
         assert banned not in text, banned
 
 
-@pytest.mark.slow
 def test_chat_context_overflow_drops_the_oldest_exchange(session):
     from llama_runtime.chat import Conversation
 

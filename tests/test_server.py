@@ -431,7 +431,9 @@ def test_a_client_that_leaves_frees_the_device_at_the_next_token(server):
     # A non-streamed answer whose client times out is cancelled too.
     cancelled = server.log().count("cancelled by client")
     conn = server.connection()
-    conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": COUNTING, "max_tokens": LONG}).encode(),
+    # greedy, so the answer runs for LONG tokens unless the cancellation stops it
+    conn.request("POST", "/v1/completions",
+                 json.dumps({"model": MODEL, "prompt": COUNTING, "max_tokens": LONG, "temperature": 0}).encode(),
                  {"Content-Type": "application/json"})
     time.sleep(0.5)
     conn.close()

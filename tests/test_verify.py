@@ -97,7 +97,6 @@ def _report(folder, kind: str) -> dict:
     return json.loads(path.read_text())
 
 
-@pytest.mark.slow
 def test_make_verify_passes_on_the_embedded_model(reports, capsys):
     rc = verify_cli.main(["--model", EMBEDDED, "--device", "sim", "--prompts", "2", "--n-tokens", "32"])
     out = capsys.readouterr().out
