@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 from llama_base import q4nx
-from llama_base.paths import cache_root
+from llama_base.paths import native_dir
 
 _NATIVE = Path(__file__).resolve().parent / "native"
 _SRCS = [_NATIVE / f"{name}_bf16_cpu.cc"
@@ -53,7 +53,7 @@ def build_shared(srcs: Path | list[Path], flags: list[str], headers: list[Path] 
     if cxx is None:
         return None
     digest = hashlib.sha256(b"".join(s.read_bytes() for s in [*srcs, *headers]) + " ".join(flags).encode()).hexdigest()[:16]
-    out = cache_root() / "native" / f"{srcs[0].stem}-{digest}.so"
+    out = native_dir() / f"{srcs[0].stem}-{digest}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")

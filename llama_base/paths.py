@@ -2,7 +2,13 @@
 
 Everything the runtime writes lives under one root so that `make clean` and a user's
 disk-usage audit only have to look in one place, and so tests can point the whole
-runtime at a temporary folder with one environment variable.
+runtime at a temporary folder with one environment variable. Each folder under the root
+is declared here, once (`CACHE_FOLDERS`); code asks `cache_dir(name)` (or one of the
+functions below) for it, and a test holds every folder named under the root anywhere in the
+code, and the README's list, to this table. Two things are written
+elsewhere: reports (`reports_dir`, a working-directory folder meant to be read and kept) and
+Llama checkpoints downloaded from the Hugging Face hub, which stay in huggingface_hub's own
+cache (`$HF_HOME`, default `~/.cache/huggingface`) so that other tools share one download.
 """
 from __future__ import annotations
 
@@ -10,26 +16,58 @@ import os
 from pathlib import Path
 
 ENV_CACHE = "LLAMA_NPU_CACHE"
+ENV_REPORTS = "LLAMA_NPU_REPORTS"
+
+# Every folder under `cache_root()`, with what it holds (the README lists the same table).
+CACHE_FOLDERS = {
+    "models": "imported and generated checkpoints (the embedded model, llama1b-shape, tiny) and Q4NX weights",
+    "kernels": "KernelCache entries, one folder per target kind (stitched MLIR, launch programs, ELFs)",
+    "native": "the native CPU library, one build per ISA class and source digest",
+    "host_kernels": "host builds of the NPU C++ kernels, which the MLIR-AIR interpreter calls",
+    "kernel_objects": "Peano builds of the NPU C++ kernels (.o), shared by every ELF; only where Peano exists",
+    "bench": "make bench: llama.cpp's build venv and the GGUF files converted for it",
+}
 
 
 def cache_root() -> Path:
-    """The root of every cache (models, kernels); `$LLAMA_NPU_CACHE` or ~/.cache/llama32-1b-npu."""
+    """The root of every cache; `$LLAMA_NPU_CACHE` or ~/.cache/llama32-1b-npu."""
     env = os.environ.get(ENV_CACHE)
     root = Path(env) if env else Path.home() / ".cache" / "llama32-1b-npu"
     return root.expanduser()
 
 
+def cache_dir(name: str) -> Path:
+    """The folder `name` of `CACHE_FOLDERS` under the cache root; an undeclared name is a bug."""
+    if name not in CACHE_FOLDERS:
+        raise KeyError(f"{name!r} is not a declared cache folder ({', '.join(CACHE_FOLDERS)})")
+    return cache_root() / name
+
+
 def models_dir() -> Path:
-    """Imported and generated checkpoints (the embedded default model, the 1B-shape test model)."""
-    return cache_root() / "models"
+    return cache_dir("models")
 
 
 def kernels_dir() -> Path:
-    """KernelCache artifacts: stitched MLIR, launch programs, ELFs where a toolchain exists."""
-    return cache_root() / "kernels"
+    return cache_dir("kernels")
+
+
+def native_dir() -> Path:
+    return cache_dir("native")
+
+
+def host_kernels_dir() -> Path:
+    return cache_dir("host_kernels")
+
+
+def kernel_objects_dir() -> Path:
+    return cache_dir("kernel_objects")
+
+
+def bench_dir() -> Path:
+    return cache_dir("bench")
 
 
 def reports_dir() -> Path:
     """Verification and benchmark reports; `$LLAMA_NPU_REPORTS` or ./reports."""
-    env = os.environ.get("LLAMA_NPU_REPORTS")
+    env = os.environ.get(ENV_REPORTS)
     return Path(env) if env else Path.cwd() / "reports"

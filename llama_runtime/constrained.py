@@ -5,7 +5,7 @@ compiles a JSON schema into a matcher that, after each token, gives the set of t
 keep the text a valid prefix of a document the schema accepts. The mask is applied to the
 logits on the host, in `Sampler.adjust`, so it works the same on every device, and once the
 document is complete only an end token is allowed. xgrammar was measured too: as fast per
-token here, but it installs triton (about 1 GB) and its default JSON layout differs; see
+token, but it installs triton (about 1 GB) and its default JSON layout differs; see
 docs/profile.md.
 """
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Host-side math shared by the runtime and the tests.
 
 The runtime runs a few small ops on the host (the final RMSNorm on one row, decode
-attention over the KV cache, sampling); the tests use the same functions as references, so
-"host" and "reference" cannot disagree about a convention such as where bf16 rounding
-happens.
+attention over the KV cache, the KV cache's row store; sampling is `sampling.py`'s); the tests
+use the same functions as references, so "host" and "reference" cannot disagree about a
+convention such as where bf16 rounding happens.
 """
 from __future__ import annotations
 

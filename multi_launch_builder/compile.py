@@ -20,7 +20,7 @@ from pathlib import Path
 from kernel_builder.external_kernels import ToolchainNotFound, build_group_objects, find_peano
 from kernel_builder.groups import KernelGroup
 from kernel_builder.mlir import build_launch
-from llama_base.paths import cache_root
+from llama_base.paths import kernel_objects_dir
 from multi_launch_builder.mlir_validate import validate_group_module
 from multi_launch_builder.stitching import stitch_group
 
@@ -112,7 +112,7 @@ def aircc_command(tc: Toolchain, mlir_path: Path, out_dir: Path, group: KernelGr
 
 def default_objects_dir() -> Path:
     """Kernel objects are shared by every group and every KernelCache entry, so they live once."""
-    return cache_root() / "kernel_objects"
+    return kernel_objects_dir()
 
 
 def compile_elf(mlir_path: Path, out_dir: Path, group: KernelGroup, objects_dir: Path | None = None,

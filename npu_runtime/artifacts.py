@@ -39,7 +39,8 @@ from llama_base.errors import KernelCacheError
 from llama_base.paths import kernels_dir
 from npu_runtime.api import Device, DeviceError, Kernel
 
-FORMAT_VERSION = 2     # 2: per-target folders, the toolchain recorded outside the key
+# Bump when an entry's layout or manifest changes: entries written in another layout are rebuilt, never read.
+FORMAT_VERSION = 2
 # What a compiled artifact is made from: the build-time packages, whole. The run side (this
 # package, the model runtime) changes how an artifact is used, never what it contains.
 _BUILD_PACKAGES = (kernel_builder, multi_launch_builder)

@@ -147,7 +147,8 @@ class KernelCache:
 
         For whole slots (every decode call) they are resolved once, when the set's activations
         are bound: walking all of a group's slots on each call, most of them weights, and slicing
-        views for the few it moves measured 1-3 % of a decode step on the Zen 4 VM."""
+        views for the few it moves cost a few percent of a decode step (docs/profile.md,
+        "Around the calls")."""
         moved: dict[Role, list] = {Role.INPUT: [], Role.OUTPUT: []}
         for i, slot in enumerate(s.group.slots):
             if slot.role in moved:

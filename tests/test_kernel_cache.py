@@ -134,9 +134,7 @@ def test_damaged_or_stale_entries_are_rebuilt(tiny_config, tmp_path):
     assert kc.compile_and_cache(g) == path
     assert kc.stats.rebuilt == 1 and json.loads(program.read_text())["kind"] == "o_gemv_ffn"
     manifest = json.loads((path / "manifest.json").read_text())
-    manifest["toolchain"] = "other"
-    manifest["key"] = "0" * 64                              # a manifest from another toolchain
-    (path / "manifest.json").write_text(json.dumps(manifest))
+    (path / "manifest.json").write_text(json.dumps({**manifest, "key": "0" * 64}))   # a stale key
     kc = _cache(tmp_path)
     kc.compile_and_cache(g)
     assert kc.stats.rebuilt == 1
@@ -144,6 +142,24 @@ def test_damaged_or_stale_entries_are_rebuilt(tiny_config, tmp_path):
     kc = _cache(tmp_path)
     new_path = kc.compile_and_cache(changed)                # changed declaration: new entry
     assert new_path != path and kc.stats.compiled == 1 and not path.exists()
+
+
+def test_another_toolchain_s_entry_is_reused_unless_a_refresh_is_asked_for(tiny_config, tmp_path):
+    """The toolchain that built an entry is recorded, not keyed: a machine with the artifacts
+    but another compiler (or none) uses them; `refresh_toolchain` rebuilds them."""
+    g = build_group("o_gemv_ffn", tiny_config)
+    path = _cache(tmp_path).compile_and_cache(g)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["toolchain"] == SimDevice().toolchain_description()
+    (path / "manifest.json").write_text(json.dumps({**manifest, "toolchain": "another compiler"}))
+    kc = _cache(tmp_path)
+    assert kc.compile_and_cache(g) == path and kc.stats.loaded_from_disk == 1 and kc.stats.rebuilt == 0
+    kc = _cache(tmp_path, refresh_toolchain=True)
+    assert kc.compile_and_cache(g) == path and kc.stats.rebuilt == 1
+    assert json.loads((path / "manifest.json").read_text())["toolchain"] == SimDevice().toolchain_description()
+    kc = _cache(tmp_path, refresh_toolchain=True)        # refreshed: the recorded toolchain is this one
+    kc.compile_and_cache(g)
+    assert kc.stats.loaded_from_disk == 1 and kc.stats.rebuilt == 0
 
 
 def test_run_only_cache_refuses_to_compile(tiny_config, tmp_path):

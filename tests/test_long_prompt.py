@@ -1,6 +1,7 @@
 """A prompt longer than the largest bucket: chunked prefill at offsets, checked against HF transformers."""
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -11,6 +12,7 @@ from verify.compare import TOP_K, gate_prompt
 PROMPT_TOKENS = 3000
 
 
+@pytest.mark.slow
 def test_3000_token_prompt_matches_hf_within_the_gate():
     s = build_session("embedded", "sim", max_context=4096, log=lambda m: None)
     text = ("The lighthouse keeper wrote in his log every night: the wind, the ships, the lamp. " * 200)

@@ -1,6 +1,7 @@
 """Failing well: bad prompts, damaged checkpoints and caches, interruptions — one line, nothing lost."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -54,17 +55,17 @@ def test_empty_prompts_are_refused_before_any_work(capsys, prompt):
 
 
 @pytest.mark.parametrize("value", ["0", "-4", "abc", "2.5"])
-def test_bad_token_counts_are_one_line_errors(value):
-    r = subprocess.run([sys.executable, str(REPO / "llama32_1b_inference.py"), "--prompt", "hi", "-n", value],
-                       capture_output=True, text=True)
-    _one_line_error(r.returncode, r.stderr, "--n-tokens", value)
+def test_bad_token_counts_are_one_line_errors(capsys, value):
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(["--prompt", "hi", "-n", value])
+    _one_line_error(exit_.value.code, capsys.readouterr().err, "--n-tokens", value)
 
 
-def test_invalid_utf8_on_stdin_is_refused():
-    r = subprocess.run([sys.executable, str(REPO / "llama32_1b_inference.py"), "--prompt", "-"],
-                       input=b"caf\xe9 \xff\xfe", capture_output=True)
-    _one_line_error(r.returncode, r.stderr.decode(), "UTF-8")
-    assert b"Traceback" not in r.stderr
+def test_invalid_utf8_on_stdin_is_refused(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9 \xff\xfe")))
+    code, out, err = _cli(capsys, "--prompt", "-", "--model", "embedded", "--device", "sim")
+    _one_line_error(code, err, "UTF-8", "byte 3")
+    assert "Traceback" not in err and "[model]" not in out
 
 
 def test_prompt_longer_than_the_context_names_the_limit(capsys):
@@ -278,6 +279,7 @@ def test_ctrl_c_in_prefill_and_decode_keeps_the_chat_usable(session, monkeypatch
             break
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("LLAMA_NPU_NATIVE") == "0", reason="this run already uses the torch path")
 def test_ctrl_c_chat_on_the_torch_fallback_path():
     """The same test where the native library is off (CPUs without AVX512-BF16): the simulator

@@ -73,11 +73,20 @@ def test_padding_to_the_bucket_never_changes_the_logits(session):
     assert torch.equal(a, b)
 
 
-def test_prompt_containing_eos_is_handled(session):
+def _end_bias(session, bias: float) -> SamplingParams:
+    """Greedy sampling with every end token's logit moved by `bias`: -inf makes the token budget
+    or the context the only way to stop, +inf makes the first token an end token."""
+    return SamplingParams(logit_bias=tuple((e, bias) for e in session.tokenizer.end_token_ids))
+
+
+@pytest.mark.parametrize("bias, stop_reason, n_out", [(float("-inf"), "n_tokens", 4), (float("inf"), "end_token", 0)])
+def test_an_end_token_inside_the_prompt_ends_nothing(session, bias, stop_reason, n_out):
+    """Only a generated end token stops an answer: one in the prompt is read like any other."""
     eos = sorted(session.tokenizer.end_token_ids)[0]
     ids = session.encode("First part.")[:-1] + [eos] + session.encode("Second part?")[1:]
-    r = session.generate(ids, 4)
-    assert r.prompt_tokens == len(ids) and r.stop_reason in ("n_tokens", "end_token")
+    r = session.generate(ids, 4, sampling=_end_bias(session, bias), reuse_cache=False)
+    assert r.prompt_tokens == r.prefill_tokens == len(ids)
+    assert r.stop_reason == stop_reason and len(r.tokens) == n_out
 
 
 def test_decode_reads_only_positions_up_to_the_current_one(session):
@@ -121,16 +130,22 @@ def test_two_turn_chat_matches_a_fresh_run_of_the_transcript(session):
     from llama_runtime.chat import Conversation
 
     conv = Conversation(session)
-    conv.ask("What is the capital of Japan?", 12)
-    before = _calls(session)
-    second = conv.ask("And of France?", 12)
     layers = session.config.num_hidden_layers
-    # the second turn prefilled only its new tokens: one chunk, far fewer than the transcript
+    before = _calls(session)
+    first = conv.ask("What is the capital of Japan?", 12)
+    # the answer ends itself: every answer token, then the end token, was fed back by a decode step
+    assert first.stop_reason == "end_token"
+    assert _calls(session) - before == _prefill_calls(layers) + (2 * layers + 1) * len(first.tokens)
+    before = _calls(session)
+    no_end = _end_bias(session, float("-inf"))
+    second = conv.ask("And of France?", 12, sampling=no_end)
+    # the second turn prefilled only its new tokens: one chunk, far fewer than the transcript;
+    # it runs out of tokens, so the last answer token is never fed back
     assert second.prefill_tokens < len(conv.transcript) // 2
-    assert _calls(session) - before == _prefill_calls(layers) + (2 * layers + 1) * (len(second.tokens) - 1 +
-                                                                               (second.stop_reason == "end_token"))
+    assert second.stop_reason == "n_tokens" and len(second.tokens) == 12
+    assert _calls(session) - before == _prefill_calls(layers) + (2 * layers + 1) * 11
     fresh_ids = session.tokenizer.chat.render(conv.messages[:-1])
-    fresh = session.generate(fresh_ids, 12, reuse_cache=False)
+    fresh = session.generate(fresh_ids, 12, sampling=no_end, reuse_cache=False)
     assert fresh.tokens == second.tokens
 
 
@@ -171,8 +186,7 @@ def test_generation_stops_at_the_context_limit(session):
     limit = session.model.max_context
     ids = session.encode("a b c d e f g h")
     filler = (session.encode("Tell me about the sea.") * limit)[: limit - len(ids) - 3]
-    no_end = SamplingParams(logit_bias=tuple((e, float("-inf")) for e in session.tokenizer.end_token_ids))
-    r = session.generate(filler + ids, 50, sampling=no_end)
+    r = session.generate(filler + ids, 50, sampling=_end_bias(session, float("-inf")))
     assert r.stop_reason == "context_limit" and len(r.tokens) == 4 and r.cached == limit
 
 

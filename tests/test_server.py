@@ -34,6 +34,7 @@ MAX_CONTEXT = 512
 QUEUE_SIZE = 8                  # the concurrency test fills it exactly; the 503 test overflows it by one
 STARTUP_TIMEOUT_S = 180
 REFUSAL_TIMEOUT_S = 15         # well within the LONG answer that holds the device meanwhile
+STOP_TIMEOUT_S = 15            # a guard against a hung server, not a speed limit
 JAPAN = [{"role": "user", "content": "What is the capital of Japan?"}]
 COUNTING = "1, 2, 3, 4, 5,"     # a raw prompt the model continues for hundreds of tokens
 LONG = 300
@@ -376,7 +377,9 @@ def test_auto_lets_the_model_answer_in_text_and_a_tool_result_is_read_on_the_nex
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "It is 18 C and sunny in Paris."}]
     answer = _chat(server, messages=turn, tools=[TOOL], temperature=0, max_tokens=24)
-    assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.content
+    # a text answer about the city of the call, ended by the model within its budget
+    assert answer.choices[0].finish_reason == "stop" and answer.choices[0].message.tool_calls is None
+    assert "Paris" in answer.choices[0].message.content
 
 
 def test_cors_preflight_answers_only_the_configured_origin(server):
@@ -406,40 +409,37 @@ def test_refused_and_model_free_requests_are_logged_too(server):
 
 
 # ---- one model, one device ----------------------------------------------------------------
-def _timed_probe(server) -> float:
-    t0 = time.perf_counter()
+def _probe(server) -> None:
     r = server.client.completions.create(model=MODEL, prompt="The opposite of hot is", max_tokens=4, temperature=0)
     assert r.usage.completion_tokens >= 1
-    return time.perf_counter() - t0
+
+
+def _generated(line: str) -> int:
+    return int(re.search(r"(\d+) generated", line).group(1))
 
 
 def test_a_client_that_leaves_frees_the_device_at_the_next_token(server):
-    server.client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)   # the probe's prompt not cached
-    alone = _timed_probe(server)
-
-    t0 = time.perf_counter()
+    """The log line of a request whose client left counts the tokens it generated: a few past
+    what the client read, never the LONG it asked for."""
     conn, events = server.open_stream({"model": MODEL, "prompt": COUNTING, "max_tokens": LONG, "temperature": 0}, 6)
-    token_s = (time.perf_counter() - t0) / len(events)      # an upper bound on one token's time
     rid = json.loads(events[0])["id"]
     conn.close()
-    after = _timed_probe(server)
+    _probe(server)
     line = server.log_line(rid)
-    generated = int(re.search(r"(\d+) generated", line).group(1))
-    assert "cancelled by client" in line and generated < len(events) + 5, line
-    # Without cancellation the probe would wait for the remaining ~LONG tokens.
-    assert after < 2 * alone + 5 * token_s + 0.5, (after, alone, token_s)
+    assert "cancelled by client" in line and _generated(line) < len(events) + 5, line
 
     # A non-streamed answer whose client times out is cancelled too.
     cancelled = server.log().count("cancelled by client")
     conn = server.connection()
-    conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": COUNTING, "max_tokens": LONG}).encode(),
+    # greedy, so the answer runs for LONG tokens unless the cancellation stops it
+    conn.request("POST", "/v1/completions",
+                 json.dumps({"model": MODEL, "prompt": COUNTING, "max_tokens": LONG, "temperature": 0}).encode(),
                  {"Content-Type": "application/json"})
     time.sleep(0.5)
     conn.close()
-    t0 = time.perf_counter()
-    _timed_probe(server)
-    assert time.perf_counter() - t0 < 2 * alone + 5 * token_s + 0.5
-    assert server.log().count("cancelled by client") == cancelled + 1
+    _probe(server)                     # queued behind the abandoned answer, so it ends after it
+    lines = [l for l in server.log().splitlines() if "cancelled by client" in l]
+    assert len(lines) == cancelled + 1 and _generated(lines[-1]) < LONG, lines[-1]
 
 
 def test_a_client_that_leaves_while_queued_still_gets_a_log_line(server):
@@ -453,7 +453,7 @@ def test_a_client_that_leaves_while_queued_still_gets_a_log_line(server):
         time.sleep(0.3)
     finally:
         conn.close()
-    _timed_probe(server)               # queued behind the skipped job, so that one has been logged
+    _probe(server)                     # queued behind the skipped job, so that one has been logged
     assert re.search(r"\] \S+ prompt \d+ tokens, never started: queued [\d.]+ s, cancelled by client", server.log())
 
 
@@ -575,7 +575,6 @@ def test_bad_requests_leave_the_server_answering(server):
 # ---- staying up ---------------------------------------------------------------------------
 SOAK_REQUESTS = 200
 SOAK_BASELINE = 20
-SOAK_LIMIT_S = 120               # ~30 s on an idle 2-core machine; room for a busy one
 RSS_GROWTH = 0.05
 
 
@@ -591,18 +590,16 @@ def test_a_soak_of_small_requests_keeps_time_and_memory_bounded(server):
     rss = proc.memory_info().rss
     print(f"\n[soak] {SOAK_REQUESTS} requests in {elapsed:.1f} s ({SOAK_REQUESTS / elapsed:.1f}/s); "
           f"RSS {baseline / 2**20:.0f} MiB after {SOAK_BASELINE}, {rss / 2**20:.0f} MiB after {SOAK_REQUESTS}")
-    assert elapsed < SOAK_LIMIT_S
     assert abs(rss - baseline) <= RSS_GROWTH * baseline
 
 
 def test_ctrl_c_stops_the_server_cleanly_mid_answer(server):
     conn, _ = server.open_stream({"model": MODEL, "prompt": COUNTING, "max_tokens": LONG}, 2)
-    t0 = time.perf_counter()
     server.proc.send_signal(signal.SIGINT)
     try:
-        code = server.proc.wait(timeout=15)
+        code = server.proc.wait(timeout=STOP_TIMEOUT_S)
     finally:
         conn.close()
-    assert code == 0 and time.perf_counter() - t0 < 10
+    assert code == 0
     log = server.log()
     assert log.rstrip().endswith("[serve] stopped") and "Traceback" not in log

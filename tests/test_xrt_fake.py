@@ -208,6 +208,7 @@ def test_without_a_compiler_a_missing_npu_entry_says_so(fake, tiny_config, tmp_p
         kc.compile_and_cache(build_group("o_gemv_ffn", tiny_config))
 
 
+@pytest.mark.slow
 def test_greedy_generation_through_xrt_equals_the_simulator(fake, tmp_path):
     from llama_runtime.session import build_session
 

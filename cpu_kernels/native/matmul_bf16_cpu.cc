@@ -20,8 +20,8 @@
 //   by its first row tile, as it streams in, into a thread's buffer (at most 512 KiB, within
 //   its L2) that the panel's other row tiles read. On the
 //   checkpoint's row-major layout a GEMM has to repack weights on every call (oneDNN does) or
-//   broadcast from 8 strided rows; the tile streams them as stored, which measured 5-15 %
-//   faster than oneDNN's GEMM on 128-2048 rows, and up to 35 % on 32.
+//   broadcast from 8 strided rows; the tile streams them as stored (docs/profile.md compares
+//   the two).
 // Built with -fopenmp: the library binds to the libgomp torch has loaded, one thread team.
 #include <immintrin.h>
 
