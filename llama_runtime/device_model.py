@@ -45,6 +45,14 @@ class PrefillGroups:
     o_ffn: KernelGroup
 
 
+def _row_reader(weights: LlamaWeights) -> Callable[[torch.Tensor], torch.Tensor]:
+    """bf16 LM-head rows by id: read from the checkpoint file where the head is a view of it
+    (nothing stays resident), else gathered from the tensor."""
+    head = weights.lm_head
+    reader = weights.checkpoint.rows_of(head) if weights.checkpoint is not None else None
+    return reader if reader is not None else (lambda idx: head.index_select(0, idx))
+
+
 class DeviceModel:
     def __init__(self, kc: KernelCache, weights: LlamaWeights, max_context: int,
                  buckets: tuple[int, ...] | None = None, profiler: Profiler | None = None):
@@ -70,7 +78,7 @@ class DeviceModel:
         self.final_norm = weights.final_norm
         # A quantized head's leading logits are recomputed from its bf16 rows (`head_rescore`);
         # `rescore_k` 0 turns that off (a bf16 head is exact already).
-        self.head_rows = weights.backing.lm_head if weights.backing is not None else None
+        self.head_rows = _row_reader(weights.backing) if weights.backing is not None else None
         self.rescore_k = TOP_K if self.head_rows is not None else 0
         # A context shorter than the smallest bucket still prefills a whole bucket's rows (the
         # padding included), so the cache and the RoPE table hold at least that many positions;

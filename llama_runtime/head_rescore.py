@@ -6,8 +6,9 @@ But the head is where 4-bit rounding shows most: on the embedded model (the one 
 on every machine), a Q4NX head alone raises perplexity by 6.7 % and changes the top-1 token at
 19 % of positions, where Q4NX layers with a bf16 head cost 0.1 % (docs/profile.md). The logits
 that decide a token are few, though, and the bf16 rows that compute them exactly are already in
-memory: a tied head is the embedding table the host reads for every token's lookup (an untied
-one stays mapped from the checkpoint). So after the device's 4-bit GEMV, the `TOP_K` highest
+memory or in the page cache: a tied head is the embedding table the host reads for every
+token's lookup (an untied one stays in its checkpoint file); they are read from the file
+(`safetensors_io.FileRows`), so they do not stay resident. So after the device's 4-bit GEMV, the `TOP_K` highest
 logits are recomputed on the host from those rows, f32 sums rounded to bf16 as the GEMV rounds:
 256 rows (1 MiB for Llama-3.2-1B) against the 164 MB the 4-bit head streams. Measured on the
 embedded model, this brings the perplexity cost to 0.6 % and the top-1 agreement with bf16 to
@@ -19,15 +20,19 @@ whose exact logit would lead but whose 4-bit logit falls below the 256th is miss
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 TOP_K = 256
 
 
-def rescore(logits: torch.Tensor, normed: torch.Tensor, rows: torch.Tensor, k: int = TOP_K) -> torch.Tensor:
-    """Overwrite the `k` highest of `logits` (f32 [vocab]) with bf16-rounded `rows[i] · normed`; returns their ids."""
+def rescore(logits: torch.Tensor, normed: torch.Tensor, rows: Callable[[torch.Tensor], torch.Tensor],
+            k: int = TOP_K) -> torch.Tensor:
+    """Overwrite the `k` highest of `logits` (f32 [vocab]) with bf16-rounded `rows(ids) · normed`,
+    where `rows` gives the bf16 head rows of the ids asked for; returns those ids."""
     k = min(k, logits.numel())
     idx = torch.topk(logits, k, sorted=False).indices
-    exact = rows.index_select(0, idx).float() @ normed.float()
+    exact = rows(idx).float() @ normed.float()
     logits.index_copy_(0, idx, exact.to(torch.bfloat16).float())
     return idx

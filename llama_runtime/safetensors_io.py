@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import struct
 from pathlib import Path
 
@@ -96,6 +97,47 @@ class SafetensorsFile:
         return torch.from_numpy(raw).view(tdtype).reshape(shape)
 
 
+    def contains(self, t: torch.Tensor) -> int | None:
+        """The file offset of `t`'s first byte when `t` is a view into this file's mapping."""
+        if self._map is None:
+            return None
+        base = self._map.ctypes.data
+        offset = t.data_ptr() - base
+        return offset if 0 <= offset and offset + t.numel() * t.element_size() <= self._map.size else None
+
+
+class FileRows:
+    """Rows of a row-major matrix read from its file with `pread`, at token ids.
+
+    The host reads a few rows of the embedding table per token (the lookup, a quantized head's
+    rescored candidates): through the mapping, every fault would also map the pages around it
+    (the kernel's fault-around), so a few hundred candidates a token would make the whole table
+    resident within a few dozen tokens. Read this way, nothing of the table stays mapped; the
+    page cache serves the reads.
+    """
+
+    def __init__(self, path: Path, offset: int, shape: tuple[int, int], dtype: torch.dtype):
+        self.path, self.offset, self.shape, self.dtype = path, offset, shape, dtype
+        self.row_bytes = shape[1] * torch.empty(0, dtype=dtype).element_size()
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def __call__(self, idx: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(len(idx), self.shape[1], dtype=self.dtype)
+        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        rb = self.row_bytes
+        for j, i in enumerate(idx.tolist()):
+            if not 0 <= i < self.shape[0]:
+                raise IndexError(f"row {i} of a {self.shape[0]}-row matrix")
+            if os.preadv(self._fd, [view[j * rb:(j + 1) * rb]], self.offset + i * rb) != rb:
+                raise CheckpointError(f"{self.path}: short read of row {i} (the file changed under the runtime?)")
+        return out
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            os.close(fd)
+
+
 class Checkpoint:
     """All tensors of a checkpoint folder, single-file or sharded (model.safetensors.index.json)."""
 
@@ -128,6 +170,16 @@ class Checkpoint:
     def release_pages(self) -> None:
         for st in {id(f): f for f in self._where.values()}.values():
             st.release_pages()
+
+    def rows_of(self, t: torch.Tensor) -> FileRows | None:
+        """A `FileRows` reader of `t` when it is a 2-D view of one of these files, else None."""
+        if t.dim() != 2 or not t.is_contiguous():
+            return None
+        for st in {id(f): f for f in self._where.values()}.values():
+            offset = st.contains(t)
+            if offset is not None:
+                return FileRows(st.path, offset, tuple(t.shape), t.dtype)
+        return None
 
     def __contains__(self, name: str) -> bool:
         return name in self._where

@@ -110,13 +110,23 @@ def test_rescoring_puts_the_exact_products_on_the_leading_candidates_only():
     h = torch.randn(64, generator=g).to(torch.bfloat16)
     approx = (rows.float() @ h.float()) + 0.5 * torch.randn(1000, generator=g)
     logits = approx.clone()
-    idx = rescore(logits, h, rows, 10)
+    idx = rescore(logits, h, lambda i: rows.index_select(0, i), 10)
     assert sorted(idx.tolist()) == sorted(approx.topk(10).indices.tolist())
     exact = (rows.float() @ h.float()).to(torch.bfloat16).float()
     assert torch.equal(logits[idx], exact[idx])
     rest = torch.ones(1000, dtype=torch.bool)
     rest[idx] = False
     assert torch.equal(logits[rest], approx[rest])
+
+
+def test_the_head_rows_are_read_from_the_checkpoint_file_as_the_table_holds_them(session):
+    from llama_runtime.safetensors_io import FileRows
+
+    assert isinstance(session.model.head_rows, FileRows)
+    ids = torch.tensor([0, 7, session.config.vocab_size - 1, 7])
+    assert torch.equal(session.model.head_rows(ids), session.model.embed.index_select(0, ids))
+    with pytest.raises(IndexError):
+        session.model.head_rows(torch.tensor([session.config.vocab_size]))
 
 
 def test_the_session_rescores_the_4_bit_head_from_the_bf16_table(session):
