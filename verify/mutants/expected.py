@@ -33,7 +33,6 @@ SURVIVORS: dict[tuple[str, str, str], str] = {
     ("o_ffn_s32", "swap_generic_inputs", "rmsnorm:generic@36"): NORM_SWAP,
     ("rms_gemv_rope", "swap_generic_inputs", "rmsnorm:generic@36"): NORM_SWAP,
     ("o_gemv_ffn", "swap_generic_inputs", "rmsnorm:generic@32"): NORM_SWAP,
-    ("rms_gemms_rope_s32", "const_float_plus1", "rmsnorm:const.%rmsnorm_cst@28"): SUMSQ_START,
     ("o_ffn_s32", "const_float_plus1", "rmsnorm:const.%rmsnorm_cst@12"): SUMSQ_START,
     ("rms_gemv_rope", "const_float_plus1", "rmsnorm:const.%rmsnorm_cst@14"): SUMSQ_START,
     ("o_gemv_ffn", "const_float_plus1", "rmsnorm:const.%rmsnorm_cst@10"): SUMSQ_START,
