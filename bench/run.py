@@ -130,7 +130,7 @@ def _prepare_weights(folder: Path, quant: str, log) -> None:
         from llama32_1b_weights import load_weights
 
         log(f"[bench] {folder.name}: {quant} weights ...")
-        del load_weights(folder, quant, log).layers
+        load_weights(folder, quant, log)      # made and cached now; the loaded weights are dropped
 
 
 def _perplexity(model: str, folder: Path, cfg: LlamaConfig, plan: Plan, sides, base: dict, work: Path,
@@ -146,13 +146,13 @@ def _perplexity(model: str, folder: Path, cfg: LlamaConfig, plan: Plan, sides, b
     from verify.eval_text import SOURCE, eval_chunks
 
     chunks = eval_chunks(Tokenizer(folder, cfg), plan.perplexity_chunks, plan.perplexity_len)
-    raw_text = f"{SOURCE}: {plan.perplexity_chunks} chunks of {plan.perplexity_len} tokens"
+    what = f"{SOURCE}: {plan.perplexity_chunks} chunks of {plan.perplexity_len} tokens"
     for name, module, extra, python in sides:
-        log(f"[bench] {model}: {name} perplexity ({raw_text}) ...")
+        log(f"[bench] {model}: {name} perplexity ({what}) ...")
         r = run_side(module, {**base, **extra, PERPLEXITY: chunks}, work / model / name.replace(" ", "-") / "ppl",
                      python, log)
         raw[name][PERPLEXITY] = r.get(PERPLEXITY) or {"error": r.get("error", "no scores")}
-    notes.append(f"{model}: perplexity on the {raw_text}, each scored after BOS on its own.")
+    notes.append(f"{model}: perplexity on the {what}, each scored after BOS on its own.")
 
 
 def bench_model(model: str, plan: Plan, device: str, llamacpp, work: Path, notes: list[str],
