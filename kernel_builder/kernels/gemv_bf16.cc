@@ -11,84 +11,49 @@
 
 namespace {
 
+// One row of W times x over N columns, summed in f32: what both entry points are made of.
+#if defined(__AIENGINE__)
+
+template <int N>
+float row_dot(const bf16 *KRESTRICT row, const bf16 *KRESTRICT x) {
+  constexpr int L = 32;
+  static_assert(N % L == 0, "a row must be a whole number of 32-lane vectors");
+  aie::accum<accfloat, L> sum = aie::zeros<accfloat, L>();
+  for (int k = 0; k < N; k += L)
+    sum = aie::mac(sum, aie::load_v<L>(row + k), aie::load_v<L>(x + k));
+  return aie::reduce_add(sum.template to_vector<float>());
+}
+
+#else
+
+template <int N>
+float row_dot(const bf16 *KRESTRICT row, const bf16 *KRESTRICT x) {
+  float sum = 0.0f;
+  for (int k = 0; k < N; ++k)
+    sum += bf16_to_f32(row[k]) * bf16_to_f32(x[k]);
+  return sum;
+}
+
+#endif
+
+} // namespace
+
 #if defined(GEMV_TILE_K)
 
 // acc[r] += W[r, 0:TILE_K] · x[col0 : col0 + TILE_K]: one K tile of TILE_M rows, the f32 sums
 // kept by the caller across the tiles (Defines: GEMV_TILE_K as well).
-#if defined(__AIENGINE__)
-
-template <int TILE_M, int TILE_K>
-void gemv_acc(const bf16 *KRESTRICT w, const bf16 *KRESTRICT x, float *KRESTRICT acc) {
-  constexpr int N = 32;
-  static_assert(TILE_K % N == 0, "TILE_K must be a whole number of 32-lane vectors");
-  for (int r = 0; r < TILE_M; ++r) {
-    const bf16 *KRESTRICT row = w + r * TILE_K;
-    aie::accum<accfloat, N> sum = aie::zeros<accfloat, N>();
-    for (int k = 0; k < TILE_K; k += N)
-      sum = aie::mac(sum, aie::load_v<N>(row + k), aie::load_v<N>(x + k));
-    acc[r] += aie::reduce_add(sum.template to_vector<float>());
-  }
-}
-
-#else
-
-template <int TILE_M, int TILE_K>
-void gemv_acc(const bf16 *KRESTRICT w, const bf16 *KRESTRICT x, float *KRESTRICT acc) {
-  for (int r = 0; r < TILE_M; ++r) {
-    const bf16 *KRESTRICT row = w + r * TILE_K;
-    float sum = 0.0f;
-    for (int k = 0; k < TILE_K; ++k)
-      sum += bf16_to_f32(row[k]) * bf16_to_f32(x[k]);
-    acc[r] += sum;
-  }
-}
-
-#endif
-
-} // namespace
-
 extern "C" void GEMV_SYMBOL(const bf16 *KRESTRICT w, const bf16 *KRESTRICT x, float *KRESTRICT acc,
                             int32_t col0) {
-  gemv_acc<GEMV_TILE_M, GEMV_TILE_K>(w, x + col0, acc);
+  for (int r = 0; r < GEMV_TILE_M; ++r)
+    acc[r] += row_dot<GEMV_TILE_K>(w + r * GEMV_TILE_K, x + col0);
 }
 
 #else
-
-#if defined(__AIENGINE__)
-
-template <int TILE_M, int K>
-void gemv(const bf16 *KRESTRICT w, const bf16 *KRESTRICT x, bf16 *KRESTRICT y) {
-  constexpr int N = 32;
-  static_assert(K % N == 0, "K must be a whole number of 32-lane vectors");
-  for (int r = 0; r < TILE_M; ++r) {
-    const bf16 *KRESTRICT row = w + r * K;
-    aie::accum<accfloat, N> acc = aie::zeros<accfloat, N>();
-    for (int k = 0; k < K; k += N)
-      acc = aie::mac(acc, aie::load_v<N>(row + k), aie::load_v<N>(x + k));
-    y[r] = f32_to_bf16(aie::reduce_add(acc.template to_vector<float>()));
-  }
-}
-
-#else
-
-template <int TILE_M, int K>
-void gemv(const bf16 *KRESTRICT w, const bf16 *KRESTRICT x, bf16 *KRESTRICT y) {
-  for (int r = 0; r < TILE_M; ++r) {
-    const bf16 *KRESTRICT row = w + r * K;
-    float acc = 0.0f;
-    for (int k = 0; k < K; ++k)
-      acc += bf16_to_f32(row[k]) * bf16_to_f32(x[k]);
-    y[r] = f32_to_bf16(acc);
-  }
-}
-
-#endif
-
-} // namespace
 
 extern "C" void GEMV_SYMBOL(const bf16 *KRESTRICT w, const bf16 *KRESTRICT x,
                             bf16 *KRESTRICT y) {
-  gemv<GEMV_TILE_M, GEMV_K>(w, x, y);
+  for (int r = 0; r < GEMV_TILE_M; ++r)
+    y[r] = f32_to_bf16(row_dot<GEMV_K>(w + r * GEMV_K, x));
 }
 
 #endif
