@@ -45,12 +45,16 @@ class PrefillGroups:
     o_ffn: KernelGroup
 
 
-def _row_reader(weights: LlamaWeights) -> Callable[[torch.Tensor], torch.Tensor]:
-    """bf16 LM-head rows by id: read from the checkpoint file where the head is a view of it
-    (nothing stays resident), else gathered from the tensor."""
-    head = weights.lm_head
-    reader = weights.checkpoint.rows_of(head) if weights.checkpoint is not None else None
-    return reader if reader is not None else (lambda idx: head.index_select(0, idx))
+def _row_reader(table: torch.Tensor, weights: LlamaWeights | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Rows of a bf16 table by id (embedding lookups, a quantized head's rescored candidates):
+    read from the checkpoint file where the table is a view of it (`FileRows`: nothing stays
+    resident), else gathered from the tensor."""
+    while weights is not None:
+        reader = weights.checkpoint.rows_of(table) if weights.checkpoint is not None else None
+        if reader is not None:
+            return reader
+        weights = weights.backing
+    return lambda idx: table.index_select(0, idx)
 
 
 class DeviceModel:
@@ -78,7 +82,8 @@ class DeviceModel:
         self.final_norm = weights.final_norm
         # A quantized head's leading logits are recomputed from its bf16 rows (`head_rescore`);
         # `rescore_k` 0 turns that off (a bf16 head is exact already).
-        self.head_rows = _row_reader(weights.backing) if weights.backing is not None else None
+        self.embed_rows = _row_reader(weights.embed, weights)
+        self.head_rows = _row_reader(weights.backing.lm_head, weights.backing) if weights.backing is not None else None
         self.rescore_k = TOP_K if self.head_rows is not None else 0
         # A context shorter than the smallest bucket still prefills a whole bucket's rows (the
         # padding included), so the cache and the RoPE table hold at least that many positions;
@@ -135,7 +140,7 @@ class DeviceModel:
             bad = [i for i in ids if not 0 <= i < v]
             if bad:
                 raise PromptError(f"token id {bad[0]} is outside the model's vocabulary of {v}")
-            return self.embed[torch.tensor(ids, dtype=torch.long)]
+            return self.embed_rows(torch.tensor(ids, dtype=torch.long))
 
     def logits(self, hidden_row: torch.Tensor, capture=None) -> torch.Tensor:
         """Final RMSNorm on one row (host), then the LM head as one 8-partition GEMV call (and a

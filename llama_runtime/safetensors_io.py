@@ -167,15 +167,19 @@ class Checkpoint:
                 for name in st.names():
                     self._where[name] = st
 
+    def _files(self) -> list[SafetensorsFile]:
+        """Each file once (a sharded checkpoint maps many names to one file)."""
+        return list({id(f): f for f in self._where.values()}.values())
+
     def release_pages(self) -> None:
-        for st in {id(f): f for f in self._where.values()}.values():
+        for st in self._files():
             st.release_pages()
 
     def rows_of(self, t: torch.Tensor) -> FileRows | None:
         """A `FileRows` reader of `t` when it is a 2-D view of one of these files, else None."""
         if t.dim() != 2 or not t.is_contiguous():
             return None
-        for st in {id(f): f for f in self._where.values()}.values():
+        for st in self._files():
             offset = st.contains(t)
             if offset is not None:
                 return FileRows(st.path, offset, tuple(t.shape), t.dtype)

@@ -119,12 +119,13 @@ def test_rescoring_puts_the_exact_products_on_the_leading_candidates_only():
     assert torch.equal(logits[rest], approx[rest])
 
 
-def test_the_head_rows_are_read_from_the_checkpoint_file_as_the_table_holds_them(session):
+def test_the_table_rows_are_read_from_the_checkpoint_file_as_the_table_holds_them(session):
     from llama_runtime.safetensors_io import FileRows
 
-    assert isinstance(session.model.head_rows, FileRows)
+    assert isinstance(session.model.head_rows, FileRows) and isinstance(session.model.embed_rows, FileRows)
     ids = torch.tensor([0, 7, session.config.vocab_size - 1, 7])
     assert torch.equal(session.model.head_rows(ids), session.model.embed.index_select(0, ids))
+    assert torch.equal(session.model.embed_tokens(ids.tolist()), session.model.embed.index_select(0, ids))
     with pytest.raises(IndexError):
         session.model.head_rows(torch.tensor([session.config.vocab_size]))
 
