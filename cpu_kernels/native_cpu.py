@@ -129,6 +129,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tiles_dot_bf16_cpu.argtypes = [ptr, ptr, ptr]
     lib.gemv_q4nx_cpu_batch.argtypes = [ptr, ctypes.c_int]
     lib.gemm_q4nx_cpu.argtypes = [ptr, ptr, ptr, i64, i64, i64]
+    lib.read_rows_cpu.argtypes = [ctypes.c_int, i64, i64, i64, ptr, i64, ptr]
+    lib.read_rows_cpu.restype = i64
     lib.isa = lib.native_cpu_isa().decode()
     return lib
 
@@ -384,3 +386,14 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
     lib.flash_attention_bf16_cpu(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), s, c, heads, kvh, d,
                                  start, k.stride(0) // d)
     return True
+
+
+def read_rows(fd: int, offset: int, n_rows: int, ids: torch.Tensor, out: torch.Tensor) -> int | None:
+    """`pread` rows `ids` (int64) of an n_rows-row matrix at `offset` in the open file `fd` into
+    `out` (contiguous, one row per id): -1 when all were read, else the first failing position;
+    None if the native library is unavailable."""
+    lib = _library()
+    if lib is None or ids.dtype != torch.int64 or not (ids.is_contiguous() and out.is_contiguous()):
+        return None
+    row_bytes = out[0].numel() * out.element_size() if len(out) else 0
+    return lib.read_rows_cpu(fd, offset, row_bytes, n_rows, ids.data_ptr(), len(ids), out.data_ptr())

@@ -85,6 +85,8 @@ class DeviceModel:
         self.embed_rows = _row_reader(weights.embed, weights)
         self.head_rows = _row_reader(weights.backing.lm_head, weights.backing) if weights.backing is not None else None
         self.rescore_k = TOP_K if self.head_rows is not None else 0
+        if self.rescore_k and hasattr(self.head_rows, "prefetch"):
+            self.head_rows.prefetch()     # after the weights' load, so as not to compete with it
         # A context shorter than the smallest bucket still prefills a whole bucket's rows (the
         # padding included), so the cache and the RoPE table hold at least that many positions;
         # `max_context` alone bounds the tokens a sequence may have.

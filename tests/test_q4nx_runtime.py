@@ -3,12 +3,14 @@ the same prefill and decode code as bf16, held to a bf16 session run on the same
 dequantized, which is what `make verify QUANT=q4nx` holds it to on the HF side."""
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
 import torch
 
 from llama_base import q4nx
+from llama_base.errors import CheckpointError
 from llama_runtime.decode import decode_step
 from llama_runtime.device_model import DeviceModel
 from llama_runtime.head_rescore import TOP_K, rescore
@@ -128,6 +130,40 @@ def test_the_table_rows_are_read_from_the_checkpoint_file_as_the_table_holds_the
     assert torch.equal(session.model.embed_tokens(ids.tolist()), session.model.embed.index_select(0, ids))
     with pytest.raises(IndexError):
         session.model.head_rows(torch.tensor([session.config.vocab_size]))
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_file_rows_read_the_rows_asked_for_and_name_what_went_wrong(tmp_path, monkeypatch, native):
+    """Both readers (one native call for all rows, or a pread per row where the library is
+    unavailable) give the table's rows in the order asked, and tell an id outside the table
+    from a file that shrank under the runtime."""
+    from safetensors.torch import save_file
+
+    from cpu_kernels import native_cpu
+    from llama_runtime.safetensors_io import Checkpoint, FileRows
+
+    if native and native_cpu._library() is None:
+        pytest.skip("no native library on this machine")
+    if not native:
+        monkeypatch.setattr(native_cpu, "read_rows", lambda *a: None)
+    table = torch.randn(50, 24).to(torch.bfloat16)
+    save_file({"pad": torch.ones(3, dtype=torch.bfloat16), "t": table}, tmp_path / "m.safetensors")
+    ck = Checkpoint(tmp_path)
+    rows = ck.rows_of(ck.get("t", (50, 24)))
+    assert isinstance(rows, FileRows)
+    ids = torch.tensor([49, 0, 7, 7, 13])
+    assert torch.equal(rows(ids), table[ids])
+    advised = []
+    monkeypatch.setattr("os.posix_fadvise", lambda fd, off, n, how: advised.append((off, n, how)))
+    rows.prefetch()                                   # the table's own bytes, not the file's
+    assert advised == [(rows.offset, 50 * 24 * 2, os.POSIX_FADV_WILLNEED)]
+    assert rows.offset > 0
+    with pytest.raises(IndexError, match="row 50 of a 50-row"):
+        rows(torch.tensor([1, 50]))
+    f = tmp_path / "m.safetensors"
+    f.write_bytes(f.read_bytes()[:-24 * 2 * 5])          # the last 5 rows gone
+    with pytest.raises(CheckpointError, match="short read of row 46"):
+        rows(torch.tensor([0, 46]))
 
 
 def test_the_session_rescores_the_4_bit_head_from_the_bf16_table(session):
