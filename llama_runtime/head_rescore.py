@@ -3,16 +3,16 @@
 Decode reads the whole LM head every token, so with Q4NX weights it is quantized too: kept in
 bf16 it would cost Llama-3.2-1B as many bytes a token as every layer's Q4NX weights together.
 But the head is where 4-bit rounding shows most: on the embedded model (the one trained model
-on every machine), a Q4NX head alone raises perplexity by 6.7 % and changes the top-1 token at
-19 % of positions, where Q4NX layers with a bf16 head cost 0.1 % (docs/profile.md). The logits
-that decide a token are few, though, and the bf16 rows that compute them exactly are already in
-memory or in the page cache: a tied head is the embedding table the host reads for every
-token's lookup (an untied one stays in its checkpoint file); they are read from the file
-(`safetensors_io.FileRows`), so they do not stay resident. So after the device's 4-bit GEMV, the `TOP_K` highest
-logits are recomputed on the host from those rows, f32 sums rounded to bf16 as the GEMV rounds:
-256 rows (1 MiB for Llama-3.2-1B) against the 164 MB the 4-bit head streams. Measured on the
-embedded model, this brings the perplexity cost to 0.6 % and the top-1 agreement with bf16 to
-96.5 %, the level of Q4NX layers with a bf16 head.
+on every machine), a Q4NX head alone costs several times the perplexity of all Q4NX layers
+together and changes the top-1 token at a fifth of positions (docs/explain.md has the figures).
+The logits that decide a token are few, though, and the bf16 rows that compute them exactly
+exist already: a tied head is the embedding table the host reads for every token's lookup (an
+untied one stays in its checkpoint file); they are read from the file
+(`safetensors_io.FileRows`), so they do not stay resident. So after the device's 4-bit GEMV,
+the `TOP_K` highest logits are recomputed on the host from those rows, f32 sums rounded to bf16
+as the GEMV rounds: 256 rows (1 MiB for Llama-3.2-1B) against the 164 MB the 4-bit head
+streams, which brings the perplexity and the top-1 agreement back to the level of Q4NX layers
+with a bf16 head.
 
 What stays approximate: logits outside the candidates keep the 4-bit head's values, so the
 probabilities of unlikely tokens (a sampler's tail, their logprobs) carry its error, and a token

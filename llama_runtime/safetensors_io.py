@@ -124,9 +124,9 @@ class FileRows:
         self._fd = os.open(path, os.O_RDONLY)
 
     def prefetch(self) -> None:
-        """Ask the page cache for the whole table, in the background. For a reader of a few
-        hundred scattered rows a token: from a cold file each row is a disk read (10 ms a token
-        for 256 rows on the disk of docs/profile.md), where cached rows take 0.2 ms."""
+        """Ask the page cache for the whole table, in the background, for a reader of a few
+        hundred scattered rows a token: from a cold file each of them would be a disk read, and
+        the rows of one step would take longer than the step's GEMVs."""
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd, self.offset, self.shape[0] * self.row_bytes, os.POSIX_FADV_WILLNEED)
 
