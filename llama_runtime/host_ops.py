@@ -8,6 +8,7 @@ convention such as where bf16 rounding happens.
 from __future__ import annotations
 
 import math
+import mmap
 from collections.abc import Sequence
 
 import torch
@@ -50,6 +51,18 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_hea
     return out.transpose(0, 1).reshape(n, n_heads * d).to(torch.bfloat16)
 
 
+def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros in an anonymous mapping of their own: a page becomes resident when it is first
+    written, so memory follows what is used rather than what is reserved (the KV cache holds
+    `max_context` positions, a prompt writes the first ones of each head's block). torch.zeros
+    would write, and so make resident, every byte at once."""
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(m, dtype=torch.uint8).view(dtype).view(shape)
+
+
 class KVCache:
     """Head-major K/V for every layer: [layers, kv_heads, max_seq, head_dim], bf16, and the
     token each position holds.
@@ -63,8 +76,8 @@ class KVCache:
 
     def __init__(self, layers: int, kv_heads: int, max_seq: int, head_dim: int):
         shape = (layers, kv_heads, max_seq, head_dim)
-        self.k = torch.zeros(shape, dtype=torch.bfloat16)
-        self.v = torch.zeros(shape, dtype=torch.bfloat16)
+        self.k = untouched_zeros(shape, torch.bfloat16)
+        self.v = untouched_zeros(shape, torch.bfloat16)
         self.max_seq = max_seq
         self.token_ids: list[int] = []
 

@@ -1,7 +1,8 @@
 """The device API the runtime is written against: what every device implements.
 
-It is the subset of pyxrt the runtime uses: allocate a buffer object (BO), map it, sync it to /
-from the device, build and load a group's artifact and run its kernel on a list of BOs. The
+It is the subset of pyxrt the runtime uses: allocate a buffer object (BO) or a sub-buffer of
+one, map it, sync it to / from the device, build and load a group's artifact and run its kernel
+on a list of BOs. The
 real NPU (`npu_runtime.xrt`) and the simulated one (`npu_runtime.sim`) implement it, so the
 KernelCache, preload and the prefill / decode loops are one code path for both. It is kept this
 narrow so that a device which executes the stitched MLIR-AIR itself needs nothing more.
@@ -82,6 +83,10 @@ class Device(Protocol):
     def toolchain_stamp(self) -> str: ...
     def toolchain_description(self) -> str: ...
     def bo(self, nbytes: int, kernel: Kernel | None = None, arg: int | None = None) -> BO: ...
+    # Bytes [offset, offset + nbytes) of `parent` as a BO of its own (XRT's `xrt::bo(parent,
+    # size, offset)`): its map is that range of the parent's, its syncs move that range, and a
+    # kernel given it sees a buffer of exactly `nbytes`. Allocates nothing.
+    def sub_bo(self, parent: BO, nbytes: int, offset: int = 0) -> BO: ...
     def compile(self, group: KernelGroup, out_dir: Path, mlir_text: str) -> list[str]: ...
     def load(self, artifact_dir: Path, group: KernelGroup) -> Kernel: ...
 

@@ -211,6 +211,10 @@ class ArtifactCache:
         except KeyError:
             raise KeyError(f"{name} was not compiled in this KernelCache (call compile_and_cache first)") from None
 
+    def groups(self) -> list[KernelGroup]:
+        """Every group compiled (or found on disk) in this cache so far."""
+        return [e.group for e in self._entries.values()]
+
     def kernel(self, name: str) -> Kernel:
         """The loaded kernel of a compiled group; the least recently used is dropped past `max_loaded`."""
         if name in self._loaded:

@@ -3,10 +3,14 @@
 BOs: a *BO set* (`bo_key`, per layer: f"{group}_L{layer}") holds a group's static slots.
 Statics are written once by `preload`; with a `share_key` (the layer) the prefill and decode
 groups of a layer use one BO per weight, so weights are resident once. Input, intermediate
-and output slots are activations: one BO per (group, slot), shared by every layer's set,
-because calls are sequential. On every call the host writes only `input` slots and reads back
-only `output` slots; it never touches `static` slots after preload or `intermediate` ones.
-All of those sets come from the group declaration.
+and output slots are activations, and because calls are sequential their memory is shared
+(`activation_pool`): every layer's set of a group uses the same BOs, the groups of one kind
+(the prefill buckets, attention at each context) share one buffer per slot sized for the
+largest of them, and every group's intermediates share one set of scratch buffers. A group
+whose slot is smaller than its pool's buffer gets a sub-buffer of it (`Device.sub_bo`), so a
+kernel's BO is always the size its argument declares. On every call the host writes only
+`input` slots and reads back only `output` slots; it never touches `static` slots after
+preload or `intermediate` ones. All of those sets come from the group declaration.
 
 The compiled artifacts, their disk cache and the loaded kernels are the `ArtifactCache`'s
 (`artifacts`); this class only asks it for a group's kernel.
@@ -48,7 +52,9 @@ class KernelCache:
         self.profiler = profiler or NULL_PROFILER
         self._sets: dict[str, BOSet] = {}
         self._statics: dict[tuple[str, str], BO] = {}
-        self._acts: dict[tuple[str, str], BO] = {}
+        self._pools: dict[tuple[str, str], BO] = {}     # activation_pool -> the buffer it owns
+        self._acts: dict[tuple[str, str], BO] = {}      # (group, slot) -> its BO: a pool's, or a sub-buffer of it
+        self._pool_names: dict[str, dict[str, tuple[str, str]]] = {}
 
     @property
     def stats(self) -> CacheStats:
@@ -69,19 +75,60 @@ class KernelCache:
                 raise KeyError(f"bo_key {bo_key!r} belongs to {s.group.name}, not {name}")
             return s
         group = self.artifacts.group(name)
-        # Statics are filled by preload, activations on the set's first run: a bucket that is
-        # never used never allocates its activation buffers.
+        # Statics are filled by preload, activations on the set's first run (`_activation`).
         s = self._sets[bo_key] = BOSet(group, [None] * len(group.slots))
         return s
 
     def _bind_activations(self, s: BOSet) -> None:
         for i, slot in enumerate(s.group.slots):
             if slot.role is not Role.STATIC and s.bos[i] is None:
-                key = (s.group.name, slot.name)
-                if key not in self._acts:
-                    self._acts[key] = self.device.bo(slot.nbytes)
-                s.bos[i] = self._acts[key]
+                s.bos[i] = self._activation(s.group, slot)
         s.io = self._io(s, None)
+
+    def _activation(self, group: KernelGroup, slot) -> BO:
+        """The BO of one of `group`'s activation slots: its pool's buffer when that is the slot's
+        size, else a sub-buffer of it. A pool's buffer is sized for the largest slot of every
+        group compiled so far; a group compiled later that needs more (attention over a longer
+        context) replaces it with a larger one, and the sets bound to the old one are rebound."""
+        key = (group.name, slot.name)
+        bo = self._acts.get(key)
+        if bo is not None:
+            return bo
+        pool = self._pool_of(group)[slot.name]
+        buf = self._pools.get(pool)
+        if buf is None or buf.size < slot.nbytes:
+            need = max([slot.nbytes] + [g.slot(name).nbytes for g in self.artifacts.groups()
+                                        for name, p in self._pool_of(g).items() if p == pool])
+            buf = self._replace_pool(pool, need)
+        bo = self._acts[key] = buf if buf.size == slot.nbytes else self.device.sub_bo(buf, slot.nbytes)
+        return bo
+
+    def _pool_of(self, group: KernelGroup) -> dict[str, tuple[str, str]]:
+        """Slot name -> `activation_pool`, for each activation slot of the group (kept per group)."""
+        pools = self._pool_names.get(group.name)
+        if pools is None:
+            pools = self._pool_names[group.name] = {sl.name: activation_pool(group, sl) for sl in group.slots
+                                                    if sl.role is not Role.STATIC}
+        return pools
+
+    def _replace_pool(self, pool: tuple[str, str], nbytes: int) -> BO:
+        old = self._pools.get(pool)
+        buf = self._pools[pool] = self.device.bo(nbytes)
+        if old is None:
+            return buf
+        moved: dict[int, tuple[BO, BO]] = {}     # id of the old BO -> (old, new); old kept alive meanwhile
+        for key, bo in list(self._acts.items()):
+            group = self.artifacts.group(key[0])
+            slot = group.slot(key[1])
+            if self._pool_of(group)[slot.name] == pool:
+                new = self._acts[key] = buf if buf.size == slot.nbytes else self.device.sub_bo(buf, slot.nbytes)
+                moved[id(bo)] = (bo, new)
+        for s in self._sets.values():
+            if any(b is not None and id(b) in moved for b in s.bos):
+                s.bos = [moved[id(b)][1] if b is not None and id(b) in moved else b for b in s.bos]
+                s.views.clear()
+                s.io = self._io(s, None)
+        return buf
 
     def preload(self, name: str, bo_key: str, statics: dict[str, torch.Tensor], share_key: str | None = None) -> None:
         """Upload a BO set's static slots once. With `share_key`, reuse another group's identical weight BO."""
@@ -106,7 +153,8 @@ class KernelCache:
     # ---- running ------------------------------------------------------------------------
     def load_and_run(self, name: str, inputs: dict[str, torch.Tensor], bo_key: str,
                      rows: int | None = None) -> dict[str, torch.Tensor]:
-        """Write the inputs, run, read back the outputs (views valid until the group's next call).
+        """Write the inputs, run, read back the outputs (views valid until the next call of a
+        group of the same kind: the buckets of a kind share their buffers).
 
         `rows` limits the host's writes and reads to the first rows of row-major activations
         (a prompt shorter than its bucket): rows past it are padding that, by causality,
@@ -178,5 +226,33 @@ class KernelCache:
 
     # ---- accounting ---------------------------------------------------------------------
     def resident_bytes(self) -> dict[str, int]:
+        """Bytes of the buffers allocated: weights, and activations (every pool's buffer once;
+        sub-buffers allocate nothing)."""
         return {"static": sum(b.size for b in self._statics.values()),
-                "activations": sum(b.size for b in self._acts.values())}
+                "activations": sum(b.size for b in self._pools.values())}
+
+    def activation_bytes_by_pool(self) -> dict[str, int]:
+        """The activation buffers' bytes by pool: a group kind's inputs and outputs, or the
+        intermediates every group shares."""
+        out: dict[str, int] = {}
+        for (owner, _), b in self._pools.items():
+            out[owner] = out.get(owner, 0) + b.size
+        return out
+
+
+def activation_pool(group: KernelGroup, slot) -> tuple[str, str]:
+    """Which shared buffer an activation slot uses. Calls are sequential, so nothing one call
+    leaves in an activation buffer is needed once the next call of the same kind has run:
+
+    - inputs and outputs: one buffer per (kind, slot name), shared by every bucket of the kind
+      (a prefill chunk runs all its layers in one bucket; an output is read, or copied into the
+      next group's input, before the next call of its kind);
+    - intermediates: no host access and nothing left between calls, so every group's i-th
+      largest intermediate uses the same scratch buffer.
+    """
+    if slot.role is Role.INTERMEDIATE:
+        ranked = sorted(group.with_role(Role.INTERMEDIATE), key=lambda s: -s.nbytes)
+        return "intermediate", str(ranked.index(slot))
+    if slot.role is Role.STATIC:
+        raise ValueError(f"{group.name}.{slot.name} is a weight, not an activation")
+    return group.kind, slot.name

@@ -138,6 +138,16 @@ class FakeXrt:
                     self.sim_bo.sync(Sync.FROM_DEVICE, nbytes, offset)
                     span.copy_(host)
 
+        class bo(_BO):   # noqa: N801 (pyxrt.bo; only its sub-buffer constructor is used)
+            def __init__(self, parent, nbytes: int, offset: int):
+                assert isinstance(parent, _BO)
+                if not (nbytes > 0 and offset >= 0 and offset + nbytes <= parent.nbytes):
+                    raise RuntimeError("sub buffer size and offset")
+                state.calls.append(("sub_bo", id(self), nbytes, id(parent), offset))
+                self.nbytes, self.parent = nbytes, parent
+                self.sim_bo = state.sim.sub_bo(parent.sim_bo, nbytes, offset)
+                self._host = parent._host[offset:offset + nbytes]     # the parent's memory, as XRT's map is
+
         class run:   # noqa: N801
             def __init__(self, kernel):
                 assert isinstance(kernel, _Kernel)
@@ -157,7 +167,7 @@ class FakeXrt:
             def wait2(self):
                 return state.fail_run_state or ert_cmd_state.ERT_CMD_STATE_COMPLETED
 
-        m.device, m.elf, m.hw_context, m.run = device, elf, hw_context, run
+        m.device, m.elf, m.hw_context, m.run, m.bo = device, elf, hw_context, run, bo
         m.ext = types.SimpleNamespace(bo=_BO, kernel=_Kernel)
         return m
 

@@ -448,3 +448,19 @@ def test_quick_q4nx_bench_scores_perplexity_for_ours_in_both_formats(reports):
     assert m["decode_bytes_per_token"] < m["weight_bytes"] / 2        # counted at Q4NX's 5 bits
     md = jpath.with_suffix(".md").read_text()
     assert "our weights `q4nx`" in md and "| perplexity |" in md and "| top-1 agreement with ours bf16 |" in md
+
+
+def test_peak_memory_steps_report_each_steps_peak_and_the_largest_mappings():
+    """`bench.peak_memory`'s bookkeeping: a step's peak is at least what it leaves resident and
+    at least the run's peak so far, and the mappings name the anonymous memory."""
+    from bench.peak_memory import Steps, resident_by_mapping
+
+    lines = []
+    steps = Steps(lines.append)
+    held = steps.run("hold 32 MiB", lambda: bytearray(32 << 20))
+    assert len(held) == 32 << 20
+    row = steps.rows[0]
+    assert row["step"] == "hold 32 MiB" and row["step_peak"] >= row["rss"] > 0
+    assert steps.peak >= row["step_peak"] and len(lines) == 1
+    names = [name for name, _ in resident_by_mapping()]
+    assert "[anon]" in names or "[heap]" in names

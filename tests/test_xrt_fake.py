@@ -117,6 +117,42 @@ def test_the_call_protocol(fake, tiny_config, tiny_weights, tmp_path):
     assert {c[1] for c in fake.calls[:preloaded] if c[0] == "sync" and c[2] == TO_DEV} >= statics
 
 
+def test_buckets_share_their_buffers_through_sub_buffers_of_the_declared_size(fake, tiny_config, tiny_weights,
+                                                                                tmp_path):
+    """Two prefill buckets on the NPU target: the smaller one's arguments are XRT sub-buffers of
+    the larger one's BOs, each exactly the size its argument declares, and both compute what
+    the simulator computes."""
+    groups = [build_group("o_ffn", tiny_config, n) for n in (32, 64)]
+    gen = torch.Generator().manual_seed(2)
+    attn = torch.randn(64, tiny_config.q_dim, generator=gen).bfloat16()
+    x = torch.randn(64, tiny_config.hidden_size, generator=gen).bfloat16()
+    outs = {}
+    for dev in (xrt_device.XrtDevice(), SimDevice()):
+        kc = KernelCache(dev, tmp_path)
+        for g in groups:
+            kc.compile_and_cache(g)
+        for g in groups:
+            _ready(kc, g, tiny_weights)
+        for g in (groups[0], groups[1], groups[0]):
+            n = g.seq_len
+            outs.setdefault(dev.kind, []).append(
+                kc.load_and_run(g.name, {"attn": attn[:n], "x_res": x[:n]}, f"{g.name}_L0")["out"].clone())
+    assert all(torch.equal(a, b) for a, b in zip(outs["npu"], outs["sim"]))
+    assert torch.equal(outs["npu"][0], outs["npu"][2])
+    sizes = {c[1]: c[2] for c in fake.calls if c[0] in ("bo", "sub_bo")}
+    parent_of = {c[1]: c[3] for c in fake.calls if c[0] == "sub_bo"}
+    runs = [c for c in fake.calls if c[0] == "run"]
+    small, large = runs[0][2], runs[1][2]
+    assert [sizes[b] for b in small] == [s.nbytes for s in groups[0].slots]
+    assert [sizes[b] for b in large] == [s.nbytes for s in groups[1].slots]
+    for i, slot in enumerate(groups[0].slots):
+        if slot.role is Role.STATIC:
+            assert small[i] == large[i]                                  # one weight BO per layer
+        else:
+            assert parent_of[small[i]] in large                          # a range of the larger bucket's
+    assert len(set(small)) == len(small) and len(set(large)) == len(large)
+
+
 def test_contexts_are_bounded_and_reopened_on_demand(fake, tiny_config, tiny_weights, tmp_path):
     dev = xrt_device.XrtDevice(max_contexts=2)
     kc = KernelCache(dev, tmp_path)

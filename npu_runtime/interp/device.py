@@ -20,7 +20,7 @@ from npu_runtime.api import Counters, DeviceError
 from npu_runtime.interp.host_kernels import HostKernels
 from npu_runtime.interp.machine import DTYPES, ExternCall, Machine
 from npu_runtime.interp.program import CALL_OP, Block, Op, load_program
-from npu_runtime.sim.device import SimBO
+from npu_runtime.sim.device import SimBO, SimSubBO
 
 
 def host_kernel_dir() -> Path:
@@ -103,6 +103,9 @@ class InterpDevice:
         self.counters.bos_allocated += 1
         self.counters.bytes_allocated += nbytes
         return SimBO(self, nbytes)
+
+    def sub_bo(self, parent: SimBO, nbytes: int, offset: int = 0) -> SimSubBO:
+        return SimSubBO(parent, nbytes, offset)
 
     def compile(self, group: KernelGroup, out_dir: Path, mlir_text: str) -> list[str]:
         (out_dir / "group.mlir").write_text(mlir_text)

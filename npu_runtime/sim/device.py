@@ -150,6 +150,55 @@ class SimBO:
             self._split()
         return dev
 
+    def device_ptr(self) -> int:
+        """Where the device side starts (a kernel binds its launch plan to these addresses)."""
+        return self._dev_side().data_ptr()
+
+
+class SimSubBO:
+    """Bytes [offset, offset + size) of a parent BO as a BO of its own, as XRT's sub-buffers are:
+    its host and device sides are that range of the parent's, its syncs move that range of the
+    parent, and a kernel sees exactly `size` bytes. Activation buffers only: a packed weight has
+    no byte ranges to hand out."""
+
+    packing = None
+
+    def __init__(self, parent: SimBO, nbytes: int, offset: int = 0):
+        if isinstance(parent, SimSubBO):
+            parent, offset = parent.parent, parent.offset + offset
+        if parent.packing is not None:
+            raise DeviceError("a packed weight buffer has no sub-buffers")
+        if nbytes <= 0 or offset < 0 or offset + nbytes > parent.size:
+            raise DeviceError(f"a sub-buffer of {nbytes} bytes at {offset} does not fit a {parent.size}-byte buffer")
+        self.parent, self.size, self.offset = parent, nbytes, offset
+
+    def _range(self, nbytes: int | None, offset: int) -> tuple[int, int]:
+        n = self.size - offset if nbytes is None else nbytes
+        if offset < 0 or n < 0 or offset + n > self.size:
+            raise DeviceError(f"bytes {offset}..{offset + n} are outside a {self.size}-byte sub-buffer")
+        return n, self.offset + offset
+
+    def map(self) -> torch.Tensor:
+        return self.parent.map()[self.offset:self.offset + self.size]
+
+    def write(self, data: torch.Tensor, offset: int = 0) -> None:
+        self._range(data.numel() * data.element_size(), offset)
+        self.parent.write(data, self.offset + offset)
+
+    def read(self, nbytes: int | None = None, offset: int = 0) -> torch.Tensor:
+        n, at = self._range(nbytes, offset)
+        return self.parent.read(n, at)
+
+    def sync(self, direction: Sync, nbytes: int | None = None, offset: int = 0) -> None:
+        n, at = self._range(nbytes, offset)
+        self.parent.sync(direction, n, at)
+
+    def device_view(self, for_write: bool) -> torch.Tensor:
+        return self.parent.device_view(for_write)[self.offset:self.offset + self.size]
+
+    def device_ptr(self) -> int:
+        return self.parent.device_ptr() + self.offset
+
 
 class SimKernel:
     """Runs a group's launches in order on the device side of its BOs with reference kernels.
@@ -174,7 +223,7 @@ class SimKernel:
         Keyed on storage addresses; a cached entry keeps its storages alive (through its views),
         so an address cannot be reused by another buffer while the entry exists.
         """
-        key = tuple(b._dev_side().data_ptr() for b in bos)
+        key = tuple(b.device_ptr() for b in bos)
         program = self._programs.get(key)
         if program is None:
             if len(bos) != len(self.group.slots):
@@ -235,6 +284,9 @@ class SimDevice:
         if packing is not None and nbytes != packing.nbytes:
             packing = None
         return SimBO(self, nbytes, packing)
+
+    def sub_bo(self, parent: SimBO, nbytes: int, offset: int = 0) -> SimSubBO:
+        return SimSubBO(parent, nbytes, offset)
 
     def compile(self, group: KernelGroup, out_dir: Path, mlir_text: str) -> list[str]:
         """The simulated artifact is the launch program itself (plus the stitched MLIR, for study)."""

@@ -3,9 +3,14 @@
 Artifacts are ELFs produced by aircc (`output_format = elf`): the instruction stream is inside
 the ELF, so a run is just the BO list. pyxrt facts this relies on: `pyxrt.elf(path)`,
 `pyxrt.hw_context(device, elf)`, `pyxrt.ext.kernel(context, "main:<func>")`,
-`pyxrt.ext.bo(device, nbytes)`, `bo.map()`, `bo.sync(direction, nbytes, offset)`, and a
-`pyxrt.run` with `set_arg` / `start` / `wait2`. A BO belongs to the device, not to a hardware
-context, which is why one weight BO can serve the prefill and the decode kernels of a layer.
+`pyxrt.ext.bo(device, nbytes)`, `pyxrt.bo(parent, nbytes, offset)` (a sub-buffer), `bo.map()`,
+`bo.sync(direction, nbytes, offset)`, and a `pyxrt.run` with `set_arg` / `start` / `wait2`. A BO
+belongs to the device, not to a hardware context, which is why one weight BO can serve the
+prefill and the decode kernels of a layer. A sub-buffer is how the prefill buckets share their
+activation memory while each kernel still gets a BO of the size its argument declares: in XRT's
+`xrt_bo.cpp` (`buffer_sub`) its host pointer and device address are the parent's plus the
+offset and its syncs go through the parent; that the NPU driver takes a sub-buffer's address
+as a kernel argument like any BO's is assumed, not observed.
 
 Hardware contexts are bounded: each one claims the whole array, and the NPU driver admits a
 fixed number per device across all processes (`hwctx_limit` 16 for the NPU4 family, Strix
@@ -63,12 +68,18 @@ def probe() -> tuple[bool, str]:
 
 
 class XrtBO:
-    def __init__(self, device: "XrtDevice", nbytes: int):
+    def __init__(self, device: "XrtDevice", nbytes: int, parent: "XrtBO | None" = None, offset: int = 0):
         import pyxrt
 
         self.size = nbytes
         self._counters = device.counters
-        self._bo = pyxrt.ext.bo(device.handle, nbytes)
+        if parent is None:
+            self._bo = pyxrt.ext.bo(device.handle, nbytes)
+        else:
+            if nbytes <= 0 or offset < 0 or offset + nbytes > parent.size:
+                raise DeviceError(f"a sub-buffer of {nbytes} bytes at {offset} does not fit a {parent.size}-byte BO")
+            self._bo = pyxrt.bo(parent._bo, nbytes, offset)
+        self.parent = parent          # a sub-buffer keeps its parent alive (XRT's does too)
         self._map = torch.from_numpy(np.frombuffer(self._bo.map(), dtype=np.uint8))
         self._dirs = {Sync.TO_DEVICE: pyxrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE,
                       Sync.FROM_DEVICE: pyxrt.xclBOSyncDirection.XCL_BO_SYNC_BO_FROM_DEVICE}
@@ -228,6 +239,10 @@ class XrtDevice(NpuTarget):
         self.counters.bos_allocated += 1
         self.counters.bytes_allocated += nbytes
         return XrtBO(self, nbytes)
+
+    def sub_bo(self, parent: XrtBO, nbytes: int, offset: int = 0) -> XrtBO:
+        """Bytes [offset, offset + nbytes) of `parent` as a BO (`pyxrt.bo(parent, nbytes, offset)`)."""
+        return XrtBO(self, nbytes, parent, offset)
 
     def load(self, artifact_dir: Path, group: KernelGroup) -> XrtKernel:
         return XrtKernel(self, artifact_dir, group)

@@ -1,0 +1,163 @@
+"""Peak resident memory of our side of the bench, step by step, in one process.
+
+    python -m bench.peak_memory --model llama1b-shape --quant q4nx
+
+Builds the session as `bench/side_ours.py` does, then runs the bench's sequence through the
+same `measure` (every prompt length's warm-up and timed prefills, the decode steps after the
+decode prompt) and reports the process's VmHWM, which is what the bench reports as peak
+memory. Each step's own peak is read too: the high-water mark is reset between steps
+(`/proc/self/clear_refs`, Linux 4.0 and later), so the table says which step sets the peak
+and what is resident after it. The KernelCache's buffers are summed by what they hold
+(weights, activations per group) beside it. Standard measurement only: no tracemalloc, which
+would itself cost memory and time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+def status() -> dict[str, int]:
+    """VmRSS, VmHWM, RssAnon and RssFile of this process, in bytes."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+                out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+def reset_peak() -> bool:
+    """Start a new high-water mark at the current RSS; False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class Steps:
+    """Runs named steps, each with its own peak (when resettable) and the RSS after it."""
+
+    def __init__(self, log: Callable[[str], None]):
+        self.rows: list[dict] = []
+        self.peak = 0
+        self.resettable = reset_peak()
+        self.log = log
+
+    def run(self, name: str, fn: Callable[[], object]) -> object:
+        if self.resettable:
+            reset_peak()
+        t0 = time.perf_counter()
+        result = fn()
+        s = status()
+        self.peak = max(self.peak, s["VmHWM"])
+        row = {"step": name, "seconds": time.perf_counter() - t0, "step_peak": s["VmHWM"], "rss": s["VmRSS"],
+               "anon": s["RssAnon"], "file": s["RssFile"]}
+        self.rows.append(row)
+        self.log(f"{name:<34} peak {s['VmHWM'] / GIB:6.3f} GiB   after: rss {s['VmRSS'] / GIB:6.3f} "
+                 f"(anon {s['RssAnon'] / GIB:5.3f}, file {s['RssFile'] / GIB:5.3f})   {row['seconds']:6.1f} s")
+        return result
+
+
+def resident_by_mapping(top: int = 6) -> list[tuple[str, int]]:
+    """The largest resident mappings (/proc/self/smaps): file-backed ones by file name, the heap,
+    and anonymous mappings together."""
+    rows: dict[str, int] = {}
+    name = "[anon]"
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and not head[0].endswith(":"):
+                name = head[5] if len(head) > 5 else "[anon]"
+            elif head and head[0] == "Rss:":
+                rows[name] = rows.get(name, 0) + int(head[1]) * 1024
+    return sorted(rows.items(), key=lambda kv: -kv[1])[:top]
+
+
+def buffer_breakdown(kc) -> dict[str, int]:
+    """The KernelCache's BO bytes: weights, then the activation buffers by pool."""
+    out: dict[str, int] = {"weights (static BOs)": kc.resident_bytes()["static"]}
+    for pool, nbytes in sorted(kc.activation_bytes_by_pool().items()):
+        out[f"activations: {pool}"] = nbytes
+    out["activations, total"] = kc.resident_bytes()["activations"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama1b-shape")
+    ap.add_argument("--quant", default="q4nx")
+    ap.add_argument("--device", default="sim")
+    ap.add_argument("--buckets", help="prefill buckets, comma-separated (default: the session's own)")
+    ap.add_argument("--json", type=Path, help="also write the figures here")
+    args = ap.parse_args(argv)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    steps = Steps(log)
+    if not steps.resettable:
+        log("(this kernel cannot reset VmHWM: each step's peak is the peak so far)")
+    steps.run("interpreter start", lambda: None)
+
+    def imports() -> None:
+        import torch  # noqa: F401  (what most of the interpreter's memory is)
+
+        import llama32_1b_inference  # noqa: F401
+        import verify.our_runner  # noqa: F401
+
+    steps.run("imports (torch, runtime)", imports)
+    from bench.plan import FULL, prompt_ids
+    from bench.protocol import measure
+    from llama32_1b_inference import build_session
+    from llama_base.config import LlamaConfig
+    from llama_runtime.models import resolve_checkpoint
+    from verify.our_runner import OurRunner
+
+    plan = FULL
+    buckets = tuple(int(b) for b in args.buckets.split(",")) if args.buckets else None
+    folder = resolve_checkpoint(args.model)
+    prompts = prompt_ids(folder, LlamaConfig.from_json(folder), plan.prompt_lengths)
+    session = steps.run("build_session (load, preload)",
+                        lambda: build_session(args.model, device=args.device, max_context=plan.max_context,
+                                              log=lambda _: None, quant=args.quant, buckets=buckets))
+    runner = OurRunner(session)
+    log(f"kernel cache: {session.kc.stats}")
+    for n in sorted(prompts):
+        # The bench's sequence for this length: warm-up and timed runs, the decode steps after the
+        # decode prompt's first runs (a decode length of -1 matches no prompt: no decode).
+        decode_length = plan.decode_length if n == plan.decode_length else -1
+        label = f"prefill {n}" + (" and its decode steps" if decode_length == n else "")
+        steps.run(label, lambda: measure(runner, {n: prompts[n]}, decode_length, plan.n_decode, plan.runs,
+                                         plan.warmup, plan.short_runs, plan.short_limit))
+    buffers = buffer_breakdown(session.kc)
+    log("")
+    log(f"peak (VmHWM over the run): {steps.peak / GIB:.3f} GiB")
+    log(f"KV cache: {session.model.kv.nbytes / MIB:.1f} MiB allocated ({session.model.kv.max_seq} positions)")
+    for k, v in buffers.items():
+        log(f"  {k:<44} {v / MIB:9.1f} MiB")
+    mappings = resident_by_mapping()
+    log("largest resident mappings at the end:")
+    for where, nbytes in mappings:
+        log(f"  {where:<60} {nbytes / MIB:9.1f} MiB")
+    result = {"model": args.model, "quant": args.quant, "device": session.device.name, "peak_bytes": steps.peak,
+              "steps": steps.rows, "buffers": buffers, "kv_cache_bytes": session.model.kv.nbytes,
+              "mappings": dict(mappings)}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({"peak_gib": round(steps.peak / GIB, 3), "quant": args.quant}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
