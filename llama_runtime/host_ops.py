@@ -1,9 +1,8 @@
-"""Host-side math shared by the runtime and the tests.
+"""Host-side math of the runtime.
 
 The runtime runs a few small ops on the host (the final RMSNorm on one row, decode
-attention over the KV cache, the KV cache's row store; sampling is `sampling.py`'s); the tests
-use the same functions as references, so "host" and "reference" cannot disagree about a
-convention such as where bf16 rounding happens.
+attention over the KV cache, the KV cache's row store; sampling is `sampling.py`'s). Like the
+device's launches, they are tested against `reference`, which states where bf16 rounds.
 """
 from __future__ import annotations
 
@@ -25,30 +24,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return out
     xf = x.float()
     return F.rms_norm(xf, (xf.shape[-1],), eps=eps).to(torch.bfloat16) * weight.to(torch.bfloat16)
-
-
-def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    return torch.softmax(x.float(), dim=dim)
-
-
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_heads: int, n_kv_heads: int,
-                        q_start: int = 0) -> torch.Tensor:
-    """Causal GQA attention written out in f32: q [n, Hq·d] at positions q_start.., k/v [T, Hkv·d].
-
-    Query row i (absolute position q_start + i) sees keys 0..q_start + i. Slow and plain on
-    purpose: it is what the fused kernels are checked against.
-    """
-    n, t = q.shape[0], k.shape[0]
-    d = q.shape[1] // n_heads
-    qh = q.float().view(n, n_heads, d).transpose(0, 1)
-    kh = k.float().view(t, n_kv_heads, d).transpose(0, 1).repeat_interleave(n_heads // n_kv_heads, 0)
-    vh = v.float().view(t, n_kv_heads, d).transpose(0, 1).repeat_interleave(n_heads // n_kv_heads, 0)
-    scores = qh @ kh.transpose(1, 2) / math.sqrt(d)
-    qpos = torch.arange(q_start, q_start + n)[:, None]
-    kpos = torch.arange(t)[None, :]
-    scores = scores.masked_fill(kpos > qpos, float("-inf"))
-    out = softmax(scores) @ vh
-    return out.transpose(0, 1).reshape(n, n_heads * d).to(torch.bfloat16)
 
 
 def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

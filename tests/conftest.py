@@ -44,3 +44,18 @@ def native_isa(request):
 
     with native_cpu.use_isa(request.param):
         yield request.param
+
+
+def _sim_paths() -> list[str]:
+    """The simulator's ways of running a launch: each native ISA class above, and its torch bodies."""
+    from cpu_kernels import native_cpu
+
+    return list(dict.fromkeys(_native_isas() + [native_cpu.TORCH]))
+
+
+@pytest.fixture(params=_sim_paths())
+def sim_path(request):
+    from cpu_kernels import native_cpu
+
+    with native_cpu.use_isa(request.param):
+        yield request.param

@@ -1,16 +1,20 @@
-"""The device contract: host and device copies are apart until synced, on the simulated NPU."""
+"""The simulated NPU: host and device copies are apart until synced, weights are held packed
+out of the host's sight, and every group computes what `reference` says, on each native ISA
+class and on the torch bodies."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from cpu_kernels import native_cpu, weight_tiles
-from kernel_builder.groups import build_group
+from kernel_builder.groups import QUANTS, Role, build_group
+from llama_runtime import reference as ref
 from npu_runtime import api
 from npu_runtime.api import Sync
 from npu_runtime.devices import open_device
 from npu_runtime.sim.device import SimDevice
 from npu_runtime.xrt import device as xrt_device
+from verify import mlir as verify_mlir
 
 
 def _program(tiny_config, tmp_path):
@@ -189,15 +193,55 @@ def test_packed_weights_are_invisible_to_the_host(tiny_config, tiny_weights, tmp
     want[1:3] = 1.0
     assert torch.equal(weight_tiles.from_packed(bo.device_view(False), *w.shape), want)
 
-    # and a kernel on packed weights computes what it computes on the row-major weights
+    # and a kernel on packed weights computes, as on the row-major weights, the reference's numbers
     (tmp_path / "dense").mkdir()
     dense_dev, _, dense_kernel = _program(tiny_config, tmp_path / "dense")
     dense = _bos(dense_dev, g, tiny_weights)
     dense[i].write(want)
     dense[i].sync(Sync.TO_DEVICE)
     x = torch.randn(tiny_config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
-    got, ref = _run(kernel, bos, g, x), _run(dense_kernel, dense, g, x)
-    assert torch.allclose(got.float(), ref.float(), rtol=2 ** -6, atol=2 ** -6)
+    data = {**tiny_weights.layers[0].by_name(), "w_gate": want, "x_res": x,
+            "attn": torch.zeros(tiny_config.q_dim, dtype=torch.bfloat16)}
+    for outputs in (kernel, bos), (dense_kernel, dense):
+        ref.assert_group_matches(tiny_config, g, data, {"out": _run(*outputs, g, x)})
+
+
+def _run_slots(group, data):
+    """One run of `group` on a fresh simulated device, weights allocated for their arguments
+    (packed, where the native kernels run): every slot a launch stores, as bf16."""
+    got = verify_mlir.run_group(SimDevice(), group, "", data, roles=(Role.OUTPUT, Role.INTERMEDIATE))
+    return {name: torch.from_numpy(v).bfloat16() for name, v in got.items()}
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_every_group_matches_the_reference(tiny_config, tiny_weights, sim_path, quant):
+    """Every group kind and prefill bucket, and attention after cached positions, each slot its
+    launches store (outputs and intermediates) against `reference.group_outputs`, to the bound
+    `assert_group_matches` states. Q4NX groups run on the tiny weights quantized."""
+    cases = verify_mlir.cases(tiny_config, 64, quant)
+    assert {c.group.kind for c in cases} == {"rms_gemms_rope", "flash_attn", "o_ffn", "rms_gemv_rope", "o_gemv_ffn",
+                                             "lm_head_gemv"} and any(c.q_start for c in cases)
+    for case in cases:
+        data = verify_mlir.inputs(case, weights=tiny_weights)
+        ref.assert_group_matches(tiny_config, case.group, data, _run_slots(case.group, data))
+
+
+@ISAS
+def test_the_group_check_fails_on_a_norm_that_rounds_once(tiny_config, tiny_weights, monkeypatch):
+    """The group bound is tight enough for a rounding missed inside one launch: an RMSNorm that
+    multiplies by the weight before rounding (one rounding, not HF's two)."""
+    from npu_runtime.sim import ops as sim_ops
+
+    def one_rounding(l, x, w, out):
+        xf = x.float().view(-1, l.p("dim"))
+        out.view(xf.shape).copy_(xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + l.p("eps")) * w.float())
+
+    group = build_group("rms_gemms_rope", tiny_config, 32)
+    data = verify_mlir.inputs(verify_mlir.Case(group), weights=tiny_weights)
+    ref.assert_group_matches(tiny_config, group, data, _run_slots(group, data))
+    monkeypatch.setitem(sim_ops.OPS, "rmsnorm", one_rounding)
+    with pytest.raises(AssertionError, match="rms_gemms_rope_s32 normed"):
+        ref.assert_group_matches(tiny_config, group, data, _run_slots(group, data))
 
 
 @ISAS

@@ -30,9 +30,9 @@ def _ready(kc, g, weights, layers=(0,)):
         kc.preload(g.name, f"{g.name}_L{layer}", static_tensors(g, weights, layer), share_key=f"L{layer}")
 
 
-def _close(a, b):
-    # Same math in a different order of f32 summation: equal up to a couple of bf16 ulps.
-    assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2), (a.float() - b.float()).abs().max()
+def _layer(weights, layer, **inputs):
+    """A group's input and weight slots by name, for `reference.assert_group_matches`."""
+    return {**weights.layers[layer].by_name(), **inputs}
 
 
 def test_timed_call_writes_only_the_input_bytes(tiny_config, tiny_weights, tmp_path):
@@ -56,44 +56,44 @@ def test_timed_call_writes_only_the_input_bytes(tiny_config, tiny_weights, tmp_p
     assert kc.device.counters.since(before).bytes_to_device == inputs * 10 // SEQ
 
 
-def test_each_group_matches_plain_torch(tiny_config, tiny_weights, tmp_path):
-    cfg, lw = tiny_config, tiny_weights.layers[1]
+def test_each_group_matches_the_reference(tiny_config, tiny_weights, tmp_path):
+    """A layer through the KernelCache, each group's outputs against `reference` (on the native
+    path where the CPU has one; test_device runs every path), attention on the projections'."""
+    cfg = tiny_config
     kc = _cache(tmp_path)
     x = (torch.randn(SEQ, cfg.hidden_size)).to(torch.bfloat16)
     lut = generate_rope_lut(cfg, SEQ)
     g1 = build_group("rms_gemms_rope", cfg, SEQ)
     _ready(kc, g1, tiny_weights, layers=(1,))
     out1 = kc.load_and_run(g1.name, {"x": x, "rope_lut": lut}, f"{g1.name}_L1")
-    want1 = ref.rms_gemms_rope(cfg, lw, x, lut)
-    for k in ("q", "k", "v"):
-        _close(out1[k], want1[k])
+    ref.assert_group_matches(cfg, g1, _layer(tiny_weights, 1, x=x, rope_lut=lut), out1)
     g2 = build_group("flash_attn", cfg, SEQ)
     _ready(kc, g2, tiny_weights, layers=(1,))
-    q, k, v = want1["q"], want1["k"], want1["v"]
     head_major = lambda t: t.view(SEQ, cfg.num_key_value_heads, cfg.head_dim).transpose(0, 1)  # noqa: E731
-    attn = kc.load_and_run(g2.name, {"q": q, "k_cache": head_major(k), "v_cache": head_major(v),
-                                     "q_start": torch.tensor([0], dtype=torch.int32)}, f"{g2.name}_L1")["attn"]
-    _close(attn, ref.attention(q, k, v, cfg.num_attention_heads, cfg.num_key_value_heads))
+    inputs = {"q": out1["q"], "k_cache": head_major(out1["k"]), "v_cache": head_major(out1["v"]),
+              "q_start": torch.tensor([0], dtype=torch.int32)}
+    attn = kc.load_and_run(g2.name, inputs, f"{g2.name}_L1")
+    ref.assert_group_matches(cfg, g2, inputs, attn)
+    attn = attn["attn"]
     g3 = build_group("o_ffn", cfg, SEQ)
     _ready(kc, g3, tiny_weights, layers=(1,))
-    out3 = kc.load_and_run(g3.name, {"attn": attn, "x_res": x}, f"{g3.name}_L1")["out"]
-    _close(out3, ref.o_ffn(cfg, lw, attn, x)["out"])
+    out3 = kc.load_and_run(g3.name, {"attn": attn, "x_res": x}, f"{g3.name}_L1")
+    ref.assert_group_matches(cfg, g3, _layer(tiny_weights, 1, attn=attn, x_res=x), out3)
     # decode groups on one row, the LM head over all partitions
     g4, g5, g6 = build_group("rms_gemv_rope", cfg), build_group("o_gemv_ffn", cfg), lm_head_gemv(cfg)
     for g in (g4, g5):
         _ready(kc, g, tiny_weights, layers=(1,))
     kc.compile_and_cache(g6)
-    kc.preload(g6.name, g6.name, static_tensors(g6, tiny_weights, None))
+    head = static_tensors(g6, tiny_weights, None)
+    kc.preload(g6.name, g6.name, head)
     o4 = kc.load_and_run(g4.name, {"x": x[7], "rope_lut": lut[7]}, f"{g4.name}_L1")
-    want4 = ref.rms_gemms_rope(cfg, lw, x[7:8], lut[7:8])
-    for k in ("q", "k", "v"):
-        _close(o4[k], want4[k][0])
-    o5 = kc.load_and_run(g5.name, {"attn": attn[7], "x_res": x[7]}, f"{g5.name}_L1")["out"]
-    _close(o5, ref.o_ffn(cfg, lw, attn[7:8], x[7:8])["out"][0])
+    ref.assert_group_matches(cfg, g4, _layer(tiny_weights, 1, x=x[7], rope_lut=lut[7]), o4)
+    o5 = kc.load_and_run(g5.name, {"attn": attn[7], "x_res": x[7]}, f"{g5.name}_L1")
+    ref.assert_group_matches(cfg, g5, _layer(tiny_weights, 1, attn=attn[7], x_res=x[7]), o5)
     o6 = kc.load_and_run(g6.name, {"x": x[3]}, g6.name)
+    ref.assert_group_matches(cfg, g6, {**head, "x": x[3]}, o6)
     logits = torch.cat([o6[f"logits_p{i}"] for i in range(8)])
     assert logits.shape[0] >= cfg.vocab_size
-    _close(logits[: cfg.vocab_size], ref.lin(x[3:4], tiny_weights.lm_head)[0])
     assert not logits[cfg.vocab_size:].any()     # zero-padded rows of the last partition
 
 
@@ -106,7 +106,7 @@ def test_per_layer_sets_keep_weights_distinct_and_phases_share_them(tiny_config,
     q0 = kc.load_and_run(g.name, {"x": x, "rope_lut": lut}, f"{g.name}_L0")["q"].clone()
     q1 = kc.load_and_run(g.name, {"x": x, "rope_lut": lut}, f"{g.name}_L1")["q"].clone()
     assert not torch.equal(q0, q1)
-    _close(q1, ref.rms_gemms_rope(cfg, tiny_weights.layers[1], x[None], lut[None])["q"][0])
+    ref.assert_group_matches(cfg, g, _layer(tiny_weights, 1, x=x, rope_lut=lut), {"q": q1})
     static_before = kc.resident_bytes()["static"]
     gp = build_group("rms_gemms_rope", cfg, SEQ)
     _ready(kc, gp, tiny_weights, layers=(0, 1))          # prefill reuses the decode weight BOs

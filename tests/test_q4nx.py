@@ -1,6 +1,7 @@
 """Q4NX, the 4-bit weight format: its layout and codec, the quantizers (from bf16 and from GGUF
-Q4_1), the simulated device's form of it, and the native kernels on every CPU class against the
-format's reference (`q4nx.gemv_reference`, `q4nx.dequantize`)."""
+Q4_1), the simulated device's form of it, and the native kernels on every CPU class against
+`reference` (decode: `gemv_q4nx`, on `q4nx.gemv_reference`; prefill: `lin_q4nx`, on
+`q4nx.dequantize`)."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,6 +13,7 @@ from cpu_kernels.weight_tiles import Q4nxPacking
 from kernel_builder.groups import QUANTS, Role, all_groups, build_group, lm_head_gemv
 from llama_base import q4nx
 from llama_runtime import quantize
+from llama_runtime import reference as ref
 from llama_runtime.weight_slots import static_tensors
 from llama_runtime.weights import synthetic_weights
 
@@ -147,6 +149,25 @@ def test_the_gemv_reference_is_the_product_of_the_dequantized_weights():
     assert torch.allclose(got, ref, rtol=0, atol=float(ref.abs().max()) * 2 ** -7)
 
 
+def _matches_decode(y, x, buf, n, k):
+    """`reference.gemv_q4nx`: the same exact integer sums, the groups combined in another order
+    (`REORDERED`, each output at least at `CANCELLED` of its terms). The prefill form (each
+    weight rounded to bf16 first) fails it: the decode contract is its own."""
+    want, floor = ref.gemv_q4nx(x, buf), ref.sum_floor(x, q4nx.dequantize(buf, n, k))
+    ref.assert_within_ulps(y, want, 1, ref.REORDERED, floor=floor)
+    with pytest.raises(AssertionError):
+        ref.assert_within_ulps(ref.lin_q4nx(x, buf), want, 1, ref.REORDERED, floor=floor)
+
+
+def _matches_prefill(c, a, buf, n, k):
+    """`reference.lin_q4nx`: the bf16 GEMM's sums on the dequantized weights (`REORDERED`); a
+    1 % scale fails it."""
+    want, floor = ref.lin_q4nx(a, buf), ref.sum_floor(a, q4nx.dequantize(buf, n, k))
+    ref.assert_within_ulps(c, want, 1, ref.REORDERED, floor=floor)
+    with pytest.raises(AssertionError):
+        ref.assert_within_ulps((c.float() * 1.01).bfloat16(), want, 1, ref.REORDERED, floor=floor)
+
+
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_native_q4nx_gemv_and_gemm_match_the_reference_on_every_class(native_isa, n, k):
     if native_isa == native_cpu.TORCH:
@@ -156,14 +177,11 @@ def test_native_q4nx_gemv_and_gemm_match_the_reference_on_every_class(native_isa
     x = (_rand(k, seed=7, scale=1.0).float() * torch.linspace(0.01, 3, k)).to(torch.bfloat16)
     y = torch.empty(n, dtype=torch.bfloat16)
     native_cpu.gemv_q4nx_batch_call([(dev, x, y)])()
-    ref = q4nx.gemv_reference(buf, x, n, k)
-    # Same exact integer sums; the groups combine in another order: at most one bf16 step apart.
-    assert torch.allclose(y.float(), ref, rtol=2 ** -7, atol=1e-6)
+    _matches_decode(y, x, buf, n, k)
     a = _rand(37, k, seed=8, scale=1.0)
     c = torch.empty(37, n, dtype=torch.bfloat16)
     native_cpu.gemm_q4nx_call(a, dev, c)()
-    cref = (a.float() @ q4nx.dequantize(buf, n, k).float().t()).to(torch.bfloat16)
-    assert torch.allclose(c.float(), cref.float(), rtol=2 ** -7, atol=2 ** -7 * float(cref.abs().max()) / 8)
+    _matches_prefill(c, a, buf, n, k)
 
 
 def test_the_gemv_sums_are_the_same_bits_on_every_class():
@@ -259,7 +277,5 @@ def test_the_simulated_ops_compute_the_contract_on_either_path(isa, tiny_config)
         w = buf if isa == native_cpu.TORCH else DeviceQ4nx(Q4nxPacking(n, k).pack(buf, _alloc), n, k)
         ops.bind([up], {"normed": x, "w_up": w, "up": y})()
         ops.bind(p, {"normed": a, "w_up": w, "up": c})()
-    ref = q4nx.gemv_reference(buf, x, n, k)
-    assert torch.allclose(y.float(), ref, rtol=2 ** -7, atol=1e-6)
-    cref = a.float() @ q4nx.dequantize(buf, n, k).float().t()
-    assert torch.allclose(c.float(), cref, rtol=2 ** -7, atol=float(cref.abs().max()) * 2 ** -9)
+    _matches_decode(y, x, buf, n, k)
+    _matches_prefill(c, a, buf, n, k)

@@ -11,6 +11,7 @@ import torch
 
 from llama_base import q4nx
 from llama_base.errors import CheckpointError
+from llama_runtime import reference as ref
 from llama_runtime.decode import decode_step
 from llama_runtime.device_model import DeviceModel
 from llama_runtime.head_rescore import TOP_K, rescore
@@ -185,11 +186,13 @@ def test_the_session_rescores_the_4_bit_head_from_the_bf16_table(session):
     kth = raw.topk(TOP_K).values[-1]          # ties at the K-th value may fall either side
     above, below = raw > kth, raw < kth
     assert torch.equal(normed[0], normed[1])
-    exact = session.model.embed.double() @ normed[-1].double()
     assert int(above.sum()) > TOP_K // 2
-    ulp = exact[above].abs() * 2.0 ** -7            # one bf16 rounding step at most (f32 sums in any order)
-    assert bool(((rescored[above] - exact[above]).abs() <= ulp).all())
-    assert bool(((raw[above] - exact[above]).abs() > ulp).any())      # the 4-bit logits were not that
+    table = session.model.embed
+    want, floor = ref.logits(normed[-1], table)[above], ref.sum_floor(normed[-1], table)[above]
+    # bf16 logits (as a float tensor) of the same products, summed in another order.
+    ref.assert_within_ulps(rescored[above].bfloat16(), want, 1, ref.REORDERED, floor=floor)
+    with pytest.raises(AssertionError):                                  # the 4-bit logits were not that
+        ref.assert_within_ulps(raw[above].bfloat16(), want, 1, ref.REORDERED, floor=floor)
     assert torch.equal(rescored[below], raw[below])
 
 

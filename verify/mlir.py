@@ -117,8 +117,10 @@ def inputs(case: Case, seed: int = 0, weights=None) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_group(device, group: KernelGroup, mlir_text: str, data: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    """One run of `group` on `device` through the device API: outputs as f32 arrays."""
+def run_group(device, group: KernelGroup, mlir_text: str, data: dict[str, torch.Tensor],
+              roles: tuple[Role, ...] = (Role.OUTPUT,)) -> dict[str, np.ndarray]:
+    """One run of `group` on `device` through the device API: the slots of `roles` (its outputs,
+    and its intermediates when asked for) as f32 arrays."""
     with tempfile.TemporaryDirectory() as tmp:
         device.compile(group, Path(tmp), mlir_text)
         kernel = device.load(Path(tmp), group)
@@ -130,7 +132,7 @@ def run_group(device, group: KernelGroup, mlir_text: str, data: dict[str, torch.
     kernel.run(bos)
     out = {}
     for s, bo in zip(group.slots, bos):
-        if s.role is Role.OUTPUT:
+        if s.role in roles:
             bo.sync(Sync.FROM_DEVICE)
             out[s.name] = bo.read(s.nbytes).view(s.torch_dtype).float().numpy().reshape(s.shape)
     return out
