@@ -16,6 +16,7 @@ from kernel_builder.groups import build_group
 from llama32_1b_inference import main as run_cli
 from llama_base.config import LAYER_TENSORS
 from llama_base.errors import CheckpointError, KernelCacheError
+from llama_runtime import reference as ref
 from llama_runtime.checkpoint import load_weights
 from npu_runtime.cache import KernelCache
 from npu_runtime.sim.device import SimDevice
@@ -202,10 +203,6 @@ def session(tmp_path_factory):
 LOGIT_ULPS = 10
 
 
-def _bf16_ulp(x: torch.Tensor) -> float:
-    return 2.0 ** (torch.floor(torch.log2(x.abs().max())).item() - 7)
-
-
 def _recording(monkeypatch, inference, record):
     prefill, decode_step = inference.prefill, inference.decode_step
 
@@ -267,15 +264,15 @@ def test_ctrl_c_in_prefill_and_decode_keeps_the_chat_usable(session, monkeypatch
 
     assert [int(a.argmax()) for a in cached][: len(third.tokens)] == third.tokens   # greedy, as recorded
     for step, (a, b) in enumerate(zip(cached, fresh)):
-        tol = LOGIT_ULPS * _bf16_ulp(b)
-        diff = (a - b).abs().max().item()
-        assert diff <= tol, f"step {step}: cached and fresh logits differ by {diff:.3f} (> {tol:.3f})"
+        top = b.abs().max()               # every logit measured in ulps of the largest
+        ref.assert_within_ulps(a.bfloat16(), b.bfloat16(), LOGIT_ULPS, floor=top, what=f"step {step}")
         if a.argmax() != b.argmax():
             # Only a near-tie may be broken differently: both candidates within rounding of
             # each other on both paths. From there on the transcripts may differ.
             i, j = int(a.argmax()), int(b.argmax())
-            gaps = [abs(v[i] - v[j]).item() for v in (a, b)]
-            assert max(gaps) <= tol, f"step {step}: the paths choose {i} and {j}, {max(gaps):.3f} apart (> {tol:.3f})"
+            for v in (a, b):
+                ref.assert_within_ulps(v[[i]].bfloat16(), v[[j]].bfloat16(), LOGIT_ULPS, floor=top,
+                                       what=f"step {step}: the paths choose {i} and {j}")
             break
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cpu_kernels import native_cpu
+from llama_runtime import reference as ref
 
 EMULATED = "amx-emulated"
 HAVE_EMULATION = native_cpu.runnable(EMULATED)
@@ -103,12 +104,12 @@ def test_emulated_tiles_compute_what_the_sdm_specifies(m, n, k):
 
 def test_the_tiles_order_differs_from_the_vector_gemms_and_agrees_within_rounding():
     """Same products, another summation order (even and odd sums per 16 pairs, where vdpbf16ps
-    chains odd then even): close to the vector GEMM, not always its bits."""
+    chains odd then even): both within the reference's bound for reordered sums, not always the
+    same bits."""
     a, w = _rand(64, 2048, seed=1), _rand(64, 2048, seed=2, scale=0.05)
     tiles, vector = _gemm(EMULATED, a, w), _gemm("avx2", a, w)
-    exact = (a.double() @ w.double().T)
     for got in (tiles, vector):
-        assert torch.allclose(got.double(), exact, rtol=2e-2, atol=1e-2)
+        ref.assert_within_ulps(got, ref.lin(a, w), 1, ref.REORDERED, floor=ref.sum_floor(a, w))
     assert not torch.equal(tiles, vector)
 
 
@@ -132,6 +133,4 @@ def test_real_tiles_agree_with_the_emulation(m, n, k):
     """The hardware against the SDM's pseudo-code: within one bf16 step (the SDM does not promise
     that real cores round each step as written; a difference here is worth a report)."""
     a, w = _rand(m, k, seed=m), _rand(n, k, seed=n, scale=0.05)
-    real, emulated = _gemm("amx", a, w), _gemm(EMULATED, a, w)
-    step = (emulated.float().abs() * 2 ** -7).clamp_min(1e-30)
-    assert ((real.float() - emulated.float()).abs() <= step).all()
+    ref.assert_within_ulps(_gemm("amx", a, w), _gemm(EMULATED, a, w), 1)
