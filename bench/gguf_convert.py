@@ -32,7 +32,7 @@ from bench import BenchError
 from bench.llamacpp_build import LlamaCpp
 from bench.llamacpp_quantize import FTYPES
 from bench.protocol import PROJECT_ROOT, child_env
-from llama_base.paths import cache_root
+from llama_base.paths import bench_dir
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -76,7 +76,7 @@ def trim_tokenizer_files(src: Path, dest: Path, vocab_size: int) -> list[str]:
 def ensure_gguf(lc: LlamaCpp, folder: Path, vocab_size: int, outtype: str,
                 log: Callable[[str], None] = print) -> Path:
     """`folder` converted to GGUF at `outtype` (bf16, q8_0, q4_0, q4_1, q4_k_m), made on first use."""
-    out_dir = cache_root() / "bench" / "gguf"
+    out_dir = bench_dir() / "gguf"
     out = out_dir / f"{folder.name}-{_folder_digest(folder)}-{lc.version}-{outtype}.gguf"
     if out.is_file():
         return out

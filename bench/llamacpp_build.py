@@ -1,7 +1,8 @@
 """llama-cpp-python built from its PyPI sdist into a venv of its own under the cache.
 
 The bench needs llama.cpp as a peer, not as a dependency: it lives in its own venv (the
-project's environment never sees it) under `cache_root()/bench/`, built once and reused.
+project's environment never sees it) under the cache's `bench/` folder (`paths.bench_dir`),
+built once and reused.
 
 Why a source build with explicit ISA switches: a default build compiles ggml with
 `-march=native`, which on these hosts also enables ggml's AMX path, and that path dies with
@@ -29,7 +30,7 @@ from filelock import FileLock
 
 from bench import BenchError
 from bench.machine import cpu_flags
-from llama_base.paths import cache_root
+from llama_base.paths import bench_dir
 
 DIST = "llama-cpp-python"
 VERSION = "0.3.36"
@@ -101,7 +102,7 @@ def ensure_llamacpp(log: Callable[[str], None] = print, rebuild: bool = False,
     """The built llama-cpp-python (building it on first use) for `cpu_class`, or a BenchError saying why not."""
     args = cmake_args(cpu_flags(cpu_class))
     digest = hashlib.sha256("\n".join(args).encode()).hexdigest()[:12]
-    root = cache_root() / "bench" / f"llama-cpp-python-{VERSION}-{digest}"
+    root = bench_dir() / f"llama-cpp-python-{VERSION}-{digest}"
     python, deps, log_file = _layout(root)
     stamp, failed = root / "stamp.json", root / "failed.json"
     root.parent.mkdir(parents=True, exist_ok=True)

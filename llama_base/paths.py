@@ -4,7 +4,7 @@ Everything the runtime writes lives under one root so that `make clean` and a us
 disk-usage audit only have to look in one place, and so tests can point the whole
 runtime at a temporary folder with one environment variable. Each folder under the root
 is declared here, once (`CACHE_FOLDERS`); code asks `cache_dir(name)` (or one of the
-functions below) for it, and a test holds every folder named under the root anywhere in the
+functions below) for it and never composes one from the root by hand, and a test holds the
 code, and the README's list, to this table. Two things are written
 elsewhere: reports (`reports_dir`, a working-directory folder meant to be read and kept) and
 Llama checkpoints downloaded from the Hugging Face hub, which stay in huggingface_hub's own

@@ -15,16 +15,12 @@ from iree.compiler import ir
 
 from kernel_builder.externs import externs_for_launch
 from kernel_builder.groups import KernelGroup
-from llama_base.paths import cache_root
+from llama_base.paths import host_kernels_dir
 from npu_runtime.api import Counters, DeviceError
 from npu_runtime.interp.host_kernels import HostKernels
 from npu_runtime.interp.machine import DTYPES, ExternCall, Machine
 from npu_runtime.interp.program import CALL_OP, Block, Op, load_program
 from npu_runtime.sim.device import SimBO, SimSubBO
-
-
-def host_kernel_dir() -> Path:
-    return cache_root() / "host_kernels"
 
 
 def _check_links(group: str, block: Block, kernels: dict, herd: Op | None = None) -> None:
@@ -56,7 +52,7 @@ class InterpKernel:
         if missing:
             raise DeviceError(f"{group.name}: the module declares {missing}, which no launch of the group calls")
         _check_links(group.name, program.body, kernels)
-        host = HostKernels(kernels.values(), host_kernel_dir()) if kernels else None
+        host = HostKernels(kernels.values(), host_kernels_dir()) if kernels else None
         calls = {s: ExternCall(lambda *a, _s=s: host(_s, *a), k.reads, k.writes) for s, k in kernels.items()}
         index = {s.name: i for i, s in enumerate(group.slots)}
         self.machine = Machine(program, group.name, calls,
