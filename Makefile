@@ -47,7 +47,7 @@ help:
 	@echo "make profile      run PROMPT with a per-call breakdown table"
 	@echo "make bench        time this runtime vs HF transformers and llama.cpp (QUANT=q4nx: vs llama.cpp 4-bit)"
 	@echo "make test         the test suite"
-	@echo "make test-fast    the suite without its slow, QEMU, browser and end-to-end bench tests"
+	@echo "make test-fast    the suite without its slow, QEMU and browser tests"
 	@echo "make clean        remove caches, reports and build files"
 	@echo "variables: PROMPT MODEL=instruct|base|embedded|llama1b-shape|tiny|<folder> N_TOKENS DEVICE=auto|npu|sim|interp"
 	@echo "           QUANT=bf16|q4nx (4-bit weights) MAX_CONTEXT TEMPERATURE TOP_K TOP_P REPETITION_PENALTY SEED"
@@ -71,9 +71,8 @@ test: install
 	$(PY) -m pytest -q
 
 # Everyday work: `make test` without what takes minutes (marked in the tests, see pyproject's
-# markers) and without the end-to-end quick bench; CI runs `make test`.
-FAST_TESTS = -m "not slow and not qemu and not browser" \
-	--deselect tests/test_bench.py::test_quick_bench_on_the_embedded_model_writes_both_reports
+# markers); CI runs `make test`.
+FAST_TESTS = -m "not slow and not qemu and not browser"
 .PHONY: test-fast
 test-fast: install
 	$(PY) -m pytest -q $(FAST_TESTS)

@@ -350,6 +350,7 @@ def reports(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_quick_bench_on_the_embedded_model_writes_both_reports(reports, capsys):
     rc = bench_cli.main(["--quick", "--models", EMBEDDED, "--skip-llamacpp", "--device", "sim"])
     out = capsys.readouterr().out
