@@ -77,7 +77,7 @@ def test_packing_reads_three_quarters_of_the_bytes():
 
 
 @pytest.mark.parametrize("n,k", [(16, 4), (32, 8), (48, 12), (64, 576), (16, 8192), (32, 8196)])
-def test_packed_gemv_matches_float64(n, k):
+def test_packed_gemv_matches_the_reference(n, k):
     w, x = _rand(n, k, seed=n * 7 + k), _rand(k, seed=k)
     w.view(-1)[:: 97] = 1e-30              # units kept whole, spread over blocks
     y, p = torch.full((n,), float("nan"), dtype=torch.bfloat16), _packed(w)
@@ -100,7 +100,7 @@ _GEMMS += [(128, 512, 2048), (9, 32, 8192), (13, 48, 8192)]
 
 
 @pytest.mark.parametrize("m,n,k", _GEMMS)
-def test_packed_gemm_matches_float64(m, n, k):
+def test_packed_gemm_matches_the_reference(m, n, k):
     a, w = _rand(m, k, seed=m), _rand(n, k, seed=n * 31 + k)
     w.view(-1)[:: 89] = 1e-30
     c, p = torch.full((m, n), float("nan"), dtype=torch.bfloat16), _packed(w)
