@@ -38,6 +38,12 @@ EMULATIONS = {"amx-emulated": [*_AVX2, "-DNATIVE_TILES_EMULATED=1"]}
 ALL_CLASSES = {**ISAS, **EMULATIONS}
 # Classes whose GEMM runs on (real or emulated) AMX tiles, in TDPBF16PS's summation order.
 TILE_CLASSES = frozenset({"amx", "amx-emulated"})
+# Classes whose prefill multiplies Q4NX weights on decode's integer contract (q4nx_cpu.cc's
+# gemm_q4nx_int_cpu: fixed-point activations, exact byte sums) instead of dequantizing them to
+# bf16 for the float GEMM: where that measured faster (docs/profile.md, "4-bit weights"). AVX2's
+# FMA GEMM does 16 multiply-adds a cycle where vpmaddubsw does 32 byte products; AVX-512's
+# vdpbf16ps already matches vpdpbusd's rate, and the tiles are far ahead of both.
+INTEGER_Q4NX_GEMM = frozenset({"avx2"})
 # /proc/cpuinfo flags without which a class is not even built (its probe decides where they are).
 CPU_FLAGS = {"amx": {"amx_tile", "amx_bf16"}}
 

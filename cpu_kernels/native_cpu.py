@@ -29,7 +29,8 @@ import torch
 
 from llama_base import q4nx
 from llama_base.errors import UserError
-from cpu_kernels.native_build import ALL_CLASSES, CPU_FLAGS, EMULATIONS, ISAS, TILE_CLASSES, cpu_flags, library_path
+from cpu_kernels.native_build import (ALL_CLASSES, CPU_FLAGS, EMULATIONS, INTEGER_Q4NX_GEMM, ISAS, TILE_CLASSES, cpu_flags,
+                                      library_path)
 
 TORCH = "torch"                 # no native library: the simulator's torch bodies
 ENV_ISA = "LLAMA_NPU_ISA"
@@ -129,6 +130,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tiles_dot_bf16_cpu.argtypes = [ptr, ptr, ptr]
     lib.gemv_q4nx_cpu_batch.argtypes = [ptr, ctypes.c_int]
     lib.gemm_q4nx_cpu.argtypes = [ptr, ptr, ptr, i64, i64, i64]
+    lib.gemm_q4nx_int_cpu.argtypes = [ptr, ptr, ptr, i64, i64, i64]
     lib.read_rows_cpu.argtypes = [ctypes.c_int, i64, i64, i64, ptr, i64, ptr]
     lib.read_rows_cpu.restype = i64
     lib.isa = lib.native_cpu_isa().decode()
@@ -266,10 +268,24 @@ def gemv_q4nx_batch_call(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tens
     return _batch_call("gemv_q4nx_cpu_batch", _q4nx_bytes, jobs)
 
 
-def gemm_q4nx_call(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> Callable[[], None] | None:
-    """out[M, N] = a[M, K] · Wᵀ with W [N, K] in Q4NX bytes, dequantized to bf16 as it streams
-    (`q4nx.dequantize`'s numbers), bound; None if unavailable."""
-    return _gemm_call("gemm_q4nx_cpu", _q4nx_bytes, a, w, out)
+def integer_q4nx_gemm(isa: str) -> bool:
+    """Whether class `isa`'s prefill runs Q4NX on decode's integer contract (each output row is
+    the GEMV's for that activation row, `q4nx.gemv_reference`'s numbers) rather than on weights
+    dequantized to bf16 (`q4nx.dequantize`, then the bf16 GEMM): the two differ in the last bits."""
+    return isa in INTEGER_Q4NX_GEMM
+
+
+def gemm_q4nx_call(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+                   integer: bool | None = None) -> Callable[[], None] | None:
+    """out[M, N] = a[M, K] · Wᵀ with W [N, K] in Q4NX bytes, bound; None if unavailable.
+
+    The class decides how (`integer_q4nx_gemm`): row by row the GEMV's fixed-point product, or
+    W dequantized to bf16 as it streams. `integer` forces one, for tests and A/B measurements;
+    the integer kernel exists in every class, register-blocked only in the AVX2 build."""
+    lib = _library()
+    if integer is None:
+        integer = lib is not None and integer_q4nx_gemm(lib.isa)
+    return _gemm_call("gemm_q4nx_int_cpu" if integer else "gemm_q4nx_cpu", _q4nx_bytes, a, w, out)
 
 
 def _batch_call(symbol: str, holds: Callable, jobs) -> Callable[[], None] | None:

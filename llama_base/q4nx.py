@@ -141,8 +141,10 @@ def unpack(buf: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tenso
 
 def dequantize(buf: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The bf16 weights [n, k] a Q4NX buffer stands for: q * scale + min in f32 (the product is
-    exact; the sum rounds once) and rounded to bf16, nearest-even. Prefill's kernels multiply
-    these numbers, and the verification reference runs on them."""
+    exact; the sum rounds once) and rounded to bf16, nearest-even. The NPU's prefill kernels
+    multiply these numbers (so do the simulated device's, but on the classes where byte products
+    win, `native_cpu.integer_q4nx_gemm`, which apply `gemv_reference`'s contract to every row),
+    and the verification reference runs on them."""
     q, sc, mn = unpack(buf, n, k)
     s = sc.float().repeat_interleave(GROUP, dim=1)
     m = mn.float().repeat_interleave(GROUP, dim=1)

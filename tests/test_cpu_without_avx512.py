@@ -20,7 +20,7 @@ from cpu_kernels import native_cpu
 ROOT = Path(__file__).resolve().parents[1]
 QEMU = shutil.which("qemu-x86_64")
 FILES = ["tests/test_native_matmul.py", "tests/test_native_host_ops.py", "tests/test_tiles.py", "tests/test_isa.py",
-         "tests/test_q4nx.py"]
+         "tests/test_q4nx.py", "tests/test_q4nx_int_gemm.py"]
 pytestmark = [pytest.mark.qemu,
               pytest.mark.skipif(QEMU is None or platform.machine() != "x86_64",
                                  reason="qemu-user is not installed (apt-get install qemu-user)")]

@@ -49,6 +49,12 @@ inline void fixed_point(const uint16_t *x, int64_t k, int16_t *X, float *unit, f
   }
 }
 
+// X = 256 h + l as two signed bytes: |X| <= 2^kFixedBits = 2^14 puts h in [-64, 64] and l in [-128, 127].
+inline void split_bytes(int16_t X, int8_t &h, int8_t &l) {
+  l = static_cast<int8_t>(X & 0xff);
+  h = static_cast<int8_t>((X - l) / 256);
+}
+
 // On the simulated device (weight_tiles.Q4nxPacking) a row-block is its groups in order, each
 // one contiguous run: its values in units of 4 columns with the columns innermost (unit byte
 // 4 i + t is column t's byte i, so 32-bit lane i of a 64-byte unit holds rows i, in the low

@@ -110,7 +110,9 @@ def gemv_q4nx(l: Launch, x: torch.Tensor, w: torch.Tensor | DeviceQ4nx, out: tor
 @_native(lambda l, a, w, out: None if _device_q4nx(w) is None else native_cpu.gemm_q4nx_call(a, _device_q4nx(w), out))
 def gemm_q4nx(l: Launch, a: torch.Tensor, w: torch.Tensor | DeviceQ4nx, out: torch.Tensor) -> None:
     """C[M,N] = A[M,K] · W[N,K]ᵀ with W in Q4NX: W dequantized to bf16 (`q4nx.dequantize`),
-    then the bf16 product with f32 accumulation, as the NPU's prefill runs it."""
+    then the bf16 product with f32 accumulation, as the NPU's prefill runs it. The native
+    classes where byte products beat the float GEMM (`native_cpu.integer_q4nx_gemm`: AVX2) run
+    decode's contract on every row instead (`q4nx.gemv_reference`'s numbers, rounded to bf16)."""
     torch.mm(a, q4nx.dequantize(declared_q4nx(w), l.p("N"), l.p("K")).t(), out=out)
 
 
