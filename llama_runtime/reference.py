@@ -10,7 +10,9 @@ kernels' host builds are each compared with these within a stated number of bf16
 
 4-bit weights enter as a projection (`llama_base.q4nx` holds the format and its two contract
 functions): prefill multiplies the dequantized bf16 weights (`lin_q4nx`), decode folds the
-dequantization into its sums (`gemv_q4nx`). The layer functions take the projection to use.
+dequantization into its sums (`gemv_q4nx`), and so does prefill on the CPU classes that run
+it on byte products (`native_build.INTEGER_Q4NX_GEMM`). The layer functions take the
+projection to use.
 """
 from __future__ import annotations
 
@@ -147,11 +149,14 @@ def logits(normed, head, proj=lin):
     return proj(normed, head)
 
 
-def group_outputs(cfg, group, data):
+def group_outputs(cfg, group, data, integer_prefill: bool = False):
     """Every slot a kernel group's launches store, from its input and weight slots (`data`, by
-    slot name): the functions above, chosen by the group's kind and weight format."""
+    slot name): the functions above, chosen by the group's kind and weight format.
+    `integer_prefill`: Q4NX prefill on decode's contract, row by row, as the CPU classes in
+    `native_build.INTEGER_Q4NX_GEMM` compute it, rather than on the dequantized weights."""
     lw = SimpleNamespace(**data)
-    proj = lin if group.quant != q4nx.NAME else gemv_q4nx if group.seq_len == 1 else lin_q4nx
+    decode_form = group.seq_len == 1 or integer_prefill
+    proj = lin if group.quant != q4nx.NAME else gemv_q4nx if decode_form else lin_q4nx
     if group.kind in ("rms_gemms_rope", "rms_gemv_rope"):
         return rms_gemms_rope(cfg, lw, data["x"], data["rope_lut"], proj)
     if group.kind in ("o_ffn", "o_gemv_ffn"):
@@ -268,7 +273,8 @@ def attention_floor(q, k, v, n_heads, n_kv_heads, q_start=0):
     return flash_attention(q, k, v.abs(), n_heads, n_kv_heads, q_start).float()
 
 
-def assert_group_matches(cfg, group, data, got, max_fraction: float = CHAINED) -> None:
+def assert_group_matches(cfg, group, data, got, max_fraction: float = CHAINED,
+                         integer_prefill: bool = False) -> None:
     """Every slot in `got` (outputs, and any intermediates the caller read back) against
     `group_outputs`.
 
@@ -278,7 +284,7 @@ def assert_group_matches(cfg, group, data, got, max_fraction: float = CHAINED) -
     to one ulp at that size (`floor`), and to differ at all in at most `max_fraction` of the
     elements. Attention's outputs are held to the flash bound at their terms' size instead.
     """
-    want = group_outputs(cfg, group, data)
+    want = group_outputs(cfg, group, data, integer_prefill)
     for name, g in got.items():
         w = want[name]
         if group.kind == "flash_attn":

@@ -223,7 +223,8 @@ def test_every_group_matches_the_reference(tiny_config, tiny_weights, sim_path, 
                                              "lm_head_gemv"} and any(c.q_start for c in cases)
     for case in cases:
         data = verify_mlir.inputs(case, weights=tiny_weights)
-        ref.assert_group_matches(tiny_config, case.group, data, _run_slots(case.group, data))
+        ref.assert_group_matches(tiny_config, case.group, data, _run_slots(case.group, data),
+                                 integer_prefill=native_cpu.integer_q4nx_gemm(sim_path))
 
 
 @ISAS

@@ -181,7 +181,11 @@ def test_native_q4nx_gemv_and_gemm_match_the_reference_on_every_class(native_isa
     a = _rand(37, k, seed=8, scale=1.0)
     c = torch.empty(37, n, dtype=torch.bfloat16)
     native_cpu.gemm_q4nx_call(a, dev, c)()
-    _matches_prefill(c, a, buf, n, k)
+    if native_cpu.integer_q4nx_gemm(native_isa):     # this class prefills on decode's contract
+        for row in range(a.shape[0]):
+            _matches_decode(c[row], a[row], buf, n, k)
+    else:
+        _matches_prefill(c, a, buf, n, k)
 
 
 def test_the_gemv_sums_are_the_same_bits_on_every_class():
