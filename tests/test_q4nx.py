@@ -168,6 +168,16 @@ def _matches_prefill(c, a, buf, n, k):
         ref.assert_within_ulps((c.float() * 1.01).bfloat16(), want, 1, ref.REORDERED, floor=floor)
 
 
+def _matches_prefill_of(cls, c, a, buf, n, k):
+    """The prefill contract of class `cls`: decode's, row by row, where it prefills on byte
+    products (`native_cpu.integer_q4nx_gemm`), else `lin_q4nx`."""
+    if native_cpu.integer_q4nx_gemm(cls):
+        for row in range(a.shape[0]):
+            _matches_decode(c[row], a[row], buf, n, k)
+    else:
+        _matches_prefill(c, a, buf, n, k)
+
+
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_native_q4nx_gemv_and_gemm_match_the_reference_on_every_class(native_isa, n, k):
     if native_isa == native_cpu.TORCH:
@@ -181,11 +191,7 @@ def test_native_q4nx_gemv_and_gemm_match_the_reference_on_every_class(native_isa
     a = _rand(37, k, seed=8, scale=1.0)
     c = torch.empty(37, n, dtype=torch.bfloat16)
     native_cpu.gemm_q4nx_call(a, dev, c)()
-    if native_cpu.integer_q4nx_gemm(native_isa):     # this class prefills on decode's contract
-        for row in range(a.shape[0]):
-            _matches_decode(c[row], a[row], buf, n, k)
-    else:
-        _matches_prefill(c, a, buf, n, k)
+    _matches_prefill_of(native_isa, c, a, buf, n, k)
 
 
 def test_the_gemv_sums_are_the_same_bits_on_every_class():
@@ -277,9 +283,10 @@ def test_the_simulated_ops_compute_the_contract_on_either_path(isa, tiny_config)
     x, y = _rand(k, seed=41, scale=1.0), torch.empty(n, dtype=torch.bfloat16)
     p = next(l for l in build_group("o_ffn", tiny_config, 32, quant=q4nx.NAME).launches if l.name == "up_proj")
     a, c = _rand(32, k, seed=42, scale=1.0), torch.empty(32, n, dtype=torch.bfloat16)
-    with native_cpu.use_isa(isa if isa == native_cpu.TORCH else native_cpu.supported_isas()[0]):
+    cls = isa if isa == native_cpu.TORCH else native_cpu.supported_isas()[0]
+    with native_cpu.use_isa(cls):
         w = buf if isa == native_cpu.TORCH else DeviceQ4nx(Q4nxPacking(n, k).pack(buf, _alloc), n, k)
         ops.bind([up], {"normed": x, "w_up": w, "up": y})()
         ops.bind(p, {"normed": a, "w_up": w, "up": c})()
     _matches_decode(y, x, buf, n, k)
-    _matches_prefill(c, a, buf, n, k)
+    _matches_prefill_of(cls, c, a, buf, n, k)
