@@ -34,16 +34,28 @@ using q4nx::kGroup;
 using q4nx::kNibbleBytes;
 using q4nx::kRows;
 
+// Groups g0..g1 of one row in decode's fixed point (q4nx::fixed_point, split as the GEMV splits
+// it): unit u's bytes Xh at xh[step u], Xl at xl[step u].
+void convert_groups(const uint16_t *x, int64_t g0, int64_t g1, int32_t *xh, int32_t *xl, int64_t step, float *unit,
+                    float *sum) {
+  int16_t X[kGroup];
+  int8_t h[kGroup], l[kGroup];
+  for (int64_t g = g0; g < g1; ++g) {
+    q4nx::fixed_point(x + g * kGroup, kGroup, X, unit + g, sum + g);
+    for (int64_t i = 0; i < kGroup; ++i) q4nx::split_bytes(X[i], h[i], l[i]);
+    for (int64_t u = 0; u < kGroup / q4nx::kUnitCols; ++u) {
+      const int64_t at = step * (g * kGroup / q4nx::kUnitCols + u);
+      std::memcpy(xh + at, h + 4 * u, 4);
+      std::memcpy(xl + at, l + 4 * u, 4);
+    }
+  }
+}
+
 struct Activations {
   std::vector<int32_t> hi, lo;   // per 4 columns: the bytes Xh, Xl of X = 256 Xh + Xl
   std::vector<float> unit, sum;
   Activations(const uint16_t *x, int64_t k) : hi(k / 4), lo(k / 4), unit(k / kGroup), sum(k / kGroup) {
-    std::vector<int16_t> X(k);
-    q4nx::fixed_point(x, k, X.data(), unit.data(), sum.data());
-    std::vector<int8_t> h(k), l(k);
-    for (int64_t i = 0; i < k; ++i) q4nx::split_bytes(X[i], h[i], l[i]);
-    std::memcpy(hi.data(), h.data(), k);
-    std::memcpy(lo.data(), l.data(), k);
+    convert_groups(x, 0, k / kGroup, hi.data(), lo.data(), 1, unit.data(), sum.data());
   }
 };
 
@@ -174,23 +186,6 @@ extern "C" void gemv_q4nx_cpu_batch(const int64_t *desc, int count) {
 // ---- GEMM on the decode contract --------------------------------------------------------------
 
 namespace {
-
-// Groups g0..g1 of one row in decode's fixed point (q4nx::fixed_point, split as the GEMV splits
-// it): unit u's bytes Xh at xh[step u], Xl at xl[step u].
-void convert_groups(const uint16_t *x, int64_t g0, int64_t g1, int32_t *xh, int32_t *xl, int64_t step, float *unit,
-                    float *sum) {
-  int16_t X[kGroup];
-  int8_t h[kGroup], l[kGroup];
-  for (int64_t g = g0; g < g1; ++g) {
-    q4nx::fixed_point(x + g * kGroup, kGroup, X, unit + g, sum + g);
-    for (int64_t i = 0; i < kGroup; ++i) q4nx::split_bytes(X[i], h[i], l[i]);
-    for (int64_t u = 0; u < kGroup / q4nx::kUnitCols; ++u) {
-      const int64_t at = step * (g * kGroup / q4nx::kUnitCols + u);
-      std::memcpy(xh + at, h + 4 * u, 4);
-      std::memcpy(xl + at, l + 4 * u, 4);
-    }
-  }
-}
 
 #if NATIVE_AVX2
 
