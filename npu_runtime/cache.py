@@ -100,8 +100,12 @@ class KernelCache:
             need = max([slot.nbytes] + [g.slot(name).nbytes for g in self.artifacts.groups()
                                         for name, p in self._pool_of(g).items() if p == pool])
             buf = self._replace_pool(pool, need)
-        bo = self._acts[key] = buf if buf.size == slot.nbytes else self.device.sub_bo(buf, slot.nbytes)
+        bo = self._acts[key] = self._slot_bo(buf, slot.nbytes)
         return bo
+
+    def _slot_bo(self, buf: BO, nbytes: int) -> BO:
+        """A pool's buffer as a slot of `nbytes` sees it: the buffer itself, or a sub-buffer."""
+        return buf if buf.size == nbytes else self.device.sub_bo(buf, nbytes)
 
     def _pool_of(self, group: KernelGroup) -> dict[str, tuple[str, str]]:
         """Slot name -> `activation_pool`, for each activation slot of the group (kept per group)."""
@@ -121,7 +125,7 @@ class KernelCache:
             group = self.artifacts.group(key[0])
             slot = group.slot(key[1])
             if self._pool_of(group)[slot.name] == pool:
-                new = self._acts[key] = buf if buf.size == slot.nbytes else self.device.sub_bo(buf, slot.nbytes)
+                new = self._acts[key] = self._slot_bo(buf, slot.nbytes)
                 moved[id(bo)] = (bo, new)
         for s in self._sets.values():
             if any(b is not None and id(b) in moved for b in s.bos):
