@@ -20,7 +20,8 @@ _SRCS += [_NATIVE / "q4nx_cpu.cc", _NATIVE / "rows_cpu.cc"]
 _HEADERS = [_NATIVE / "simd_bf16.h", _NATIVE / "packed_tiles.h", _NATIVE / "tiles_bf16.h", _NATIVE / "q4nx_blocks.h"]
 # The Q4NX layout as the kernels see it: from its one declaration.
 _Q4NX = [f"-DQ4NX_{name}={value}" for name, value in
-         (("ROWS", q4nx.ROWS), ("COLS", q4nx.COLS), ("GROUP", q4nx.GROUP), ("FIXED_BITS", q4nx.FIXED_BITS))]
+         (("ROWS", q4nx.ROWS), ("COLS", q4nx.COLS), ("GROUP", q4nx.GROUP), ("FIXED_BITS", q4nx.FIXED_BITS),
+          ("NARROW_LEVELS", q4nx.NARROW_LEVELS), ("NARROW_FLOOR_EXP", q4nx.NARROW_FLOOR_EXP))]
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", *_Q4NX]
 # ISA classes, best first: the compiler flags each library is built with. The AVX2 build gets
 # no AVX-512 flag at all, so nothing in it can fault on a CPU without AVX-512.
@@ -44,6 +45,12 @@ TILE_CLASSES = frozenset({"amx", "amx-emulated"})
 # FMA GEMM does 16 multiply-adds a cycle where vpmaddubsw does 32 byte products; AVX-512's
 # vdpbf16ps already matches vpdpbusd's rate, and the tiles are far ahead of both.
 INTEGER_Q4NX_GEMM = frozenset({"avx2"})
+# Classes whose Q4NX decode (and integer prefill) takes activations one byte wide (q4nx.NARROW)
+# rather than two (q4nx.WIDE): half the byte products. AVX2's vpmaddubsw forms the two-byte
+# contract at about a third of AVX-512 VNNI's rate, too slow to keep up with memory
+# (docs/profile.md, "4-bit weights"); AVX-512 keeps the wide width, the closer to the NPU's
+# bf16 products.
+Q4NX_NARROW_ACTIVATIONS = frozenset({"avx2"})
 # /proc/cpuinfo flags without which a class is not even built (its probe decides where they are).
 CPU_FLAGS = {"amx": {"amx_tile", "amx_bf16"}}
 
@@ -72,7 +79,12 @@ def build_shared(srcs: Path | list[Path], flags: list[str], headers: list[Path] 
 
 def library_path(isa: str) -> Path | None:
     """The shared library built for ISA class `isa` (built now if needed), None without a compiler."""
-    return build_shared(_SRCS, _FLAGS + ALL_CLASSES[isa], _HEADERS)
+    return build_shared(_SRCS, _FLAGS + ALL_CLASSES[isa] + [f"-DQ4NX_ACT_BYTES={activation_bytes(isa)}"], _HEADERS)
+
+
+def activation_bytes(isa: str) -> int:
+    """Decode's Q4NX activation width on class `isa` (`q4nx.fixed_point`)."""
+    return q4nx.NARROW if isa in Q4NX_NARROW_ACTIVATIONS else q4nx.WIDE
 
 
 def cpu_flags() -> set[str] | None:

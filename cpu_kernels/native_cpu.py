@@ -29,8 +29,8 @@ import torch
 
 from llama_base import q4nx
 from llama_base.errors import UserError
-from cpu_kernels.native_build import (ALL_CLASSES, CPU_FLAGS, EMULATIONS, INTEGER_Q4NX_GEMM, ISAS, TILE_CLASSES, cpu_flags,
-                                      library_path)
+from cpu_kernels.native_build import (ALL_CLASSES, CPU_FLAGS, EMULATIONS, INTEGER_Q4NX_GEMM, ISAS, TILE_CLASSES,
+                                      activation_bytes, cpu_flags, library_path)
 
 TORCH = "torch"                 # no native library: the simulator's torch bodies
 ENV_ISA = "LLAMA_NPU_ISA"
@@ -263,9 +263,17 @@ def _q4nx_bytes(w: torch.Tensor, n: int, k: int) -> bool:
 
 def gemv_q4nx_batch_call(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> Callable[[], None] | None:
     """y = W x for each (Q4NX W bytes, x, y) in one native dispatch, bound; None if unavailable.
-    The sums are `q4nx.gemv_reference`'s, bit for bit per group (exact integers); the groups
-    combine in f32 in the kernel's order."""
+    The sums are `q4nx.gemv_reference`'s at the class's activation width
+    (`q4nx_activation_bytes`), bit for bit per group (exact integers); the groups combine in f32
+    in the kernel's order."""
     return _batch_call("gemv_q4nx_cpu_batch", _q4nx_bytes, jobs)
+
+
+def q4nx_activation_bytes(isa: str) -> int:
+    """Decode's Q4NX activation width on class `isa` (`q4nx.WIDE` or `q4nx.NARROW`; the torch
+    bodies take `q4nx.WIDE`): the `act_bytes` its GEMV, and its integer prefill, meet
+    `q4nx.gemv_reference` at."""
+    return activation_bytes(isa) if isa in ALL_CLASSES else q4nx.WIDE
 
 
 def integer_q4nx_gemm(isa: str) -> bool:

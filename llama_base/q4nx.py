@@ -151,37 +151,76 @@ def dequantize(buf: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return (q.float() * s + m).to(torch.bfloat16)
 
 
-FIXED_BITS = 14      # decode's activations: a group's largest |x| scaled to below 2^FIXED_BITS
+FIXED_BITS = 14      # decode's wide activations: a group's largest |x| scaled to below 2^FIXED_BITS
+# Decode's activations in one of two widths, bytes per activation (the CPU's byte dot products
+# take a byte at a time): WIDE, 14-bit fixed point as two signed bytes, as close to the NPU's bf16
+# products as a power-of-two unit gets; NARROW, one signed byte, half the products (the width
+# llama.cpp's 4-bit dot products take). A CPU class names its width
+# (`native_build.Q4NX_NARROW_ACTIVATIONS`); docs/explain.md has what each costs.
+WIDE, NARROW = 2, 1
+NARROW_LEVELS = 127  # a narrow group's largest |x| becomes ±NARROW_LEVELS
+NARROW_FLOOR_EXP = -120  # a narrow group whose largest |x| is below 2^this counts as zeros (127 / top stays finite)
 
 
-def fixed_point(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each group of GROUP activations as integers X (f32 holding int16 values) and the group's
-    power-of-two unit u, x ~ X * u.
+def fixed_point(x: torch.Tensor, act_bytes: int = WIDE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group of GROUP activations as integers X (f32 holding integer values) and the group's
+    unit u, x ~ X * u. A group of zeros has u = 1.
 
-    u = 2^(e + 1 - FIXED_BITS) for the group's largest |x| in [2^e, 2^(e+1)), so |X| < 2^FIXED_BITS:
-    a bf16 has 8 significant bits, so every x within 2^6 of the largest is exact and a smaller
-    one is off by less than u / 2, 2^-14 of the largest. 14 bits, not 15, so that X splits into
-    two signed bytes (256 Xh + Xl, both in [-128, 127]) for the CPU's byte dot products. A group
-    of zeros has u = 1.
+    WIDE: u = 2^(e + 1 - FIXED_BITS) for the group's largest |x| in [2^e, 2^(e+1)), so
+    |X| < 2^FIXED_BITS: a bf16 has 8 significant bits, so every x within 2^6 of the largest is
+    exact and a smaller one is off by less than u / 2, 2^-14 of the largest. 14 bits, not 15, so
+    that X splits into two signed bytes (256 Xh + Xl, both in [-128, 127]) for the CPU's byte dot
+    products.
+
+    NARROW: X = round(x * (127 / top)) and u = top / 127 (each an f32 division, so every
+    implementation forms the same numbers), |X| <= 127: one signed byte, off by up to u / 2,
+    1/254 of the group's largest |x|. A group whose largest |x| is below 2^NARROW_FLOOR_EXP is
+    taken as zeros (its 127 / top would overflow f32; its products are below any bf16 output's ulp).
     """
     g = x.float().view(-1, GROUP)
     top = g.abs().amax(1)
+    if act_bytes == NARROW:
+        live = top >= 2.0 ** NARROW_FLOOR_EXP
+        safe = torch.where(live, top, torch.ones_like(top))
+        # Tensor over tensor, a true division: torch takes a scalar over a tensor as a reciprocal
+        # times the scalar, which rounds twice.
+        levels = torch.full_like(top, NARROW_LEVELS)
+        r = torch.where(live, levels / safe, torch.zeros_like(top))
+        return torch.round(g * r[:, None]), torch.where(live, safe / levels, torch.ones_like(top))
+    if act_bytes != WIDE:
+        raise ValueError(f"decode's activations are {WIDE} or {NARROW} bytes wide, not {act_bytes}")
     e = torch.frexp(top).exponent - 1             # top in [2^e, 2^(e+1))
     u = torch.where(top > 0, torch.ldexp(torch.ones_like(top), e - (FIXED_BITS - 1)), torch.ones_like(top))
     return torch.round(g / u[:, None]), u
 
 
-def gemv_reference(buf: torch.Tensor, x: torch.Tensor, n: int, k: int) -> torch.Tensor:
+def gemv_reference(buf: torch.Tensor, x: torch.Tensor, n: int, k: int, act_bytes: int = WIDE) -> torch.Tensor:
     """Decode's product y = W x (f32 [n]) for Q4NX W, as the fused kernels compute it.
 
     Dequantization is folded into the sums: per group, y += (scale * u) * sum(q * X) +
-    min * sum(x), with X, u from `fixed_point`. sum(q * X) is an exact integer (at most
+    min * sum(x), with X, u from `fixed_point` and sum(x) from `group_sums`. sum(q * X) is an exact integer (at most
     15 * 2^15 * 32 < 2^24, so even f32 holds it exactly in any order), which is why every CPU
-    class gets the same bits for it; only the per-group combination rounds, in f32.
+    class of one activation width gets the same bits for it; only the per-group combination
+    rounds, in f32.
     """
     q, sc, mn = unpack(buf, n, k)
-    X, u = fixed_point(x)
+    X, u = fixed_point(x, act_bytes)
     g = k // GROUP
     sums = torch.einsum("ngc,gc->ng", q.float().view(n, g, GROUP), X.view(g, GROUP))
-    xs = x.float().view(g, GROUP).sum(1)
-    return (sums * (sc.float() * u) + mn.float() * xs).sum(1)
+    return (sums * (sc.float() * u) + mn.float() * group_sums(x, X, u, act_bytes)).sum(1)
+
+
+def group_sums(x: torch.Tensor, X: torch.Tensor, u: torch.Tensor, act_bytes: int = WIDE) -> torch.Tensor:
+    """The sum each group's min multiplies (f32 [groups]): wide, the exact sum of x in element
+    order; narrow, u * sum(X), the sum of the activations as the byte products see them.
+
+    Narrow needs it: w = q * scale + min with q in 0..15 is a large positive q * scale that
+    the min cancels, so the error of the bytes, seen by q * scale, must be seen by the min too,
+    or the cancellation leaves it whole (on the embedded model: perplexity +1.8 % with the
+    exact sum, +0.4 % this way; llama.cpp's 8-bit activations carry the same sum for the same
+    reason). At 14 bits that error is 2^6 times smaller, and the wide contract keeps the exact
+    sum, as the NPU's bf16 products have it.
+    """
+    if act_bytes == NARROW:
+        return X.view(-1, GROUP).sum(1) * u
+    return x.float().view(-1, GROUP).sum(1)

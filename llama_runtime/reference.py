@@ -10,9 +10,9 @@ kernels' host builds are each compared with these within a stated number of bf16
 
 4-bit weights enter as a projection (`llama_base.q4nx` holds the format and its two contract
 functions): prefill multiplies the dequantized bf16 weights (`lin_q4nx`), decode folds the
-dequantization into its sums (`gemv_q4nx`), and so does prefill on the CPU classes that run
-it on byte products (`native_build.INTEGER_Q4NX_GEMM`). The layer functions take the
-projection to use.
+dequantization into its sums (`gemv_q4nx`, at a CPU class's activation width:
+`native_build.Q4NX_NARROW_ACTIVATIONS`), and so does prefill on the CPU classes that run it on
+byte products (`native_build.INTEGER_Q4NX_GEMM`). The layer functions take the projection to use.
 """
 from __future__ import annotations
 
@@ -49,12 +49,13 @@ def lin_q4nx(x, buf):
     return lin(x, q4nx.dequantize(buf, _q4nx_rows(buf, k), k))
 
 
-def gemv_q4nx(x, buf):
+def gemv_q4nx(x, buf, act_bytes=q4nx.WIDE):
     """Decode on Q4NX weights: `q4nx.gemv_reference`'s f32 sums (the dequantization folded in,
-    no weight rounded), rounded once. x [K], or rows [..., K] each taken as its own GEMV."""
+    no weight rounded) with activations `act_bytes` wide, rounded once. x [K], or rows [..., K]
+    each taken as its own GEMV."""
     k = x.shape[-1]
     n = _q4nx_rows(buf, k)
-    rows = [q4nx.gemv_reference(buf, r, n, k) for r in x.reshape(-1, k)]
+    rows = [q4nx.gemv_reference(buf, r, n, k, act_bytes) for r in x.reshape(-1, k)]
     return torch.stack(rows).reshape(*x.shape[:-1], n).to(bf)
 
 
@@ -149,14 +150,16 @@ def logits(normed, head, proj=lin):
     return proj(normed, head)
 
 
-def group_outputs(cfg, group, data, integer_prefill: bool = False):
+def group_outputs(cfg, group, data, integer_prefill: bool = False, act_bytes: int = q4nx.WIDE):
     """Every slot a kernel group's launches store, from its input and weight slots (`data`, by
     slot name): the functions above, chosen by the group's kind and weight format.
     `integer_prefill`: Q4NX prefill on decode's contract, row by row, as the CPU classes in
-    `native_build.INTEGER_Q4NX_GEMM` compute it, rather than on the dequantized weights."""
+    `native_build.INTEGER_Q4NX_GEMM` compute it, rather than on the dequantized weights.
+    `act_bytes`: decode's activation width (`native_cpu.q4nx_activation_bytes` of a class)."""
     lw = SimpleNamespace(**data)
     decode_form = group.seq_len == 1 or integer_prefill
-    proj = lin if group.quant != q4nx.NAME else gemv_q4nx if decode_form else lin_q4nx
+    decode = lambda x, buf: gemv_q4nx(x, buf, act_bytes)     # noqa: E731
+    proj = lin if group.quant != q4nx.NAME else decode if decode_form else lin_q4nx
     if group.kind in ("rms_gemms_rope", "rms_gemv_rope"):
         return rms_gemms_rope(cfg, lw, data["x"], data["rope_lut"], proj)
     if group.kind in ("o_ffn", "o_gemv_ffn"):
@@ -274,7 +277,7 @@ def attention_floor(q, k, v, n_heads, n_kv_heads, q_start=0):
 
 
 def assert_group_matches(cfg, group, data, got, max_fraction: float = CHAINED,
-                         integer_prefill: bool = False) -> None:
+                         integer_prefill: bool = False, act_bytes: int = q4nx.WIDE) -> None:
     """Every slot in `got` (outputs, and any intermediates the caller read back) against
     `group_outputs`.
 
@@ -284,7 +287,7 @@ def assert_group_matches(cfg, group, data, got, max_fraction: float = CHAINED,
     to one ulp at that size (`floor`), and to differ at all in at most `max_fraction` of the
     elements. Attention's outputs are held to the flash bound at their terms' size instead.
     """
-    want = group_outputs(cfg, group, data, integer_prefill)
+    want = group_outputs(cfg, group, data, integer_prefill, act_bytes)
     for name, g in got.items():
         w = want[name]
         if group.kind == "flash_attn":

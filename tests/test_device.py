@@ -224,7 +224,8 @@ def test_every_group_matches_the_reference(tiny_config, tiny_weights, sim_path, 
     for case in cases:
         data = verify_mlir.inputs(case, weights=tiny_weights)
         ref.assert_group_matches(tiny_config, case.group, data, _run_slots(case.group, data),
-                                 integer_prefill=native_cpu.integer_q4nx_gemm(sim_path))
+                                 integer_prefill=native_cpu.integer_q4nx_gemm(sim_path),
+                                 act_bytes=native_cpu.q4nx_activation_bytes(sim_path))
 
 
 @ISAS

@@ -140,23 +140,75 @@ def test_fixed_point_is_exact_near_the_group_maximum():
     assert X.abs().max() < 2 ** q4nx.FIXED_BITS
 
 
-def test_the_gemv_reference_is_the_product_of_the_dequantized_weights():
+def test_narrow_fixed_point_maps_each_group_onto_signed_bytes():
+    """One byte: the group's largest |x| becomes ±127 and every x is within u / 2 of X u; a group
+    of zeros, or one below 2^NARROW_FLOOR_EXP, is zeros with u = 1."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4 * q4nx.GROUP, generator=g)
+    x[q4nx.GROUP + 3] = -40.0                                   # group 1's largest, negative
+    x[2 * q4nx.GROUP:3 * q4nx.GROUP] = 0
+    x[3 * q4nx.GROUP:] = 2.0 ** (q4nx.NARROW_FLOOR_EXP - 1)
+    x = x.to(torch.bfloat16)
+    X, u = q4nx.fixed_point(x, q4nx.NARROW)
+    assert X.abs().max() <= q4nx.NARROW_LEVELS and X[1, 3] == -q4nx.NARROW_LEVELS
+    assert X[0].abs().max() == q4nx.NARROW_LEVELS
+    assert ((X[:2] * u[:2, None] - x.float().view(-1, q4nx.GROUP)[:2]).abs() <= u[:2, None] / 2).all()
+    assert not X[2:].any() and u[2:].tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError):
+        q4nx.fixed_point(x, 3)
+
+
+@pytest.mark.parametrize("width", [q4nx.WIDE, q4nx.NARROW])
+def test_the_gemv_reference_is_the_product_of_the_dequantized_weights(width):
+    """Either width stays near the exact product: wide within bf16's own step, narrow within
+    its byte's 1/254 of each group's largest |x| (summed over the groups)."""
     n, k = 64, 576
     buf = quantize.quantize(_rand(n, k, seed=3))
     x = _rand(k, seed=4, scale=1.0)
-    ref = q4nx.dequantize(buf, n, k).float() @ x.float()
-    got = q4nx.gemv_reference(buf, x, n, k)
-    assert torch.allclose(got, ref, rtol=0, atol=float(ref.abs().max()) * 2 ** -7)
+    w = q4nx.dequantize(buf, n, k).float()
+    ref = w @ x.float()
+    got = q4nx.gemv_reference(buf, x, n, k, width)
+    if width == q4nx.WIDE:
+        assert torch.allclose(got, ref, rtol=0, atol=float(ref.abs().max()) * 2 ** -7)
+    else:
+        _, u = q4nx.fixed_point(x, width)
+        bound = (w.abs().view(n, -1, q4nx.GROUP).sum(2) * u / 2).sum(1) * (1 + 2 ** -10)
+        assert ((got - ref).abs() <= bound).all()
 
 
-def _matches_decode(y, x, buf, n, k):
-    """`reference.gemv_q4nx`: the same exact integer sums, the groups combined in another order
-    (`REORDERED`, each output at least at `CANCELLED` of its terms). The prefill form (each
-    weight rounded to bf16 first) fails it: the decode contract is its own."""
-    want, floor = ref.gemv_q4nx(x, buf), ref.sum_floor(x, q4nx.dequantize(buf, n, k))
+def test_the_narrow_min_sees_the_bytes_error():
+    """Narrow decode multiplies each min by u * sum(X), not by the exact sum of x: a Q4NX weight
+    is a large positive q * scale that its min cancels, and only if both see the same rounded
+    activations does their error cancel too. Against the exact product, over 8 activation rows,
+    the group_sums form is the closer by a clear factor (about 1.4-2.5 on random weights; the
+    exact-sum form, which the wide contract keeps, would be 1)."""
+    n, k = 256, 2048
+    buf = quantize.quantize(_rand(n, k, seed=50))
+    q, sc, mn = q4nx.unpack(buf, n, k)
+    w = q.double() * sc.double().repeat_interleave(q4nx.GROUP, 1) + mn.double().repeat_interleave(q4nx.GROUP, 1)
+    ours = exact_sum = 0.0
+    for seed in range(8):
+        x = _rand(k, seed=100 + seed, scale=1.0)
+        exact = w @ x.double()
+        X, u = q4nx.fixed_point(x, q4nx.NARROW)
+        sums = torch.einsum("ngc,gc->ng", q.double().view(n, -1, q4nx.GROUP), X.double())
+        other = (sums * sc.double() * u.double() + mn.double() * x.double().view(-1, q4nx.GROUP).sum(1)).sum(1)
+        ours += float((q4nx.gemv_reference(buf, x, n, k, q4nx.NARROW).double() - exact).pow(2).sum())
+        exact_sum += float((other - exact).pow(2).sum())
+    assert (exact_sum / ours) ** 0.5 > 1.25
+
+
+def _matches_decode(y, x, buf, n, k, cls=native_cpu.TORCH):
+    """`reference.gemv_q4nx` at class `cls`'s activation width: the same exact integer sums, the
+    groups combined in another order (`REORDERED`, each output at least at `CANCELLED` of its
+    terms). The prefill form (each weight rounded to bf16 first) and the other width fail it:
+    each contract is its own."""
+    width = native_cpu.q4nx_activation_bytes(cls)
+    want, floor = ref.gemv_q4nx(x, buf, width), ref.sum_floor(x, q4nx.dequantize(buf, n, k))
     ref.assert_within_ulps(y, want, 1, ref.REORDERED, floor=floor)
-    with pytest.raises(AssertionError):
-        ref.assert_within_ulps(ref.lin_q4nx(x, buf), want, 1, ref.REORDERED, floor=floor)
+    for other in (ref.lin_q4nx(x, buf), ref.gemv_q4nx(x, buf, q4nx.WIDE + q4nx.NARROW - width)):
+        with pytest.raises(AssertionError):
+            ref.assert_within_ulps(other, want, 1, ref.REORDERED, floor=floor)
 
 
 def _matches_prefill(c, a, buf, n, k):
@@ -173,7 +225,7 @@ def _matches_prefill_of(cls, c, a, buf, n, k):
     products (`native_cpu.integer_q4nx_gemm`), else `lin_q4nx`."""
     if native_cpu.integer_q4nx_gemm(cls):
         for row in range(a.shape[0]):
-            _matches_decode(c[row], a[row], buf, n, k)
+            _matches_decode(c[row], a[row], buf, n, k, cls)
     else:
         _matches_prefill(c, a, buf, n, k)
 
@@ -187,28 +239,31 @@ def test_native_q4nx_gemv_and_gemm_match_the_reference_on_every_class(native_isa
     x = (_rand(k, seed=7, scale=1.0).float() * torch.linspace(0.01, 3, k)).to(torch.bfloat16)
     y = torch.empty(n, dtype=torch.bfloat16)
     native_cpu.gemv_q4nx_batch_call([(dev, x, y)])()
-    _matches_decode(y, x, buf, n, k)
+    _matches_decode(y, x, buf, n, k, native_isa)
     a = _rand(37, k, seed=8, scale=1.0)
     c = torch.empty(37, n, dtype=torch.bfloat16)
     native_cpu.gemm_q4nx_call(a, dev, c)()
     _matches_prefill_of(native_isa, c, a, buf, n, k)
 
 
-def test_the_gemv_sums_are_the_same_bits_on_every_class():
-    classes = [c for c in native_cpu.supported_isas() + native_cpu.emulated_isas()]
-    if len(classes) < 2:
-        pytest.skip("one ISA class on this CPU")
+def test_the_gemv_is_the_same_bits_on_every_class_of_one_activation_width():
+    """Exact integer sums, combined in one order: every class of one width gives the same bits."""
+    classes = native_cpu.supported_isas() + native_cpu.emulated_isas()
+    widths = {w: [c for c in classes if native_cpu.q4nx_activation_bytes(c) == w] for w in (q4nx.WIDE, q4nx.NARROW)}
+    if all(len(c) < 2 for c in widths.values()):
+        pytest.skip("no two ISA classes of one activation width on this CPU")
     n, k = 96, 576
     buf = quantize.quantize(_rand(n, k, seed=11))
     dev = Q4nxPacking(n, k).pack(buf, _alloc)
     x = _rand(k, seed=12, scale=1.0)
-    outs = []
-    for isa in classes:
-        with native_cpu.use_isa(isa):
-            y = torch.empty(n, dtype=torch.bfloat16)
-            native_cpu.gemv_q4nx_batch_call([(dev, x, y)])()
-            outs.append(y)
-    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    for same in widths.values():
+        outs = []
+        for isa in same:
+            with native_cpu.use_isa(isa):
+                y = torch.empty(n, dtype=torch.bfloat16)
+                native_cpu.gemv_q4nx_batch_call([(dev, x, y)])()
+                outs.append(y)
+        assert all(torch.equal(o, outs[0]) for o in outs[1:]), same
 
 
 def test_native_kernels_refuse_declared_form_bytes_of_the_wrong_size():
@@ -288,5 +343,5 @@ def test_the_simulated_ops_compute_the_contract_on_either_path(isa, tiny_config)
         w = buf if isa == native_cpu.TORCH else DeviceQ4nx(Q4nxPacking(n, k).pack(buf, _alloc), n, k)
         ops.bind([up], {"normed": x, "w_up": w, "up": y})()
         ops.bind(p, {"normed": a, "w_up": w, "up": c})()
-    _matches_decode(y, x, buf, n, k)
+    _matches_decode(y, x, buf, n, k, cls)
     _matches_prefill_of(cls, c, a, buf, n, k)

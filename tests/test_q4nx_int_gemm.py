@@ -70,21 +70,22 @@ def test_gemm_rows_are_the_gemv_rows_bit_for_bit(native_isa, m, n, k):
     assert torch.equal(_gemm(a, dev, n).view(torch.int16), _gemv_rows(dev, a, n).view(torch.int16))
 
 
-def test_every_class_computes_the_same_integer_gemm():
-    """Decode's contract has one answer: the AVX2 tile, the per-row GEMV of the AVX-512 build and
-    the GEMV of any class agree to the bit."""
+def test_every_class_of_one_width_computes_the_same_integer_gemm():
+    """Decode's contract has one answer per activation width: the AVX2 tiles, the per-row GEMV of
+    the AVX-512 build and the GEMV of any class of that width agree to the bit."""
     classes = native_cpu.supported_isas() + native_cpu.emulated_isas()
     m, n, k = 37, 96, 576
     _, dev = _weights(n, k, seed=5)
     a = _activations(m, k, seed=6)
-    outs = []
-    for isa in classes:
-        with native_cpu.use_isa(isa):
-            outs += [_gemm(a, dev, n), _gemv_rows(dev, a, n)]
-    assert all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs[1:])
+    for width in (q4nx.WIDE, q4nx.NARROW):
+        outs = []
+        for isa in (c for c in classes if native_cpu.q4nx_activation_bytes(c) == width):
+            with native_cpu.use_isa(isa):
+                outs += [_gemm(a, dev, n), _gemv_rows(dev, a, n)]
+        assert all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs[1:]), width
 
 
-def _f32_bound(buf: torch.Tensor, a: torch.Tensor, n: int, k: int) -> torch.Tensor:
+def _f32_bound(buf: torch.Tensor, a: torch.Tensor, n: int, k: int, width: int) -> torch.Tensor:
     """How far two f32 evaluations of decode's contract may be apart, per output: both add the
     same 2G terms (G groups of (scale u) S + min sum(x), S exact) in different orders, each within
     2G rounding steps of 2^-24 of the terms' magnitudes."""
@@ -92,7 +93,7 @@ def _f32_bound(buf: torch.Tensor, a: torch.Tensor, n: int, k: int) -> torch.Tens
     g = k // q4nx.GROUP
     bound = torch.empty(a.shape[0], n, dtype=torch.float64)
     for i in range(a.shape[0]):
-        X, u = q4nx.fixed_point(a[i])
+        X, u = q4nx.fixed_point(a[i], width)
         s = torch.einsum("ngc,gc->ng", q.double().view(n, g, q4nx.GROUP), X.double().view(g, q4nx.GROUP))
         xs = a[i].double().view(g, q4nx.GROUP).sum(1)
         terms = (s * sc.double() * u.double()).abs() + (mn.double() * xs).abs()
@@ -108,33 +109,46 @@ def test_the_gemm_meets_the_gemv_reference(native_isa, m, n, k):
         pytest.skip("no native library")
     buf, dev = _weights(n, k, seed=k)
     a = _activations(m, k, seed=m)
+    width = native_cpu.q4nx_activation_bytes(native_isa)
     got = _gemm(a, dev, n).double()
-    ref = torch.stack([q4nx.gemv_reference(buf, a[i], n, k) for i in range(m)]).double()
+    ref = torch.stack([q4nx.gemv_reference(buf, a[i], n, k, width) for i in range(m)]).double()
     ref_bf16 = ref.to(torch.bfloat16).double()
-    bound = 2.0 ** -8 * (got.abs() + ref.abs()) + _f32_bound(buf, a, n, k)
+    bound = 2.0 ** -8 * (got.abs() + ref.abs()) + _f32_bound(buf, a, n, k, width)
     assert ((got - ref_bf16).abs() <= bound).all()
 
 
 def test_16_bit_group_sums_at_their_bound(native_isa):
-    """Every value 15 and every activation byte Xl = -128 (X = 128 times an odd number), Xh up
-    to 63: each 16-bit lane of a group reaches 8 x 2 x 15 x (-128) = -30720, the most the AVX2
-    kernel adds before widening; nothing saturates, so the rows are still the GEMV's and equal
-    to the exact integer sums."""
+    """Every value 15 and every activation byte at -128 or -127: each 16-bit lane of a group
+    reaches the most the AVX2 kernels add before widening (8 x 2 x 15 x (-128) = -30720 wide,
+    8 x 2 x 15 x (-127) = -30480 narrow); nothing saturates, so the rows are still the GEMV's
+    and equal to the exact integer sums.
+
+    Wide: Xl = -128 (X = 128 times an odd number), Xh up to 63. Narrow: every X = -127 (a group
+    of equal magnitudes), or the group's largest at 127 and the rest odd multiples."""
     if native_isa == native_cpu.TORCH:
         pytest.skip("no native library")
+    width = native_cpu.q4nx_activation_bytes(native_isa)
     n, k, m = 64, 256, 5
     q = torch.full((n, k), 15, dtype=torch.uint8)
     ones = torch.ones(n, k // q4nx.GROUP, dtype=torch.bfloat16)
     buf = q4nx.pack(q, ones, torch.zeros_like(ones))
     dev = Q4nxPacking(n, k).pack(buf, _alloc)
     g = torch.Generator().manual_seed(0)
-    odd = torch.randint(-63, 64, (m, k), generator=g) * 2 + 1           # |X| = 128 |odd| <= 16256
-    odd[:, ::q4nx.GROUP] = 127                                          # each group's largest: X = 16256, u = 2^-10
-    odd[0] = -1                                                          # a row of X = -128: l = -128, h = 0
-    odd[0, ::q4nx.GROUP] = -127
-    a = (odd * 128 * 2.0 ** -10).to(torch.bfloat16)
-    X, u = q4nx.fixed_point(a[1])
-    assert (u == 2.0 ** -10).all() and ((X.long() & 255) == 128).all()
+    if width == q4nx.WIDE:
+        odd = torch.randint(-63, 64, (m, k), generator=g) * 2 + 1           # |X| = 128 |odd| <= 16256
+        odd[:, ::q4nx.GROUP] = 127                                          # each group's largest: X = 16256, u = 2^-10
+        odd[0] = -1                                                          # a row of X = -128: l = -128, h = 0
+        odd[0, ::q4nx.GROUP] = -127
+        a = (odd * 128 * 2.0 ** -10).to(torch.bfloat16)
+        X, u = q4nx.fixed_point(a[1], width)
+        assert (u == 2.0 ** -10).all() and ((X.long() & 255) == 128).all()
+    else:
+        a = (torch.randint(-63, 64, (m, k), generator=g) * 2 + 1).float()   # exact in bf16; X = x where top = 127
+        a[:, ::q4nx.GROUP] = 127
+        a[0] = -1.0                                                           # a row of X = -127
+        a = a.to(torch.bfloat16)
+        X, u = q4nx.fixed_point(a[0], width)
+        assert (X == -127).all()
     got = _gemm(a, dev, n)
     assert torch.equal(got.view(torch.int16), _gemv_rows(dev, a, n).view(torch.int16))
     exact = (a.double() @ torch.full((k, n), 15.0, dtype=torch.float64))

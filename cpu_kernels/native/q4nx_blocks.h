@@ -14,7 +14,7 @@
 #include "tiles_bf16.h"
 
 #ifndef Q4NX_ROWS
-#error "native_build.py passes the Q4NX layout (Q4NX_ROWS, Q4NX_COLS, Q4NX_GROUP, Q4NX_FIXED_BITS)"
+#error "native_build.py passes the Q4NX layout and decode's activation contract (Q4NX_ROWS, Q4NX_COLS, ...)"
 #endif
 
 namespace q4nx {
@@ -23,14 +23,22 @@ constexpr int64_t kRows = Q4NX_ROWS;
 constexpr int64_t kCols = Q4NX_COLS;
 constexpr int64_t kGroup = Q4NX_GROUP;
 constexpr int kFixedBits = Q4NX_FIXED_BITS;
+// Decode's activation width for this library's class (q4nx.WIDE 2 or q4nx.NARROW 1): the bytes
+// per activation its byte dot products take, and the int32 words per 4-column unit it stores.
+constexpr int kActBytes = Q4NX_ACT_BYTES;
+constexpr float kNarrowLevels = Q4NX_NARROW_LEVELS;
+// Below it a narrow group counts as zeros (q4nx.NARROW_FLOOR_EXP): 127 / top must stay finite.
+const float kNarrowFloor = std::ldexp(1.0f, Q4NX_NARROW_FLOOR_EXP);
+static_assert(kActBytes == 1 || kActBytes == 2, "activations are one or two bytes wide");
 constexpr int64_t kNibbleBytes = kRows / 2;                       // per column
 constexpr int64_t kBytesPerCol = kNibbleBytes + 4 * kRows / kGroup;  // + a bf16 scale and min per row per group
 static_assert(kRows == 2 * native::kWidth, "a row-block's halves are the two 16-lane vectors");
 static_assert(kGroup % 4 == 0, "groups hold whole 4-column units");
 
 // The activations as decode's contract takes them (q4nx.fixed_point, q4nx.gemv_reference): per
-// group of kGroup, integers X = round(x / u) for the power of two u = 2^(e - 14) below the
-// group's largest |x| in [2^e, 2^(e+1)) (u = 1 for a group of zeros), and the group's f32 sum.
+// group of kGroup, integers X in units u, and the sum its min multiplies (q4nx.group_sums). Wide: u = 2^(e - 14), the
+// power of two below the group's largest |x| in [2^e, 2^(e+1)). Narrow: X = x * (127 / top)
+// rounded, u = top / 127. A group of zeros (narrow: below kNarrowFloor) has X = 0, u = 1.
 inline void fixed_point(const uint16_t *x, int64_t k, int16_t *X, float *unit, float *sum) {
   for (int64_t g = 0; g < k / kGroup; ++g) {
     float v[kGroup], top = 0.0f, s = 0.0f;
@@ -40,10 +48,23 @@ inline void fixed_point(const uint16_t *x, int64_t k, int16_t *X, float *unit, f
       top = std::fmax(top, std::fabs(v[i]));
       s += v[i];
     }
-    int e = 0;
-    std::frexp(top, &e);                       // top in [2^(e-1), 2^e)
-    const float u = top > 0.0f ? std::ldexp(1.0f, e - 1 - (kFixedBits - 1)) : 1.0f;
-    for (int64_t i = 0; i < kGroup; ++i) X[g * kGroup + i] = static_cast<int16_t>(std::nearbyint(v[i] / u));
+    float u = 1.0f;
+    if (kActBytes == 1) {
+      const bool live = top >= kNarrowFloor;
+      const float r = live ? kNarrowLevels / top : 0.0f;
+      if (live) u = top / kNarrowLevels;
+      int32_t total = 0;
+      for (int64_t i = 0; i < kGroup; ++i) {
+        X[g * kGroup + i] = static_cast<int16_t>(std::nearbyint(v[i] * r));
+        total += X[g * kGroup + i];
+      }
+      s = static_cast<float>(total) * u;   // q4nx.group_sums: the min sees the bytes' error too
+    } else {
+      int e = 0;
+      std::frexp(top, &e);                       // top in [2^(e-1), 2^e)
+      if (top > 0.0f) u = std::ldexp(1.0f, e - 1 - (kFixedBits - 1));
+      for (int64_t i = 0; i < kGroup; ++i) X[g * kGroup + i] = static_cast<int16_t>(std::nearbyint(v[i] / u));
+    }
     unit[g] = u;
     sum[g] = s;
   }

@@ -2,7 +2,8 @@
 // dequantization folded into the sums as the NPU's fused kernel folds it: per group of 32
 // columns and per row,
 //     y += (scale * u) * sum(q * X) + min * sum(x),
-// X the activations as 14-bit integers in units of u (q4nx.fixed_point). sum(q * X) is an exact
+// X the activations as 14-bit integers in units of u (q4nx.fixed_point; as signed bytes on the
+// classes that take them narrow, where sum(x) is u * sum(X): q4nx.group_sums). sum(q * X) is an exact
 // integer, so it comes out the same on every ISA class and in torch.
 //
 // The device form puts one row's values for 4 columns in each 32-bit lane, and X = 256 Xh + Xl
@@ -34,32 +35,41 @@ using q4nx::kGroup;
 using q4nx::kNibbleBytes;
 using q4nx::kRows;
 
-// Groups g0..g1 of one row in decode's fixed point (q4nx::fixed_point, split as the GEMV splits
-// it): unit u's bytes Xh at xh[step u], Xl at xl[step u].
+// Groups g0..g1 of one row in decode's fixed point (q4nx::fixed_point), as the byte dot products
+// read it: unit u's 4 bytes at xh[step u]; wide, those are the high bytes Xh of X = 256 Xh + Xl
+// and the low bytes Xl go to xl[step u] (narrow: X itself at xh, nothing at xl).
 void convert_groups(const uint16_t *x, int64_t g0, int64_t g1, int32_t *xh, int32_t *xl, int64_t step, float *unit,
                     float *sum) {
   int16_t X[kGroup];
   int8_t h[kGroup], l[kGroup];
   for (int64_t g = g0; g < g1; ++g) {
     q4nx::fixed_point(x + g * kGroup, kGroup, X, unit + g, sum + g);
-    for (int64_t i = 0; i < kGroup; ++i) q4nx::split_bytes(X[i], h[i], l[i]);
+    for (int64_t i = 0; i < kGroup; ++i) {
+      if (q4nx::kActBytes == 1)
+        h[i] = static_cast<int8_t>(X[i]);
+      else
+        q4nx::split_bytes(X[i], h[i], l[i]);
+    }
     for (int64_t u = 0; u < kGroup / q4nx::kUnitCols; ++u) {
       const int64_t at = step * (g * kGroup / q4nx::kUnitCols + u);
       std::memcpy(xh + at, h + 4 * u, 4);
-      std::memcpy(xl + at, l + 4 * u, 4);
+      if (q4nx::kActBytes == 2) std::memcpy(xl + at, l + 4 * u, 4);
     }
   }
 }
 
 struct Activations {
-  std::vector<int32_t> hi, lo;   // per 4 columns: the bytes Xh, Xl of X = 256 Xh + Xl
+  std::vector<int32_t> hi, lo;   // per 4 columns: the bytes Xh, Xl of X = 256 Xh + Xl (narrow: X in hi)
   std::vector<float> unit, sum;
-  Activations(const uint16_t *x, int64_t k) : hi(k / 4), lo(k / 4), unit(k / kGroup), sum(k / kGroup) {
+  Activations(const uint16_t *x, int64_t k)
+      : hi(k / 4), lo(q4nx::kActBytes == 2 ? k / 4 : 0), unit(k / kGroup), sum(k / kGroup) {
     convert_groups(x, 0, k / kGroup, hi.data(), lo.data(), 1, unit.data(), sum.data());
   }
 };
 
 #if NATIVE_AVX512BF16
+
+static_assert(q4nx::kActBytes == 2, "the AVX-512 classes take decode's activations two bytes wide");
 
 // The integer sums of one group for rows 0-15 (lo) and 16-31 (hi): two sets of accumulators
 // take alternate units, to cover the dot product's latency.
@@ -117,6 +127,31 @@ inline void group_f32(const uint8_t *values, const int32_t *xh, const int32_t *x
   hi = {_mm256_cvtepi32_ps(widen_sum(a[2], a[3])), _mm256_cvtepi32_ps(widen_sum(a[6], a[7]))};
 }
 
+// Narrow activations (one byte, q4nx.NARROW): two dot products per 32-byte load, not four. Two
+// sets of accumulators take alternate units, to cover vpmaddubsw's latency.
+inline void group_f32_narrow(const uint8_t *values, const int32_t *xb, native::F16 &lo, native::F16 &hi) {
+  const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256i a[8];   // [unit parity][rows 0-7 | 8-15][low nibbles, high nibbles]
+  for (auto &v : a) v = _mm256_setzero_si256();
+  for (int64_t u = 0; u < kGroup / q4nx::kUnitCols; u += 2) {
+    for (int64_t p = 0; p < 2; ++p) {
+      const __m256i b = _mm256_set1_epi32(xb[u + p]);
+      for (int64_t r = 0; r < 2; ++r) {
+        const __m256i v =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i *>(values + (u + p) * q4nx::kUnitBytes + 32 * r));
+        const __m256i ql = _mm256_and_si256(v, nib), qh = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        a[4 * p + 2 * r + 0] = _mm256_add_epi16(a[4 * p + 2 * r + 0], _mm256_maddubs_epi16(ql, b));
+        a[4 * p + 2 * r + 1] = _mm256_add_epi16(a[4 * p + 2 * r + 1], _mm256_maddubs_epi16(qh, b));
+      }
+    }
+    // Left alone, GCC unrolls the group, forms every product before adding any and spills them.
+    for (auto &v : a) asm("" : "+x"(v));
+  }
+  const auto f32 = [&](int i) { return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(a[i], a[4 + i]), ones)); };
+  lo = {f32(0), f32(2)};
+  hi = {f32(1), f32(3)};
+}
+
 #endif
 
 // One row-block: 32 outputs over all K, read as one forward stream.
@@ -127,7 +162,12 @@ void gemv_row_block(const uint8_t *rb, int64_t k, const int32_t *xh, const int32
     const q4nx::Group grp = q4nx::group(rb, g);
     const int64_t unit0 = g * kGroup / q4nx::kUnitCols;
     native::F16 s_lo, s_hi;
-    group_f32(grp.values, xh + unit0, xl + unit0, s_lo, s_hi);
+#if NATIVE_AVX2
+    if (q4nx::kActBytes == 1)
+      group_f32_narrow(grp.values, xh + unit0, s_lo, s_hi);
+    else
+#endif
+      group_f32(grp.values, xh + unit0, xl + unit0, s_lo, s_hi);
     const native::F16 u = native::set1(unit[g]), xs = native::set1(sum[g]);
     y_lo = native::fma(s_lo, native::mul(native::load_bf16(grp.scales), u), y_lo);
     y_hi = native::fma(s_hi, native::mul(native::load_bf16(grp.scales + native::kWidth), u), y_hi);
@@ -215,7 +255,7 @@ inline void transpose8(__m256 r[8]) {
   }
 }
 
-void convert_row(const uint16_t *x, int64_t k, int32_t *hl, float *unit, float *sum) {
+void convert_row_wide(const uint16_t *x, int64_t k, int32_t *hl, float *unit, float *sum) {
   const auto scalar = [&](int64_t g0, int64_t g1) { convert_groups(x, g0, g1, hl, hl + 1, 2, unit, sum); };
   const int64_t groups = k / kGroup;
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -263,6 +303,64 @@ void convert_row(const uint16_t *x, int64_t k, int32_t *hl, float *unit, float *
   scalar(g, groups);
 }
 
+// Narrow (one byte, X = round(x * (127 / top)), u = top / 127): the same transposed sums and
+// maxima, one f32 division per group for each of 127 / top and top / 127, and the products
+// rounded by vcvtps2dq (nearest even, as nearbyint). Where a group's top is below
+// kNarrowFloor, the 8 groups take the scalar code.
+void convert_row_narrow(const uint16_t *x, int64_t k, int32_t *xb, float *unit, float *sum) {
+  const auto scalar = [&](int64_t g0, int64_t g1) { convert_groups(x, g0, g1, xb, nullptr, 1, unit, sum); };
+  const int64_t groups = k / kGroup;
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 levels = _mm256_set1_ps(q4nx::kNarrowLevels);
+  // Byte 4 i of each 128-bit lane to byte i: one unit's 4 bytes.
+  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8) {
+    const uint16_t *xg = x + g * kGroup;
+    __m256 top = _mm256_setzero_ps();
+    for (int c = 0; c < kGroup / 8; ++c) {
+      __m256 r[8];
+      for (int j = 0; j < 8; ++j) r[j] = native::widen8(_mm_loadu_si128(reinterpret_cast<const __m128i *>(xg + j * kGroup + 8 * c)));
+      transpose8(r);
+      for (int i = 0; i < 8; ++i) top = _mm256_max_ps(top, _mm256_and_ps(r[i], abs_mask));
+    }
+    if (_mm256_movemask_ps(_mm256_cmp_ps(top, _mm256_set1_ps(q4nx::kNarrowFloor), _CMP_GE_OQ)) != 0xff) {
+      scalar(g, g + 8);
+      continue;
+    }
+    _mm256_storeu_ps(unit + g, _mm256_div_ps(top, levels));
+    alignas(32) float inv[8];
+    _mm256_store_ps(inv, _mm256_div_ps(levels, top));
+    for (int j = 0; j < 8; ++j) {
+      const __m256 iu = _mm256_set1_ps(inv[j]);
+      __m256i total = _mm256_setzero_si256();
+      for (int c = 0; c < kGroup / 8; ++c) {   // 8 columns: 2 units
+        const __m256 v = native::widen8(_mm_loadu_si128(reinterpret_cast<const __m128i *>(xg + j * kGroup + 8 * c)));
+        const __m256i X = _mm256_cvtps_epi32(_mm256_mul_ps(v, iu));
+        total = _mm256_add_epi32(total, X);
+        const __m256i b = _mm256_shuffle_epi8(X, pick);
+        int32_t *dst = xb + (g + j) * kGroup / q4nx::kUnitCols + 2 * c;
+        dst[0] = _mm256_extract_epi32(b, 0);
+        dst[1] = _mm256_extract_epi32(b, 4);
+      }
+      // The min's sum (q4nx.group_sums): u times the exact integer sum of the group's X.
+      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+      sum[g + j] = static_cast<float>(_mm_cvtsi128_si32(t)) * unit[g + j];
+    }
+  }
+  scalar(g, groups);
+}
+
+void convert_row(const uint16_t *x, int64_t k, int32_t *words, float *unit, float *sum) {
+  if (q4nx::kActBytes == 1)
+    convert_row_narrow(x, k, words, unit, sum);
+  else
+    convert_row_wide(x, k, words, unit, sum);
+}
+
 #else
 
 // Planes, as the GEMV reads them: all of a row's Xh, then all its Xl.
@@ -277,14 +375,14 @@ void convert_row(const uint16_t *x, int64_t k, int32_t *hl, float *unit, float *
 // on every call (at 2048 x 8192, 36 MB, a tenth of the GEMM's time).
 struct RowActivations {
   int64_t units, groups, first = 0;
-  int32_t *hl = nullptr;                   // per row: convert_row's bytes, 2 per unit
+  int32_t *hl = nullptr;                   // per row: convert_row's words, kActBytes per unit
   float *unit = nullptr, *sum = nullptr;   // [rows][groups]
   RowActivations(int64_t k, int64_t rows) : units(k / q4nx::kUnitCols), groups(k / kGroup) {
     static thread_local std::vector<int32_t> buf;
-    const size_t need = static_cast<size_t>(rows * (units * 2 + groups * 2));
+    const size_t need = static_cast<size_t>(rows * (units * q4nx::kActBytes + groups * 2));
     if (buf.size() < need) buf.resize(need);
     hl = buf.data();
-    unit = reinterpret_cast<float *>(hl + rows * units * 2);
+    unit = reinterpret_cast<float *>(hl + rows * units * q4nx::kActBytes);
     sum = unit + rows * groups;
   }
   // Called by every thread of a team: rows r0..r1 of A become rows 0.. of the buffer.
@@ -295,7 +393,7 @@ struct RowActivations {
     for (int64_t r = r0; r < r1; ++r)
       convert_row(a + r * k, k, row(r), unit_row(r), sum_row(r));
   }
-  int32_t *row(int64_t r) const { return hl + (r - first) * units * 2; }
+  int32_t *row(int64_t r) const { return hl + (r - first) * units * q4nx::kActBytes; }
   float *unit_row(int64_t r) const { return unit + (r - first) * groups; }
   float *sum_row(int64_t r) const { return sum + (r - first) * groups; }
 };
@@ -364,11 +462,65 @@ void int_tile(const uint8_t *rb, int64_t k, int half, const RowActivations &act,
       _mm_storeu_si128(reinterpret_cast<__m128i *>(c + i * ldc + 8 * half + 16 * j), native::round_bf16(y[i][j]));
 }
 
+// The same with narrow activations: per row of A two 16-bit sums (low, high nibbles) take one
+// broadcast byte word, so 4 rows fit the registers (8 sums, the value vectors, a broadcast and
+// the products).
+template <int R>
+void int_tile_narrow(const uint8_t *rb, int64_t k, int half, const RowActivations &act, int64_t r0, uint16_t *c,
+                     int64_t ldc) {
+  const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const int32_t *x[R];
+  const float *unit[R], *sum[R];
+  for (int i = 0; i < R; ++i) {
+    x[i] = act.row(r0 + i);
+    unit[i] = act.unit_row(r0 + i);
+    sum[i] = act.sum_row(r0 + i);
+  }
+  __m256 y[R][2];
+  for (auto &v : y) v[0] = v[1] = _mm256_setzero_ps();
+  const int64_t groups = k / kGroup;
+  for (int64_t g = 0; g < groups; ++g) {
+    const q4nx::Group grp = q4nx::group(rb, g);
+    const uint8_t *values = grp.values + 32 * half;
+    const int64_t u0 = g * (kGroup / q4nx::kUnitCols);
+    __m256i s[R][2];   // [low, high nibbles]
+    for (int i = 0; i < R; ++i) s[i][0] = s[i][1] = _mm256_setzero_si256();
+    for (int64_t u = 0; u < kGroup / q4nx::kUnitCols; ++u) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(values + u * q4nx::kUnitBytes));
+      const __m256i ql = _mm256_and_si256(v, nib), qh = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+      for (int i = 0; i < R; ++i) {
+        const __m256i b = _mm256_set1_epi32(x[i][u0 + u]);
+        s[i][0] = _mm256_add_epi16(s[i][0], _mm256_maddubs_epi16(ql, b));
+        s[i][1] = _mm256_add_epi16(s[i][1], _mm256_maddubs_epi16(qh, b));
+      }
+      for (int i = 0; i < R; ++i) asm("" : "+x"(s[i][0]), "+x"(s[i][1]));
+    }
+    for (int j = 0; j < 2; ++j) {
+      const int rows = 8 * half + 16 * j;
+      const __m256 scale = native::widen8(_mm_loadu_si128(reinterpret_cast<const __m128i *>(grp.scales + rows)));
+      const __m256 mins = native::widen8(_mm_loadu_si128(reinterpret_cast<const __m128i *>(grp.mins + rows)));
+      for (int i = 0; i < R; ++i) {
+        const __m256i s32 = _mm256_madd_epi16(s[i][j], ones);
+        y[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(scale, _mm256_set1_ps(unit[i][g])), y[i][j]);
+        y[i][j] = _mm256_fmadd_ps(mins, _mm256_set1_ps(sum[i][g]), y[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < 2; ++j)
+      _mm_storeu_si128(reinterpret_cast<__m128i *>(c + i * ldc + 8 * half + 16 * j), native::round_bf16(y[i][j]));
+}
+
 // Rows r0..r1 of A against one row-block (32 outputs), in two passes of 16.
 void int_block(const uint8_t *rb, int64_t k, const RowActivations &act, int64_t r0, int64_t r1, uint16_t *c,
                int64_t ldc) {
   for (int half = 0; half < 2; ++half) {
     int64_t r = r0;
+    if (q4nx::kActBytes == 1) {
+      for (; r + 4 <= r1; r += 4) int_tile_narrow<4>(rb, k, half, act, r, c + r * ldc, ldc);
+      for (; r < r1; ++r) int_tile_narrow<1>(rb, k, half, act, r, c + r * ldc, ldc);
+      continue;
+    }
     for (; r + 2 <= r1; r += 2) int_tile<2>(rb, k, half, act, r, c + r * ldc, ldc);
     if (r < r1) int_tile<1>(rb, k, half, act, r, c + r * ldc, ldc);
   }
