@@ -154,6 +154,11 @@ def test_file_rows_read_the_rows_asked_for_and_name_what_went_wrong(tmp_path, mo
     assert isinstance(rows, FileRows)
     ids = torch.tensor([49, 0, 7, 7, 13])
     assert torch.equal(rows(ids), table[ids])
+    if hasattr(os, "posix_fadvise"):                  # out of the page cache: the rows come from disk
+        with open(tmp_path / "m.safetensors", "rb+") as h:
+            os.fsync(h.fileno())                      # (dirty pages would stay)
+        os.posix_fadvise(rows._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert torch.equal(rows(ids), table[ids])
     advised = []
     monkeypatch.setattr("os.posix_fadvise", lambda fd, off, n, how: advised.append((off, n, how)))
     rows.prefetch()                                   # the table's own bytes, not the file's

@@ -2,24 +2,27 @@
 // dequantization folded into the sums as the NPU's fused kernel folds it: per group of 32
 // columns and per row,
 //     y += (scale * u) * sum(q * X) + min * sum(x),
-// X the activations as 14-bit integers in units of u (q4nx.fixed_point; as signed bytes on the
-// classes that take them narrow, where sum(x) is u * sum(X): q4nx.group_sums). sum(q * X) is an exact
-// integer, so it comes out the same on every ISA class and in torch.
+// X the activations as 14-bit integers in units of u (q4nx.fixed_point; on the classes that take
+// them narrow, signed bytes, and sum(x) is u * sum(X): q4nx.group_sums). sum(q * X) is an exact
+// integer, so it comes out the same on every ISA class of one width and in torch.
 //
 // The device form puts one row's values for 4 columns in each 32-bit lane, and X = 256 Xh + Xl
-// splits into two signed bytes, so the sums are byte dot products: unsigned values times signed
-// activation bytes, 4 per lane (vpdpbusd with AVX512-VNNI; vpmaddubsw into 16-bit sums on AVX2,
-// widened once a group). A 64-byte unit (128 weights, both halves of 16 rows) costs one load, a
-// mask, a shift and four dot products. With f32 FMAs (as the bf16 GEMV uses) or with 16-bit
-// products the arithmetic, not memory, would set the token rate on a 2-core CPU.
+// splits into two signed bytes (wide; narrow X is one byte), so the sums are byte dot products:
+// unsigned values times signed activation bytes, 4 per lane (vpdpbusd with AVX512-VNNI;
+// vpmaddubsw into 16-bit sums on AVX2, widened once a group). A 64-byte unit (128 weights, both
+// halves of 16 rows) costs one load, a mask, a shift and four dot products wide, two narrow.
+// With f32 FMAs (as the bf16 GEMV uses) or with 16-bit products the arithmetic, not memory,
+// would set the token rate on a 2-core CPU; on AVX2 even the wide byte products did, which is
+// why that class takes its activations narrow (native_build.Q4NX_NARROW_ACTIVATIONS).
 //
 // Prefill's GEMM on the same contract (gemm_q4nx_int_cpu, below): each output row is what the
 // GEMV computes for that activation row, to the bit. On AVX2 the float GEMM is bound by two
 // 8-wide FMAs a cycle (16 multiply-adds); vpmaddubsw forms 32 byte products a cycle per pipe,
-// which at two bytes per 14-bit activation is still twice the multiply-adds. What makes it pay
-// is reuse: each 32-byte load of values is unpacked once for two rows of A, each activation row
-// is converted once per call, and a task's rows of A and its row-block stay in the core's L2.
-// The AVX-512 classes keep the dequantizing GEMM: vdpbf16ps already runs at vpdpbusd's rate.
+// twice the multiply-adds at two bytes per activation, four times at one. What makes it pay
+// is reuse: each 32-byte load of values is unpacked once for several rows of A, each activation
+// row is converted once per call, and a task's rows of A and its row-block stay in the core's
+// L2. The AVX-512 classes keep the dequantizing GEMM: with their wide activations vdpbf16ps
+// already runs at vpdpbusd's rate.
 
 #include <immintrin.h>
 
@@ -303,10 +306,10 @@ void convert_row_wide(const uint16_t *x, int64_t k, int32_t *hl, float *unit, fl
   scalar(g, groups);
 }
 
-// Narrow (one byte, X = round(x * (127 / top)), u = top / 127): the same transposed sums and
-// maxima, one f32 division per group for each of 127 / top and top / 127, and the products
-// rounded by vcvtps2dq (nearest even, as nearbyint). Where a group's top is below
-// kNarrowFloor, the 8 groups take the scalar code.
+// Narrow (one byte, X = round(x * (127 / top)), u = top / 127): the same transposed maxima, one
+// f32 division per group for each of 127 / top and top / 127, the products rounded by
+// vcvtps2dq (nearest even, as nearbyint), and the min's sum u * sum(X) from the integers. Where
+// a group's top is below kNarrowFloor, the 8 groups take the scalar code.
 void convert_row_narrow(const uint16_t *x, int64_t k, int32_t *xb, float *unit, float *sum) {
   const auto scalar = [&](int64_t g0, int64_t g1) { convert_groups(x, g0, g1, xb, nullptr, 1, unit, sum); };
   const int64_t groups = k / kGroup;
@@ -403,9 +406,10 @@ struct RowActivations {
 // R rows of A against 16 rows of one row-block, over all K: rows 8 h .. 8 h + 7 (the low nibbles
 // of the 32-byte half h of every unit) and the 8 rows 16 above them (the high nibbles).
 //
-// Registers (16 ymm): per row of A four 16-bit sums (2 row sets x (Xh, Xl)), so R = 2 takes 8,
-// plus the two unpacked value vectors, the broadcast activation bytes and the products; each
-// 32-byte load is unpacked once for both rows. The f32 outputs are touched once a group.
+// Registers (16 ymm): per row of A, 16-bit sums for 2 row sets times the activation's bytes
+// (wide: Xh, Xl; narrow: X), so wide R = 2 takes 8 and narrow R = 4 takes 8, plus the two
+// unpacked value vectors, the broadcast activation bytes and the products; each 32-byte load is
+// unpacked once for all R rows. The f32 outputs are touched once a group.
 //
 // Saturation: vpmaddubsw adds two products of a value (at most 15) and a signed byte (at least
 // -128), so each 16-bit lane is within 2 * 15 * 128 = 3840; a group adds kGroup / 4 = 8 of them
@@ -414,6 +418,7 @@ template <int R>
 void int_tile(const uint8_t *rb, int64_t k, int half, const RowActivations &act, int64_t r0, uint16_t *c,
               int64_t ldc) {
   static_assert(kGroup / q4nx::kUnitCols * 2 * 15 * 128 < 32768, "16-bit group sums would saturate");
+  constexpr int B = q4nx::kActBytes;   // sums per row set, and int32 words per unit
   const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), x256 = _mm256_set1_epi16(256);
   const int32_t *x[R];
   const float *unit[R], *sum[R];
@@ -429,78 +434,31 @@ void int_tile(const uint8_t *rb, int64_t k, int half, const RowActivations &act,
     const q4nx::Group grp = q4nx::group(rb, g);
     const uint8_t *values = grp.values + 32 * half;
     const int64_t u0 = g * (kGroup / q4nx::kUnitCols);
-    __m256i s[R][4];   // [low, high nibbles][x Xh, x Xl]
-    for (int i = 0; i < R; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = _mm256_setzero_si256();
+    __m256i s[R][2 * B];   // [low, high nibbles][x Xh, x Xl (wide) | x X (narrow)]
+    for (int i = 0; i < R; ++i)
+      for (auto &v : s[i]) v = _mm256_setzero_si256();
     for (int64_t u = 0; u < kGroup / q4nx::kUnitCols; ++u) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(values + u * q4nx::kUnitBytes));
-      const __m256i ql = _mm256_and_si256(v, nib), qh = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-      for (int i = 0; i < R; ++i) {
-        const __m256i h = _mm256_set1_epi32(x[i][2 * (u0 + u)]), l = _mm256_set1_epi32(x[i][2 * (u0 + u) + 1]);
-        s[i][0] = _mm256_add_epi16(s[i][0], _mm256_maddubs_epi16(ql, h));
-        s[i][1] = _mm256_add_epi16(s[i][1], _mm256_maddubs_epi16(ql, l));
-        s[i][2] = _mm256_add_epi16(s[i][2], _mm256_maddubs_epi16(qh, h));
-        s[i][3] = _mm256_add_epi16(s[i][3], _mm256_maddubs_epi16(qh, l));
-      }
+      const __m256i q[2] = {_mm256_and_si256(v, nib), _mm256_and_si256(_mm256_srli_epi16(v, 4), nib)};
+      for (int i = 0; i < R; ++i)
+        for (int b = 0; b < B; ++b) {
+          const __m256i xb = _mm256_set1_epi32(x[i][B * (u0 + u) + b]);
+          for (int n = 0; n < 2; ++n) s[i][B * n + b] = _mm256_add_epi16(s[i][B * n + b], _mm256_maddubs_epi16(q[n], xb));
+        }
       // Each unit's sums stay in their registers: left alone, GCC unrolls the group and forms
       // every product before adding any, which spills them all.
-      for (int i = 0; i < R; ++i) asm("" : "+x"(s[i][0]), "+x"(s[i][1]), "+x"(s[i][2]), "+x"(s[i][3]));
+      for (int i = 0; i < R; ++i)
+        for (auto &v : s[i]) asm("" : "+x"(v));
     }
-    // The GEMV's combination, lane for lane: (scale * u) * sum(q X) + min * sum(x), two FMAs.
+    // The GEMV's combination, lane for lane: (scale * u) * sum(q X) + min * sum, two FMAs.
     for (int j = 0; j < 2; ++j) {
       const int rows = 8 * half + 16 * j;
       const __m256 scale = native::widen8(_mm_loadu_si128(reinterpret_cast<const __m128i *>(grp.scales + rows)));
       const __m256 mins = native::widen8(_mm_loadu_si128(reinterpret_cast<const __m128i *>(grp.mins + rows)));
       for (int i = 0; i < R; ++i) {
-        const __m256i s32 = _mm256_add_epi32(_mm256_madd_epi16(s[i][2 * j], x256), _mm256_madd_epi16(s[i][2 * j + 1], ones));
-        y[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(scale, _mm256_set1_ps(unit[i][g])), y[i][j]);
-        y[i][j] = _mm256_fmadd_ps(mins, _mm256_set1_ps(sum[i][g]), y[i][j]);
-      }
-    }
-  }
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < 2; ++j)
-      _mm_storeu_si128(reinterpret_cast<__m128i *>(c + i * ldc + 8 * half + 16 * j), native::round_bf16(y[i][j]));
-}
-
-// The same with narrow activations: per row of A two 16-bit sums (low, high nibbles) take one
-// broadcast byte word, so 4 rows fit the registers (8 sums, the value vectors, a broadcast and
-// the products).
-template <int R>
-void int_tile_narrow(const uint8_t *rb, int64_t k, int half, const RowActivations &act, int64_t r0, uint16_t *c,
-                     int64_t ldc) {
-  const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-  const int32_t *x[R];
-  const float *unit[R], *sum[R];
-  for (int i = 0; i < R; ++i) {
-    x[i] = act.row(r0 + i);
-    unit[i] = act.unit_row(r0 + i);
-    sum[i] = act.sum_row(r0 + i);
-  }
-  __m256 y[R][2];
-  for (auto &v : y) v[0] = v[1] = _mm256_setzero_ps();
-  const int64_t groups = k / kGroup;
-  for (int64_t g = 0; g < groups; ++g) {
-    const q4nx::Group grp = q4nx::group(rb, g);
-    const uint8_t *values = grp.values + 32 * half;
-    const int64_t u0 = g * (kGroup / q4nx::kUnitCols);
-    __m256i s[R][2];   // [low, high nibbles]
-    for (int i = 0; i < R; ++i) s[i][0] = s[i][1] = _mm256_setzero_si256();
-    for (int64_t u = 0; u < kGroup / q4nx::kUnitCols; ++u) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(values + u * q4nx::kUnitBytes));
-      const __m256i ql = _mm256_and_si256(v, nib), qh = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-      for (int i = 0; i < R; ++i) {
-        const __m256i b = _mm256_set1_epi32(x[i][u0 + u]);
-        s[i][0] = _mm256_add_epi16(s[i][0], _mm256_maddubs_epi16(ql, b));
-        s[i][1] = _mm256_add_epi16(s[i][1], _mm256_maddubs_epi16(qh, b));
-      }
-      for (int i = 0; i < R; ++i) asm("" : "+x"(s[i][0]), "+x"(s[i][1]));
-    }
-    for (int j = 0; j < 2; ++j) {
-      const int rows = 8 * half + 16 * j;
-      const __m256 scale = native::widen8(_mm_loadu_si128(reinterpret_cast<const __m128i *>(grp.scales + rows)));
-      const __m256 mins = native::widen8(_mm_loadu_si128(reinterpret_cast<const __m128i *>(grp.mins + rows)));
-      for (int i = 0; i < R; ++i) {
-        const __m256i s32 = _mm256_madd_epi16(s[i][j], ones);
+        const __m256i s32 = B == 2 ? _mm256_add_epi32(_mm256_madd_epi16(s[i][2 * j], x256),
+                                                      _mm256_madd_epi16(s[i][2 * j + 1], ones))
+                                   : _mm256_madd_epi16(s[i][j], ones);
         y[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(scale, _mm256_set1_ps(unit[i][g])), y[i][j]);
         y[i][j] = _mm256_fmadd_ps(mins, _mm256_set1_ps(sum[i][g]), y[i][j]);
       }
@@ -515,14 +473,10 @@ void int_tile_narrow(const uint8_t *rb, int64_t k, int half, const RowActivation
 void int_block(const uint8_t *rb, int64_t k, const RowActivations &act, int64_t r0, int64_t r1, uint16_t *c,
                int64_t ldc) {
   for (int half = 0; half < 2; ++half) {
+    constexpr int rows = q4nx::kActBytes == 1 ? 4 : 2;
     int64_t r = r0;
-    if (q4nx::kActBytes == 1) {
-      for (; r + 4 <= r1; r += 4) int_tile_narrow<4>(rb, k, half, act, r, c + r * ldc, ldc);
-      for (; r < r1; ++r) int_tile_narrow<1>(rb, k, half, act, r, c + r * ldc, ldc);
-      continue;
-    }
-    for (; r + 2 <= r1; r += 2) int_tile<2>(rb, k, half, act, r, c + r * ldc, ldc);
-    if (r < r1) int_tile<1>(rb, k, half, act, r, c + r * ldc, ldc);
+    for (; r + rows <= r1; r += rows) int_tile<rows>(rb, k, half, act, r, c + r * ldc, ldc);
+    for (; r < r1; ++r) int_tile<1>(rb, k, half, act, r, c + r * ldc, ldc);
   }
 }
 
