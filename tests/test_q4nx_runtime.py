@@ -82,14 +82,21 @@ def test_q4nx_prefill_and_decode_match_bf16_on_the_dequantized_weights(raw_head,
     ids = session.encode("What is the capital of Japan?")
     ours = prefill(session.model, ids)
     ref = prefill(dequantized, ids)
-    # Prefill multiplies exactly the dequantized bf16 weights: only summation order differs.
+    # Prefill multiplies exactly the dequantized bf16 weights: only summation order differs;
+    # except on a class that prefills on decode's integer contract, held to decode's bound.
+    from cpu_kernels import native_cpu
     assert int(ours.argmax()) == int(ref.argmax())
-    assert torch.nn.functional.cosine_similarity(ours, ref, dim=0) > 0.9999
+    bound = 0.999 if native_cpu.integer_q4nx_gemm(native_cpu.isa()) else 0.9999
+    assert torch.nn.functional.cosine_similarity(ours, ref, dim=0) > bound
     tok = int(ours.argmax())
     d_ours, d_ref = decode_step(session.model, tok, len(ids)), decode_step(dequantized, tok, len(ids))
-    # Decode folds the dequantization into its sums: no bf16 rounding of each weight.
+    # Decode folds the dequantization into its sums: no bf16 rounding of each weight, but its
+    # activations rounded to 14 bits, or to one byte (1/254 of a group's largest) on a narrow
+    # class; over 30 layers and the raw 4-bit head that moves the logits' direction more
+    # (measured: cosine 0.9978 on `avx2`).
     assert int(d_ours.argmax()) == int(d_ref.argmax())
-    assert torch.nn.functional.cosine_similarity(d_ours, d_ref, dim=0) > 0.999
+    narrow = native_cpu.q4nx_activation_bytes(native_cpu.isa()) == q4nx.NARROW
+    assert torch.nn.functional.cosine_similarity(d_ours, d_ref, dim=0) > (0.995 if narrow else 0.999)
 
 
 def test_the_q4nx_embedded_model_answers(session):
