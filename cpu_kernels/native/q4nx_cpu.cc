@@ -230,6 +230,9 @@ extern "C" void gemv_q4nx_cpu_batch(const int64_t *desc, int count) {
 
 namespace {
 
+// Rows of A a register tile takes (int_tile below): as many as 8 sums a row set leave room for.
+constexpr int kTileRows = q4nx::kActBytes == 1 ? 4 : 2;
+
 #if NATIVE_AVX2
 
 // The same numbers for 8 groups at a time, vectorized: with the conversion per element in
@@ -473,9 +476,8 @@ void int_tile(const uint8_t *rb, int64_t k, int half, const RowActivations &act,
 void int_block(const uint8_t *rb, int64_t k, const RowActivations &act, int64_t r0, int64_t r1, uint16_t *c,
                int64_t ldc) {
   for (int half = 0; half < 2; ++half) {
-    constexpr int rows = q4nx::kActBytes == 1 ? 4 : 2;
     int64_t r = r0;
-    for (; r + rows <= r1; r += rows) int_tile<rows>(rb, k, half, act, r, c + r * ldc, ldc);
+    for (; r + kTileRows <= r1; r += kTileRows) int_tile<kTileRows>(rb, k, half, act, r, c + r * ldc, ldc);
     for (; r < r1; ++r) int_tile<1>(rb, k, half, act, r, c + r * ldc, ldc);
   }
 }
@@ -493,9 +495,10 @@ void int_block(const uint8_t *rb, int64_t k, const RowActivations &act, int64_t 
 
 #endif
 
-// A task is one row-block against a block of rows of A whose fixed-point bytes (2 K each) fill
-// about half a core's 1 MiB L2 next to the row-block (20 K bytes): measured on 2048 x 8192, 64
-// rows (1 MiB of them) ran 20 % slower than 16 or 32; on K = 2048 anything from 32 to 256 is alike.
+// A task is one row-block against a block of rows of A whose fixed-point bytes (kActBytes K
+// each) fill about half a core's 1 MiB L2 next to the row-block (20 K bytes): measured with
+// two-byte activations on 2048 x 8192, 64 rows (1 MiB of them) ran 20 % slower than 16 or 32;
+// on K = 2048 anything from 32 to 256 is alike. A block is whole register tiles.
 constexpr int64_t kTaskActBytes = 512 * 1024;
 // Rows converted at a time: the buffer stays a few MiB however long the prompt.
 constexpr int64_t kConvertBytes = 4 * 1024 * 1024;
@@ -509,9 +512,10 @@ constexpr int64_t kConvertBytes = 4 * 1024 * 1024;
 // are scheduled dynamically over the team; each row of A is converted once per call.
 extern "C" void gemm_q4nx_int_cpu(const uint16_t *a, const uint8_t *w, uint16_t *c, int64_t m, int64_t n, int64_t k) {
   const int64_t blocks = n / kRows, rb_bytes = k * kBytesPerCol;
-  int64_t mb = kTaskActBytes / (2 * k) / 2 * 2;
-  mb = mb < 2 ? 2 : mb;
-  int64_t rows = kConvertBytes / (2 * k) / mb * mb;
+  const int64_t row_bytes = q4nx::kActBytes * k;
+  int64_t mb = kTaskActBytes / row_bytes / kTileRows * kTileRows;
+  mb = mb < kTileRows ? kTileRows : mb;
+  int64_t rows = kConvertBytes / row_bytes / mb * mb;
   rows = rows < mb ? mb : rows;
   rows = rows > m ? m : rows;
   RowActivations act(k, rows);
