@@ -36,9 +36,10 @@ static_assert(kRows == 2 * native::kWidth, "a row-block's halves are the two 16-
 static_assert(kGroup % 4 == 0, "groups hold whole 4-column units");
 
 // The activations as decode's contract takes them (q4nx.fixed_point, q4nx.gemv_reference): per
-// group of kGroup, integers X in units u, and the sum its min multiplies (q4nx.group_sums). Wide: u = 2^(e - 14), the
-// power of two below the group's largest |x| in [2^e, 2^(e+1)). Narrow: X = x * (127 / top)
-// rounded, u = top / 127. A group of zeros (narrow: below kNarrowFloor) has X = 0, u = 1.
+// group of kGroup, integers X in units u, and the sum its min multiplies (q4nx.group_sums).
+// Wide: u = 2^(e - 14), the power of two below the group's largest |x| in [2^e, 2^(e+1)), and
+// the exact sum. Narrow: X = x * (127 / top) rounded, u = top / 127, and u * sum(X). A group of
+// zeros (narrow: below kNarrowFloor) has X = 0, u = 1.
 inline void fixed_point(const uint16_t *x, int64_t k, int16_t *X, float *unit, float *sum) {
   for (int64_t g = 0; g < k / kGroup; ++g) {
     float v[kGroup], top = 0.0f, s = 0.0f;
