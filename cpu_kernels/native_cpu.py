@@ -273,7 +273,7 @@ def q4nx_activation_bytes(isa: str) -> int:
     """Decode's Q4NX activation width on class `isa` (`q4nx.WIDE` or `q4nx.NARROW`; the torch
     bodies take `q4nx.WIDE`): the `act_bytes` its GEMV, and its integer prefill, meet
     `q4nx.gemv_reference` at."""
-    return activation_bytes(isa) if isa in ALL_CLASSES else q4nx.WIDE
+    return activation_bytes(isa)
 
 
 def integer_q4nx_gemm(isa: str) -> bool:

@@ -47,7 +47,7 @@ inline void fixed_point(const uint16_t *x, int64_t k, int16_t *X, float *unit, f
       const uint32_t bits = static_cast<uint32_t>(x[g * kGroup + i]) << 16;
       std::memcpy(&v[i], &bits, 4);
       top = std::fmax(top, std::fabs(v[i]));
-      s += v[i];
+      if (kActBytes == 2) s += v[i];   // narrow: the sum of X, below
     }
     float u = 1.0f;
     if (kActBytes == 1) {

@@ -261,28 +261,41 @@ inline void transpose8(__m256 r[8]) {
   }
 }
 
+// Groups xg.. (8 of them) transposed so that lane j is group j: each group's sum, added in
+// fixed_point's order (element 0 first), and its largest |x|.
+inline void group_stats8(const uint16_t *xg, __m256 &sum, __m256 &top) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  sum = top = _mm256_setzero_ps();
+  for (int c = 0; c < kGroup / 8; ++c) {
+    __m256 r[8];
+    for (int j = 0; j < 8; ++j) r[j] = native::widen8(_mm_loadu_si128(reinterpret_cast<const __m128i *>(xg + j * kGroup + 8 * c)));
+    transpose8(r);
+    for (int i = 0; i < 8; ++i) {
+      sum = _mm256_add_ps(sum, r[i]);
+      top = _mm256_max_ps(top, _mm256_and_ps(r[i], abs_mask));
+    }
+  }
+}
+
+// A vpshufb pattern: the low byte of each int32 of a 128-bit lane (4 columns' X) to bytes
+// at .. at + 3 of that lane, the rest zero.
+inline __m256i pick_low_bytes(int at) {
+  alignas(32) int8_t p[32];
+  for (int i = 0; i < 32; ++i) p[i] = -1;
+  for (int lane = 0; lane < 2; ++lane)
+    for (int i = 0; i < 4; ++i) p[16 * lane + at + i] = static_cast<int8_t>(4 * i);
+  return _mm256_load_si256(reinterpret_cast<const __m256i *>(p));
+}
+
 void convert_row_wide(const uint16_t *x, int64_t k, int32_t *hl, float *unit, float *sum) {
   const auto scalar = [&](int64_t g0, int64_t g1) { convert_groups(x, g0, g1, hl, hl + 1, 2, unit, sum); };
   const int64_t groups = k / kGroup;
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  // Byte 4 i of each 128-bit lane to byte i (Xh) or byte 4 + i (Xl): one unit's 8 bytes.
-  const __m256i pick_h = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                          0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-  const __m256i pick_l = _mm256_setr_epi8(-1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
-                                          -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i pick_h = pick_low_bytes(0), pick_l = pick_low_bytes(4);   // one unit's Xh, then its Xl
   int64_t g = 0;
   for (; g + 8 <= groups; g += 8) {
     const uint16_t *xg = x + g * kGroup;
-    __m256 s = _mm256_setzero_ps(), top = _mm256_setzero_ps();
-    for (int c = 0; c < kGroup / 8; ++c) {
-      __m256 r[8];
-      for (int j = 0; j < 8; ++j) r[j] = native::widen8(_mm_loadu_si128(reinterpret_cast<const __m128i *>(xg + j * kGroup + 8 * c)));
-      transpose8(r);
-      for (int i = 0; i < 8; ++i) {
-        s = _mm256_add_ps(s, r[i]);
-        top = _mm256_max_ps(top, _mm256_and_ps(r[i], abs_mask));
-      }
-    }
+    __m256 s, top;
+    group_stats8(xg, s, top);
     const __m256i e = _mm256_srli_epi32(_mm256_castps_si256(top), 23);
     if (_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(14), e)))) {
       scalar(g, g + 8);
@@ -309,28 +322,20 @@ void convert_row_wide(const uint16_t *x, int64_t k, int32_t *hl, float *unit, fl
   scalar(g, groups);
 }
 
-// Narrow (one byte, X = round(x * (127 / top)), u = top / 127): the same transposed maxima, one
+// Narrow (one byte, X = round(x * (127 / top)), u = top / 127): the same maxima, one
 // f32 division per group for each of 127 / top and top / 127, the products rounded by
 // vcvtps2dq (nearest even, as nearbyint), and the min's sum u * sum(X) from the integers. Where
 // a group's top is below kNarrowFloor, the 8 groups take the scalar code.
 void convert_row_narrow(const uint16_t *x, int64_t k, int32_t *xb, float *unit, float *sum) {
   const auto scalar = [&](int64_t g0, int64_t g1) { convert_groups(x, g0, g1, xb, nullptr, 1, unit, sum); };
   const int64_t groups = k / kGroup;
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256 levels = _mm256_set1_ps(q4nx::kNarrowLevels);
-  // Byte 4 i of each 128-bit lane to byte i: one unit's 4 bytes.
-  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i pick = pick_low_bytes(0);   // one unit's 4 bytes
   int64_t g = 0;
   for (; g + 8 <= groups; g += 8) {
     const uint16_t *xg = x + g * kGroup;
-    __m256 top = _mm256_setzero_ps();
-    for (int c = 0; c < kGroup / 8; ++c) {
-      __m256 r[8];
-      for (int j = 0; j < 8; ++j) r[j] = native::widen8(_mm_loadu_si128(reinterpret_cast<const __m128i *>(xg + j * kGroup + 8 * c)));
-      transpose8(r);
-      for (int i = 0; i < 8; ++i) top = _mm256_max_ps(top, _mm256_and_ps(r[i], abs_mask));
-    }
+    __m256 exact_sum, top;                  // (the narrow min takes u * sum(X), below)
+    group_stats8(xg, exact_sum, top);
     if (_mm256_movemask_ps(_mm256_cmp_ps(top, _mm256_set1_ps(q4nx::kNarrowFloor), _CMP_GE_OQ)) != 0xff) {
       scalar(g, g + 8);
       continue;
