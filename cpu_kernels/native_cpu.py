@@ -296,16 +296,25 @@ def gemm_q4nx_call(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
     return _gemm_call("gemm_q4nx_int_cpu" if integer else "gemm_q4nx_cpu", _q4nx_bytes, a, w, out)
 
 
+def _bound(fn: Callable, tensors, *args) -> partial:
+    """`fn` bound to `args`, raw addresses among them, holding the tensors they point into: a
+    bound call outlives the statement that made it (the simulated device replays it on every
+    run), and memory freed under it would be written to by the next run."""
+    call = partial(fn, *args)
+    call.tensors = tuple(tensors)
+    return call
+
+
 def _batch_call(symbol: str, holds: Callable, jobs) -> Callable[[], None] | None:
     """One native dispatch of GEMVs (W, x, y), each 5 int64 slots (w, x, y, rows, k), bound, when
-    every W `holds` its [y, x] matrix in the kernel's format; the partial keeps the slots alive."""
+    every W `holds` its [y, x] matrix in the kernel's format."""
     lib = _usable(*(t for _, x, y in jobs for t in (x, y)))
     if lib is None or not all(holds(w, y.numel(), x.numel()) for w, x, y in jobs):
         return None
     desc = (ctypes.c_int64 * (5 * len(jobs)))()
     for i, (w, x, y) in enumerate(jobs):
         desc[5 * i:5 * i + 5] = [w.data_ptr(), x.data_ptr(), y.data_ptr(), y.numel(), x.numel()]
-    return partial(getattr(lib, symbol), desc, len(jobs))
+    return _bound(getattr(lib, symbol), [t for job in jobs for t in job], desc, len(jobs))
 
 
 def _gemm_call(symbol: str, holds: Callable, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor):
@@ -315,7 +324,7 @@ def _gemm_call(symbol: str, holds: Callable, a: torch.Tensor, w: torch.Tensor, o
     (m, k), n = a.shape, out.shape[1]
     if not holds(w, n, k):
         return None
-    return partial(getattr(lib, symbol), a.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k)
+    return _bound(getattr(lib, symbol), (a, w, out), a.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k)
 
 
 def gemm_call(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> Callable[[], None] | None:
@@ -328,7 +337,8 @@ def rmsnorm_call(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, dim: int, 
     lib = _usable(x, w, out)
     if lib is None:
         return None
-    return partial(lib.rmsnorm_bf16_cpu, x.data_ptr(), w.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps)
+    return _bound(lib.rmsnorm_bf16_cpu, (x, w, out), x.data_ptr(), w.data_ptr(), out.data_ptr(), x.numel() // dim,
+                  dim, eps)
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, dim: int, eps: float) -> bool:
@@ -342,7 +352,7 @@ def _binary(symbol: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) ->
     lib = _usable(a, b, out)
     if lib is None:
         return None
-    return partial(getattr(lib, symbol), a.data_ptr(), b.data_ptr(), out.data_ptr(), a.numel())
+    return _bound(getattr(lib, symbol), (a, b, out), a.data_ptr(), b.data_ptr(), out.data_ptr(), a.numel())
 
 
 def swiglu_call(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> Callable[[], None] | None:
@@ -361,7 +371,7 @@ def rope_call(x: torch.Tensor, lut: torch.Tensor, out: torch.Tensor, rows: int, 
     lib = _usable(x, lut, out)
     if lib is None or head_dim % 2:
         return None
-    return partial(lib.rope_bf16_cpu, x.data_ptr(), lut.data_ptr(), out.data_ptr(), rows, heads, head_dim)
+    return _bound(lib.rope_bf16_cpu, (x, lut, out), x.data_ptr(), lut.data_ptr(), out.data_ptr(), rows, heads, head_dim)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, out: torch.Tensor) -> bool:

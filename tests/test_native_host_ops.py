@@ -204,3 +204,42 @@ def test_decode_groups_replay_only_native_kernels(tiny_config, tiny_weights, tmp
     program = kernel._program(bos)
     assert len(program) == len(sim_ops.plan(g.launches))
     assert all(isinstance(c, functools.partial) and isinstance(c.func, ctypes._CFuncPtr) for c in program)
+
+
+
+def _bound_calls():
+    """(name, bind, operands, expected result) for bound forms whose operands nothing else holds."""
+    from cpu_kernels.weight_tiles import Q4nxPacking
+    from llama_runtime import quantize
+    g = torch.Generator().manual_seed(3)
+    n, k = 64, 128
+    rand = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)
+    a, b, lut = rand(k), rand(k), rand(1, 32)
+    buf = quantize.quantize(rand(n, k))
+    w = Q4nxPacking(n, k).pack(buf, lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
+    out = lambda m: torch.empty(m, dtype=torch.bfloat16)
+    yield "add", native_cpu.add_call, [a, b, out(k)], (a.float() + b.float()).to(torch.bfloat16)
+    yield "rope", lambda *t: native_cpu.rope_call(*t, 1, 4, 32), [a, lut, out(k)], \
+        ref.rope(a, lut, 4).reshape(-1)
+    isa = native_cpu._library().isa
+    yield "gemv_q4nx", lambda *t: native_cpu.gemv_q4nx_batch_call([tuple(t)]), [w, a, out(n)], \
+        ref.gemv_q4nx(a, buf, native_cpu.q4nx_activation_bytes(isa))
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_a_bound_call_holds_its_operands(case):
+    """The simulated device binds each native kernel to its buffers once and replays it: the
+    binding, not its maker, must keep them, or a replay writes into freed memory."""
+    import gc
+    import weakref
+    name, bind, operands, expected = list(_bound_calls())[case]
+    call = bind(*operands)
+    refs = [weakref.ref(t) for t in operands]
+    del operands
+    gc.collect()
+    assert all(r() is not None for r in refs), name
+    call()
+    assert torch.equal(refs[-1]().view(torch.int16), expected.view(torch.int16)), name
+    del call
+    gc.collect()
+    assert all(r() is None for r in refs), name

@@ -63,6 +63,7 @@ void gemv_block(const packed::View &w, int64_t blk, const uint32_t *x, uint16_t 
   nv::P16 a, b;
   int64_t u = 0;
   for (; u + 2 <= w.u; u += 2) {
+    nv::prefetch_ahead(cur.c + u * packed::kUnitBytes, 2 * packed::kUnitBytes);
     cur.unit(u, a, b);
     s0 = nv::dot(s0, nv::widen(a), nv::bcast_pair(x[2 * u]));
     s1 = nv::dot(s1, nv::widen(b), nv::bcast_pair(x[2 * u + 1]));

@@ -163,6 +163,7 @@ void gemv_row_block(const uint8_t *rb, int64_t k, const int32_t *xh, const int32
   native::F16 y_lo = native::zero(), y_hi = native::zero();
   for (int64_t g = 0; g < k / kGroup; ++g) {
     const q4nx::Group grp = q4nx::group(rb, g);
+    native::prefetch_ahead(grp.values, q4nx::kGroupBytes);
     const int64_t unit0 = g * kGroup / q4nx::kUnitCols;
     native::F16 s_lo, s_hi;
 #if NATIVE_AVX2
