@@ -133,6 +133,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gemm_q4nx_int_cpu.argtypes = [ptr, ptr, ptr, i64, i64, i64]
     lib.read_rows_cpu.argtypes = [ctypes.c_int, i64, i64, i64, ptr, i64, ptr]
     lib.read_rows_cpu.restype = i64
+    lib.top_k_ids_cpu.argtypes = [ptr, i64, i64, ptr]
     lib.isa = lib.native_cpu_isa().decode()
     return lib
 
@@ -431,3 +432,15 @@ def read_rows(fd: int, offset: int, n_rows: int, ids: torch.Tensor, out: torch.T
         return None
     row_bytes = out[0].numel() * out.element_size() if len(out) else 0
     return lib.read_rows_cpu(fd, offset, row_bytes, n_rows, ids.data_ptr(), len(ids), out.data_ptr())
+
+
+def top_k_ids(x: torch.Tensor, k: int) -> torch.Tensor | None:
+    """The ids of the k largest of the f32 vector x (int64, in no order; of equal values the lower
+    id first; NaN never); None if the native library is unavailable or fewer than k values of x
+    are not NaN."""
+    lib = _library()
+    if lib is None or x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous() or not 0 < k <= x.numel():
+        return None
+    ids = torch.empty(k, dtype=torch.int64)
+    lib.top_k_ids_cpu(x.data_ptr(), x.numel(), k, ids.data_ptr())
+    return None if ids[-1] < 0 else ids

@@ -24,6 +24,8 @@ from collections.abc import Callable
 
 import torch
 
+from cpu_kernels import native_cpu
+
 TOP_K = 256
 
 
@@ -32,7 +34,9 @@ def rescore(logits: torch.Tensor, normed: torch.Tensor, rows: Callable[[torch.Te
     """Overwrite the `k` highest of `logits` (f32 [vocab]) with bf16-rounded `rows(ids) · normed`,
     where `rows` gives the bf16 head rows of the ids asked for; returns those ids."""
     k = min(k, logits.numel())
-    idx = torch.topk(logits, k, sorted=False).indices
+    idx = native_cpu.top_k_ids(logits, k)
+    if idx is None:
+        idx = torch.topk(logits, k, sorted=False).indices
     exact = rows(idx).float() @ normed.float()
     logits.index_copy_(0, idx, exact.to(torch.bfloat16).float())
     return idx

@@ -17,18 +17,21 @@ Q4NX bytes) with its SHA-256 beside it. The key hashes what decides the bytes: t
 checkpoint's safetensors headers, sizes and modification times (or the GGUF's), and the code
 of the format and the quantizer. A build runs once, under a lock, into a temporary folder
 renamed into place (`fixtures._ensure`), so a crash leaves nothing half-written; a file whose
-hash no longer matches (damaged on disk) is rebuilt.
+hash no longer matches (damaged on disk) is rebuilt. A new build removes the ones it replaces,
+those of the same checkpoint made by older code.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from filelock import FileLock, Timeout
 
 from llama_base import q4nx
 from llama_base.config import LAYER_TENSORS, LlamaConfig, layer_shapes
@@ -149,9 +152,12 @@ def ensure_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = p
     key = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:16]
     name = f"q4nx-{folder.name}-{key}"
     target = models_dir() / name
-    if not (target / WEIGHTS_FILE).is_file():
+    built = not (target / WEIGHTS_FILE).is_file()
+    if built:
         log(f"[quant] making Q4NX weights of {folder.name} (once; cached in {target})")
     path = fixtures._ensure(name, source, lambda tmp: _build(folder, bf16, gguf, tmp, log))
+    if built:
+        _remove_superseded(folder.name, target, source, log)
     try:
         intact = (path / HASH_FILE).read_text().strip() == _sha256(path / WEIGHTS_FILE)
     except OSError:
@@ -161,6 +167,34 @@ def ensure_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = p
         shutil.rmtree(path, ignore_errors=True)
         path = fixtures._ensure(name, source, lambda tmp: _build(folder, bf16, gguf, tmp, log))
     return path
+
+
+def _remove_superseded(folder_name: str, current: Path, source: dict, log: Callable[[str], None]) -> None:
+    """Remove the builds this one replaces: the same checkpoint (its files as stamped, and the
+    GGUF) made by another version of the format or the quantizer. Each update of either would
+    otherwise leave a copy of the weights behind (737 MB for Llama-3.2-1B). A build another
+    process holds the lock of is left alone."""
+    pattern = re.compile(re.escape(f"q4nx-{folder_name}-") + "[0-9a-f]{16}")
+    freed, removed = 0, 0
+    for entry in current.parent.iterdir():
+        if entry == current or not pattern.fullmatch(entry.name):
+            continue
+        try:
+            old = json.loads((entry / fixtures.STAMP_FILE).read_text()).get("source", {})
+        except (OSError, ValueError, AttributeError):
+            continue
+        if old.get("checkpoint") != source["checkpoint"] or old.get("gguf") != source.get("gguf"):
+            continue
+        try:
+            with FileLock(str(entry.parent / f".{entry.name}.lock"), timeout=0):
+                size = sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
+                shutil.rmtree(entry)
+        except (Timeout, OSError):
+            continue
+        freed, removed = freed + size, removed + 1
+    if removed:
+        log(f"[quant] removed {removed} older Q4NX build{'s' if removed > 1 else ''} of {folder_name} "
+            f"({freed / 1e9:.2f} GB)")
 
 
 def load_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = print) -> LlamaWeights:

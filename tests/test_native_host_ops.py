@@ -243,3 +243,33 @@ def test_a_bound_call_holds_its_operands(case):
     del call
     gc.collect()
     assert all(r() is None for r in refs), name
+
+
+def _top_k_reference(x: torch.Tensor, k: int) -> list[int]:
+    """The k ids of the largest values, the lower id first among equal ones, NaN never."""
+    values = x.tolist()
+    ranked = sorted((i for i, v in enumerate(values) if v == v), key=lambda i: (-values[i], i))
+    return sorted(ranked[:k])
+
+
+@pytest.mark.parametrize("n,k", [(128256, 256), (5000, 256), (300, 256), (256, 256), (40, 1)])
+def test_top_k_ids_chooses_what_torch_chooses(n, k):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    ids = native_cpu.top_k_ids(x, k)
+    assert sorted(ids.tolist()) == sorted(torch.topk(x, k).indices.tolist()) == _top_k_reference(x, k)
+
+
+def test_top_k_ids_breaks_ties_by_the_lower_id_and_never_takes_nan():
+    """Ties at the k-th value (a quantized head's logits repeat) must resolve the same on every
+    class and run; the running floor must not let a later equal value displace an earlier one."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(0, 6, (20000,), generator=g).float()      # thousands of each value
+    x[torch.randint(0, 20000, (500,), generator=g)] = float("nan")
+    x[7], x[19999] = float("-inf"), float("inf")
+    for k in (1, 3, 256, 5000):
+        assert sorted(native_cpu.top_k_ids(x, k).tolist()) == _top_k_reference(x, k)
+    few = torch.full((300,), float("nan"))
+    few[:10] = torch.arange(10.0)
+    few[20] = float("-inf")
+    assert sorted(native_cpu.top_k_ids(few, 11).tolist()) == list(range(10)) + [20]
+    assert native_cpu.top_k_ids(few, 12) is None                # fewer than k values to choose
