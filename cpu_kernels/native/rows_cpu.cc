@@ -1,8 +1,8 @@
 // Rows of a matrix in a file, read at token ids: the host's embedding lookups and a 4-bit
 // head's rescored candidates (llama_runtime/safetensors_io.FileRows); and the choice of those
-// candidates (top_k_ids_cpu, at the end). A few hundred rows a
-// token, each its own pread: one Python call for all of them keeps the interpreter's
-// per-call cost (about 4 µs a row) out of every decode step.
+// candidates (top_k_ids_cpu, at the end). A few hundred rows a token, each its own pread: one
+// Python call for all of them keeps the interpreter's per-call cost (about 4 µs a row) out of
+// every decode step.
 //
 // A row the page cache lacks is a disk read, and read one after another a step's misses wait
 // for each other (about 55 µs each on a VM's disk: 14 ms for 256 cold rows). So the rows are
