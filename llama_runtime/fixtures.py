@@ -75,12 +75,18 @@ def _is_current(folder: Path, source: dict) -> bool:
         return False
 
 
+def build_lock(target: Path, timeout: float = -1) -> FileLock:
+    """The lock a build of the cache entry `target` holds (`_ensure`), for whoever else would
+    change the entry: taken with `timeout` 0, it fails while a build is under way."""
+    return FileLock(str(target.parent / f".{target.name}.lock"), timeout=timeout)
+
+
 def _ensure(name: str, source: dict, build: Callable[[Path], None]) -> Path:
     target = models_dir() / name
     if _is_current(target, source):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(target.parent / f".{name}.lock")):
+    with build_lock(target):
         if _is_current(target, source):  # another process finished it while we waited
             return target
         # Holding the lock, any leftover build folder is from a crashed build: remove it.

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from filelock import FileLock, Timeout
+from filelock import Timeout
 
 from llama_base import q4nx
 from llama_base.config import LAYER_TENSORS, LlamaConfig, layer_shapes
@@ -186,7 +186,7 @@ def _remove_superseded(folder_name: str, current: Path, source: dict, log: Calla
         if old.get("checkpoint") != source["checkpoint"] or old.get("gguf") != source.get("gguf"):
             continue
         try:
-            with FileLock(str(entry.parent / f".{entry.name}.lock"), timeout=0):
+            with fixtures.build_lock(entry, timeout=0):
                 size = sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
                 shutil.rmtree(entry)
         except (Timeout, OSError):

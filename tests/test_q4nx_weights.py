@@ -74,13 +74,10 @@ def test_a_damaged_cache_is_rebuilt_and_a_changed_checkpoint_gets_a_new_entry(ti
     assert w2.checkpoint.folder != w.checkpoint.folder
 
 
-
 def test_a_new_build_removes_the_builds_of_older_code_for_the_same_checkpoint(tiny_folder):
     """A quantizer update makes a new cache entry; the one it replaces goes, and nothing else."""
     import json
     import shutil
-
-    from filelock import FileLock
 
     entry = load_weights(tiny_folder, "q4nx", _quiet).checkpoint.folder
     root, prefix = entry.parent, f"q4nx-{tiny_folder.name}-"
@@ -98,7 +95,7 @@ def test_a_new_build_removes_the_builds_of_older_code_for_the_same_checkpoint(ti
     copy(f"q4nx-{tiny_folder.name}-extra-" + "2" * 16, lambda src: src.update(code="older"))  # another name
     shutil.rmtree(entry)                                   # as if the current code had never run
     lines: list[str] = []
-    with FileLock(str(root / f".{prefix}{'3' * 16}.lock")):
+    with fixtures.build_lock(root / (prefix + "3" * 16)):
         again = load_weights(tiny_folder, "q4nx", lines.append).checkpoint.folder
     assert again == entry and any("removed 1 older Q4NX build of" in l for l in lines)
     left = sorted(p.name for p in root.iterdir() if p.name.startswith("q4nx-"))
@@ -107,6 +104,7 @@ def test_a_new_build_removes_the_builds_of_older_code_for_the_same_checkpoint(ti
     lines.clear()
     load_weights(tiny_folder, "q4nx", lines.append)        # nothing built, nothing removed
     assert lines == [] and (root / (prefix + "3" * 16)).is_dir()
+
 
 def test_an_unknown_format_lists_the_known_ones(tiny_folder):
     with pytest.raises(UserError, match="expected one of bf16, q4nx"):
