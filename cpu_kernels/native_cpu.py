@@ -133,7 +133,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gemm_q4nx_int_cpu.argtypes = [ptr, ptr, ptr, i64, i64, i64]
     lib.read_rows_cpu.argtypes = [ctypes.c_int, i64, i64, i64, ptr, i64, ptr]
     lib.read_rows_cpu.restype = i64
+    lib.read_rows_cached_cpu.argtypes = [ctypes.c_int, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr]
+    lib.read_rows_cached_cpu.restype = i64
     lib.top_k_ids_cpu.argtypes = [ptr, i64, i64, ptr]
+    lib.rows_dot_bf16_cpu.argtypes = [ptr, i64, i64, ptr, ptr]
     lib.isa = lib.native_cpu_isa().decode()
     return lib
 
@@ -423,15 +426,31 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
     return True
 
 
-def read_rows(fd: int, offset: int, n_rows: int, ids: torch.Tensor, out: torch.Tensor) -> int | None:
+def read_rows(fd: int, offset: int, n_rows: int, ids: torch.Tensor, out: torch.Tensor, cache=None) -> int | None:
     """`pread` rows `ids` (int64) of an n_rows-row matrix at `offset` in the open file `fd` into
     `out` (contiguous, one row per id): -1 when all were read, else the first failing position;
-    None if the native library is unavailable."""
+    None if the native library is unavailable. With `cache` (`safetensors_io.RowCache` of these
+    rows), rows it holds are copied from it and the rows read enter it."""
     lib = _library()
     if lib is None or ids.dtype != torch.int64 or not (ids.is_contiguous() and out.is_contiguous()):
         return None
     row_bytes = out[0].numel() * out.element_size() if len(out) else 0
-    return lib.read_rows_cpu(fd, offset, row_bytes, n_rows, ids.data_ptr(), len(ids), out.data_ptr())
+    if cache is None:
+        return lib.read_rows_cpu(fd, offset, row_bytes, n_rows, ids.data_ptr(), len(ids), out.data_ptr())
+    return lib.read_rows_cached_cpu(fd, offset, row_bytes, n_rows, ids.data_ptr(), len(ids), out.data_ptr(),
+                                    cache.slot_of.data_ptr(), cache.id_of.data_ptr(), cache.used.data_ptr(),
+                                    cache.data.data_ptr(), cache.capacity, cache.hand.data_ptr())
+
+
+def rows_dot(rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+    """f32 products of the bf16 rows [n, k] with the bf16 vector x (n values, summed in an
+    order of their own); None if the native library is unavailable."""
+    lib = _usable(rows, x)
+    if lib is None or rows.dim() != 2 or x.numel() != rows.shape[1]:
+        return None
+    out = torch.empty(rows.shape[0], dtype=torch.float32)
+    lib.rows_dot_bf16_cpu(rows.data_ptr(), rows.shape[0], rows.shape[1], x.data_ptr(), out.data_ptr())
+    return out
 
 
 def top_k_ids(x: torch.Tensor, k: int) -> torch.Tensor | None:

@@ -22,7 +22,7 @@ from kernel_builder.groups import (
 )
 from llama_base.config import LlamaConfig
 from llama_base.errors import PromptError
-from llama_runtime.head_rescore import TOP_K, rescore
+from llama_runtime.head_rescore import ROW_CACHE_BYTES, TOP_K, rescore
 from llama_runtime.host_ops import KVCache, rms_norm
 from llama_runtime.rope import generate_rope_lut
 from llama_runtime.weight_slots import static_tensors
@@ -45,12 +45,13 @@ class PrefillGroups:
     o_ffn: KernelGroup
 
 
-def _row_reader(table: torch.Tensor, weights: LlamaWeights | None) -> Callable[[torch.Tensor], torch.Tensor]:
+def _row_reader(table: torch.Tensor, weights: LlamaWeights | None,
+                cache_bytes: int = 0) -> Callable[[torch.Tensor], torch.Tensor]:
     """Rows of a bf16 table by id (embedding lookups, a quantized head's rescored candidates):
-    read from the checkpoint file where the table is a view of it (`FileRows`: nothing stays
-    resident), else gathered from the tensor."""
+    read from the checkpoint file where the table is a view of it (`FileRows`: only a cache of
+    up to `cache_bytes` of recent rows stays resident), else gathered from the tensor."""
     while weights is not None:
-        reader = weights.checkpoint.rows_of(table) if weights.checkpoint is not None else None
+        reader = weights.checkpoint.rows_of(table, cache_bytes) if weights.checkpoint is not None else None
         if reader is not None:
             return reader
         weights = weights.backing
@@ -83,7 +84,8 @@ class DeviceModel:
         # A quantized head's leading logits are recomputed from its bf16 rows (`head_rescore`);
         # `rescore_k` 0 turns that off (a bf16 head is exact already).
         self.embed_rows = _row_reader(weights.embed, weights)
-        self.head_rows = _row_reader(weights.backing.lm_head, weights.backing) if weights.backing is not None else None
+        self.head_rows = (_row_reader(weights.backing.lm_head, weights.backing, ROW_CACHE_BYTES)
+                          if weights.backing is not None else None)
         self.rescore_k = TOP_K if self.head_rows is not None else 0
         if self.rescore_k and hasattr(self.head_rows, "prefetch"):
             self.head_rows.prefetch()     # after the weights' load, so as not to compete with it

@@ -12,6 +12,7 @@ import json
 import mmap
 import os
 import struct
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ import torch
 
 from cpu_kernels import native_cpu
 from llama_base.errors import CheckpointError
+from llama_runtime.host_ops import untouched_zeros
 
 _DTYPES = {
     "BF16": (torch.bfloat16, 2),
@@ -107,21 +109,40 @@ class SafetensorsFile:
         return offset if 0 <= offset and offset + t.numel() * t.element_size() <= self._map.size else None
 
 
+class RowCache:
+    """The last rows a `FileRows` read, up to `capacity` of them, for the native reader
+    (`native_cpu.read_rows`, whose source says how slots are reused). A 4-bit head's rescored
+    candidates recur from token to token on a trained model, and a row held here is a copy
+    rather than a system call. Its rows are resident only once used (`untouched_zeros`)."""
+
+    def __init__(self, n_rows: int, row_bytes: int, capacity: int):
+        self.capacity = capacity
+        self.slot_of = torch.full((n_rows,), -1, dtype=torch.int32)
+        self.id_of = torch.full((capacity,), -1, dtype=torch.int64)
+        self.used = torch.zeros(capacity, dtype=torch.uint8)
+        self.hand = torch.zeros(1, dtype=torch.int64)
+        self.data = untouched_zeros((capacity, row_bytes), torch.uint8)
+
+
 class FileRows:
     """Rows of a row-major matrix read from its file with `pread`, at token ids.
 
     The host reads a few rows of the embedding table per token (the lookup, a quantized head's
     rescored candidates): through the mapping, every fault would also map the pages around it
     (the kernel's fault-around), so a few hundred candidates a token would make the whole table
-    resident within a few dozen tokens. Read this way, nothing of the table stays mapped; the
-    page cache serves the reads, one native call for all rows of a step where the CPU kernels'
-    library is built (`native_cpu.read_rows`).
+    resident within a few dozen tokens. Read this way, only what the reader keeps stays
+    resident: with `cache_bytes`, a `RowCache` of that size holds the rows read last (once the
+    native library is there); the page cache serves the rest, one native call for all rows of a
+    step (`native_cpu.read_rows`).
     """
 
-    def __init__(self, path: Path, offset: int, shape: tuple[int, int], dtype: torch.dtype):
+    def __init__(self, path: Path, offset: int, shape: tuple[int, int], dtype: torch.dtype, cache_bytes: int = 0):
         self.path, self.offset, self.shape, self.dtype = path, offset, shape, dtype
         self.row_bytes = shape[1] * torch.empty(0, dtype=dtype).element_size()
         self._fd = os.open(path, os.O_RDONLY)
+        self._cache_rows = min(cache_bytes // self.row_bytes, shape[0])
+        self.cache: RowCache | None = None       # made on the first native read
+        self._lock = threading.Lock()            # the cache's bookkeeping is one reader's at a time
 
     def prefetch(self) -> None:
         """Ask the page cache for the whole table, in the background, for a reader of a few
@@ -133,7 +154,10 @@ class FileRows:
     def __call__(self, idx: torch.Tensor) -> torch.Tensor:
         out = torch.empty(len(idx), self.shape[1], dtype=self.dtype)
         ids = idx.to(torch.int64).contiguous()
-        failed = native_cpu.read_rows(self._fd, self.offset, self.shape[0], ids, out)
+        with self._lock:
+            if self.cache is None and self._cache_rows > 0 and native_cpu.available():
+                self.cache = RowCache(self.shape[0], self.row_bytes, self._cache_rows)
+            failed = native_cpu.read_rows(self._fd, self.offset, self.shape[0], ids, out, self.cache)
         if failed is None:
             failed = self._read_each(ids.tolist(), out)
         if failed >= 0:
@@ -196,14 +220,14 @@ class Checkpoint:
         for st in self._files():
             st.release_pages()
 
-    def rows_of(self, t: torch.Tensor) -> FileRows | None:
+    def rows_of(self, t: torch.Tensor, cache_bytes: int = 0) -> FileRows | None:
         """A `FileRows` reader of `t` when it is a 2-D view of one of these files, else None."""
         if t.dim() != 2 or not t.is_contiguous():
             return None
         for st in self._files():
             offset = st.contains(t)
             if offset is not None:
-                return FileRows(st.path, offset, tuple(t.shape), t.dtype)
+                return FileRows(st.path, offset, tuple(t.shape), t.dtype, cache_bytes)
         return None
 
     def __contains__(self, name: str) -> bool:

@@ -76,6 +76,25 @@ def test_host_write_without_sync_is_invisible_to_the_kernel(tiny_config, tiny_we
     assert not torch.equal(out.map(), baseline)
 
 
+
+def test_a_repeated_buffer_list_replays_its_program_without_asking_for_addresses(tiny_config, tiny_weights, tmp_path,
+                                                                                 monkeypatch):
+    """Decode runs each layer's BO list once a call; while no device storage is replaced the
+    bound program is found by the list alone, and a replaced one is looked up again."""
+    dev, g, kernel = _program(tiny_config, tmp_path)
+    bos = _bos(dev, g, tiny_weights, kernel)
+    first = kernel._program(bos)
+    asked = []
+    for b in bos:
+        monkeypatch.setattr(b, "device_ptr", lambda b=b, f=b.device_ptr: asked.append(b) or f())
+    assert kernel._program(bos) is first and not asked
+    assert kernel._program(list(bos)) is first and len(asked) == len(bos)   # another list: by address
+    x = bos[g.index("x_res")]
+    x.write(torch.ones(x.size // 2, dtype=torch.bfloat16))
+    x.sync(Sync.TO_DEVICE)                      # a whole unmapped write: new device storage
+    asked.clear()
+    assert kernel._program(bos) is not first and len(asked) == len(bos)
+
 def test_kernel_write_without_sync_is_invisible_to_the_host(tiny_config, tiny_weights, tmp_path):
     dev, g, kernel = _program(tiny_config, tmp_path)
     bos = _bos(dev, g, tiny_weights)

@@ -258,6 +258,22 @@ def test_top_k_ids_chooses_what_torch_chooses(n, k):
     assert sorted(ids.tolist()) == sorted(torch.topk(x, k).indices.tolist()) == _top_k_reference(x, k)
 
 
+
+@pytest.mark.parametrize("case", ["sampled-largest", "sampled-nan", "ascending", "descending"])
+def test_top_k_ids_does_not_depend_on_the_sample_its_bound_comes_from(case):
+    """The scan keeps what a bound taken from evenly spaced values passes; where fewer than k
+    pass (the sample held the largest values) or the sample is NaN, the answer must not change."""
+    n, k = 128256, 256
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    sampled = torch.arange(1024) * (n // 1024)
+    if case == "sampled-largest":
+        x[sampled] = 100.0 + torch.arange(1024.0)
+    elif case == "sampled-nan":
+        x[sampled] = float("nan")
+    else:
+        x = x.sort(descending=case == "descending").values
+    assert sorted(native_cpu.top_k_ids(x, k).tolist()) == _top_k_reference(x, k)
+
 def test_top_k_ids_breaks_ties_by_the_lower_id_and_never_takes_nan():
     """Ties at the k-th value (a quantized head's logits repeat) must resolve the same on every
     class and run; the running floor must not let a later equal value displace an earlier one."""
@@ -272,3 +288,19 @@ def test_top_k_ids_breaks_ties_by_the_lower_id_and_never_takes_nan():
     few[20] = float("-inf")
     assert sorted(native_cpu.top_k_ids(few, 11).tolist()) == list(range(10)) + [20]
     assert native_cpu.top_k_ids(few, 12) is None                # fewer than k values to choose
+
+
+@pytest.mark.parametrize("n,k", [(256, 2048), (256, 576), (5, 100), (1, 8)])
+def test_rows_dot_is_the_f32_product_of_the_bf16_rows(n, k):
+    """A rescoring's exact logits: every row's products summed in f32 (in an order of its own,
+    so within f32 rounding of the exact sum, with the tail past whole 16-lane steps included)."""
+    g = torch.Generator().manual_seed(k)
+    rows = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(k, generator=g).bfloat16()
+    got = native_cpu.rows_dot(rows, x)
+    exact = rows.double() @ x.double()
+    size = rows.double().abs() @ x.double().abs()
+    assert got.dtype == torch.float32 and got.shape == (n,)
+    assert torch.all((got.double() - exact).abs() <= size * k * 2.0 ** -24)
+    rows[:, -1] = 0                                        # the tail counts: a change there shows
+    assert not torch.equal(native_cpu.rows_dot(rows, x), got)

@@ -114,6 +114,39 @@ def test_chunked_q4nx_prefill_equals_single_shot(session):
     assert torch.nn.functional.cosine_similarity(whole, rest, dim=0) > 0.999
 
 
+
+def test_file_rows_serve_recent_rows_from_their_cache(tmp_path):
+    """A head reader keeps the rows it read last (up to its cache's size): they come back from
+    memory even after the file changed, rows it no longer holds come from the file, and the
+    cache's two maps stay each other's inverse through calls with repeats and more new rows
+    than it holds."""
+    from safetensors.torch import save_file
+
+    from cpu_kernels import native_cpu
+    from llama_runtime.safetensors_io import Checkpoint
+
+    if native_cpu._library() is None:
+        pytest.skip("no native library on this machine")
+    table = torch.randn(64, 24).to(torch.bfloat16)
+    save_file({"t": table}, tmp_path / "m.safetensors")
+    ck = Checkpoint(tmp_path)
+    rows = ck.rows_of(ck.get("t", (64, 24)), cache_bytes=8 * 24 * 2)
+    g = torch.Generator().manual_seed(0)
+    for n in (3, 8, 20, 5, 64, 1, 6):                 # past the capacity of 8, and repeats
+        ids = torch.randint(0, 64, (n,), generator=g)
+        assert torch.equal(rows(ids), table[ids])
+        c = rows.cache
+        held = (c.id_of >= 0).nonzero().flatten()
+        assert c.capacity == 8 and len(held) == int((c.slot_of >= 0).sum()) <= 8
+        assert torch.equal(c.slot_of[c.id_of[held]].long(), held)
+    kept = (rows.cache.slot_of >= 0).nonzero().flatten()
+    gone = (rows.cache.slot_of < 0).nonzero().flatten()[:4]
+    with open(tmp_path / "m.safetensors", "r+b") as f:       # the same file, every value changed
+        f.seek(rows.offset)
+        f.write((-table).view(torch.uint8).numpy().tobytes())
+    assert torch.equal(rows(kept), table[kept])                # from the cache
+    assert torch.equal(rows(gone), -table[gone])               # from the file as it is now
+
 def test_rescoring_puts_the_exact_products_on_the_leading_candidates_only():
     g = torch.Generator().manual_seed(0)
     rows = torch.randn(1000, 64, generator=g).to(torch.bfloat16)

@@ -88,6 +88,7 @@ class InterpDevice:
 
     def __init__(self):
         self.counters = Counters()
+        self.storage_epoch = 0     # kept by the simulated device's BOs, which this device's are
 
     def toolchain_stamp(self) -> str:
         return "interp-v1"
