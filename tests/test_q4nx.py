@@ -307,19 +307,22 @@ def test_the_lm_head_partitions_are_whole_row_blocks_padded_with_zeros(tiny_conf
 
 def test_a_batch_sharing_activations_gives_each_job_its_own_product(native_isa):
     """Q, K and V (and the LM head's partitions) share x in one batch: one conversion of x serves
-    them, and a job with other activations still gets its own."""
+    them, and a job with other activations still gets its own. 2560 columns: each conversion is
+    cut in pieces of 1024 for the team, the last one shorter."""
     if native_isa == native_cpu.TORCH:
         pytest.skip("no native library")
-    n, k = 64, 576
-    devs = [Q4nxPacking(n, k).pack(quantize.quantize(_rand(n, k, seed=20 + i)), _alloc) for i in range(3)]
+    n, k = 64, 2560
+    bufs = [quantize.quantize(_rand(n, k, seed=20 + i)) for i in range(3)]
+    devs = [Q4nxPacking(n, k).pack(b, _alloc) for b in bufs]
     x, x2 = _rand(k, seed=30, scale=1.0), _rand(k, seed=31, scale=1.0)
     jobs = [(devs[0], x, torch.empty(n, dtype=torch.bfloat16)), (devs[1], x2, torch.empty(n, dtype=torch.bfloat16)),
             (devs[2], x, torch.empty(n, dtype=torch.bfloat16))]
     native_cpu.gemv_q4nx_batch_call(jobs)()
-    for w, xx, y in jobs:
+    for (w, xx, y), buf in zip(jobs, bufs):
         alone = torch.empty(n, dtype=torch.bfloat16)
         native_cpu.gemv_q4nx_batch_call([(w, xx, alone)])()
         assert torch.equal(y, alone)
+        _matches_decode(y, xx, buf, n, k, native_isa)
 
 
 @pytest.mark.parametrize("isa", [native_cpu.TORCH, "native"])
