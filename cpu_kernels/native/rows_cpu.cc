@@ -18,9 +18,10 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdint>
-#include <climits>
 #include <cstring>
 #include <vector>
+
+#include "simd_bf16.h"
 
 namespace {
 
@@ -30,13 +31,6 @@ constexpr int64_t kParallelRows = 32;
 constexpr int64_t kScanBlock = 16;
 constexpr int64_t kSample = 1024;
 constexpr int64_t kMaxSampleRank = 64;
-
-float bf16_to_f32(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 // The bytes of `dst` from `at` on, reading the rest of the row; false on a short read at the
 // end of the file or an error. `flags` 0 waits for the disk; RWF_NOWAIT stops at what is cached.
@@ -232,22 +226,15 @@ extern "C" void top_k_ids_cpu(const float *x, int64_t n, int64_t k, int64_t *ids
 
 // out[j] = rows[j] · x in f32, for the count rows (bf16, k wide) a rescoring has just read
 // (read_rows_cpu). Each thread takes the rows its read left in its own cache (the same static
-// split), in 16 lanes of partial sums: torch's f32 matmul over the same rows first converted
-// them to a 2 MiB f32 copy, about 0.1 ms of a decode step.
+// split), one vector of partial sums a row (simd_bf16.h): torch's f32 matmul over the same rows
+// first converted them to a 2 MiB f32 copy, about 0.1 ms of a decode step.
 extern "C" void rows_dot_bf16_cpu(const uint16_t *rows, int64_t count, int64_t k, const uint16_t *x, float *out) {
-  constexpr int64_t kLanes = 16;
-  std::vector<float> xf(k);
-  for (int64_t c = 0; c < k; ++c) xf[c] = bf16_to_f32(x[c]);
 #pragma omp parallel for schedule(static) if (count >= kParallelRows)
   for (int64_t j = 0; j < count; ++j) {
     const uint16_t *r = rows + j * k;
-    float acc[kLanes] = {};
-    int64_t c = 0;
-    for (; c + kLanes <= k; c += kLanes)
-      for (int64_t l = 0; l < kLanes; ++l) acc[l] += bf16_to_f32(r[c + l]) * xf[c + l];
-    float sum = 0.0f;
-    for (int64_t l = 0; l < kLanes; ++l) sum += acc[l];
-    for (; c < k; ++c) sum += bf16_to_f32(r[c]) * xf[c];
-    out[j] = sum;
+    native::F16 acc = native::zero();
+    for (int64_t c = 0; c < k; c += native::kWidth)
+      acc = native::fma(native::load_bf16(r + c, k - c), native::load_bf16(x + c, k - c), acc);
+    out[j] = native::reduce_add(acc);
   }
 }
