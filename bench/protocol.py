@@ -11,7 +11,8 @@ steps following only the first `runs`); the parent takes medians.
 A child can instead score chunks of text for perplexity, untimed (`verify.scoring`; the side's
 runner then also has `score(ids)`), or serve decode turns (`serve_turns`, see `bench.turns`):
 stay loaded and decode a short burst each time the parent asks, so the runtimes' bursts can
-alternate within seconds of each other.
+alternate within seconds of each other, or only be built (`PREPARE`), untimed, so that the
+caches a first build fills are full before anything is timed.
 
 Standard library only (and `verify.scoring`, which is too): the llama.cpp side imports this
 under an interpreter that has nothing but llama-cpp-python.
@@ -34,6 +35,7 @@ JOB_FILE = "job.json"
 RESULT_FILE = "result.json"
 TURN_FDS = "turn_fds"     # job key: the child's (command, reply) pipe descriptors when it serves turns
 PERPLEXITY = "perplexity"  # job key: chunks of token ids to score (`verify.scoring`) instead of timing
+PREPARE = "prepare"        # job key: build the runtime and stop, filling the caches its first load fills
 
 
 def child_env() -> dict:
@@ -152,7 +154,7 @@ def child_main(make_runner: Callable[[dict], tuple[object, dict]], argv: list[st
             with os.fdopen(cmd_fd, "r") as commands, os.fdopen(reply_fd, "w") as replies:
                 result["turns"] = serve_turns(runner, prompts[job["decode_length"]], job["n_decode"], commands,
                                               replies)
-        else:
+        elif not job.get(PREPARE):
             result.update(measure(runner, prompts, job["decode_length"], job["n_decode"], job["runs"],
                                   job["warmup"], job.get("short_runs", 1), job.get("short_limit", 0)))
     except Exception as e:  # reported by the parent as this runtime's note

@@ -17,7 +17,7 @@ def make_runner(job: dict):
     info = {"device": session.device.name, "buckets": list(session.model.buckets),
             "max_context": session.model.max_context, "kv_cache_bytes": session.model.kv.nbytes,
             "resident_bytes": session.kc.resident_bytes(), "build_s": session.build_s,
-            "quant": job.get("quant", "bf16")}
+            "quant": job.get("quant", "bf16"), "kernels_compiled": session.kc.stats.compiled}
     return OurRunner(session), info
 
 

@@ -22,7 +22,7 @@ from bench.bound import decode_bound_tokens_per_s, decode_bytes_per_token, kv_ca
 from bench.gguf_convert import trim_tokenizer_files
 from bench.llamacpp_build import AMX_SWITCHES, cmake_args
 from bench.plan import QUICK, prompt_ids
-from bench.protocol import measure, serve_turns
+from bench.protocol import JOB_FILE, PREPARE, RESULT_FILE, child_main, measure, serve_turns
 from bench.render import model_table as render_model_table
 from bench.run import merge_rounds, run_side
 from bench.summary import HF, LLAMACPP_BF16, OURS, OURS_BF16, paired_ratio, ratio, summarize_model
@@ -114,6 +114,23 @@ def test_protocol_times_short_prompts_more_often_and_decodes_after_the_first_run
     assert r.prefills == [4, 4, 4, 4, 9, 9]                 # 1 warm-up + 3 timed (short), 1 + 1 (long)
     assert {k: len(v) for k, v in out["ttft_s"].items()} == {"4": 3, "9": 1}
     assert len(out["decode_tok_s"]) == 1 and len(r.steps) == 2 * 3   # after the warm-up and the first timed run
+
+
+def test_a_prepare_job_builds_the_runtime_and_times_nothing(tmp_path):
+    built = []
+
+    def make_runner(job):
+        built.append(job["model"])
+        return _Scripted(), {"kernels_compiled": 3}
+
+    job = {"model": "m", "prompts": {"4": [0, 1, 2, 3]}, "decode_length": 4, "n_decode": 3, "runs": 2, "warmup": 1}
+    for extra, times in (({PREPARE: True}, False), ({}, True)):
+        (tmp_path / JOB_FILE).write_text(json.dumps({**job, **extra}))
+        assert child_main(make_runner, [str(tmp_path)]) == 0
+        result = json.loads((tmp_path / RESULT_FILE).read_text())
+        assert result["info"] == {"kernels_compiled": 3} and result["peak_rss_bytes"] > 0
+        assert ("ttft_s" in result) is times and ("decode_tok_s" in result) is times
+    assert built == ["m", "m"]
 
 
 def test_turns_decode_bursts_within_the_positions_the_rounds_time():
@@ -254,18 +271,23 @@ def test_the_bound_uses_the_median_bandwidth_sample():
 def test_runtimes_take_turns_round_by_round_and_their_rounds_merge(monkeypatch, tmp_path):
     """A drifting host must fall on every runtime alike: ours, HF, ours, HF — never ours, ours, HF, HF."""
     folder = ensure_embedded_model()
-    order, samples = [], []
+    order, samples, prepared, notes = [], [], [], []
     chunks = eval_chunks(Tokenizer(folder, LlamaConfig.from_json(folder)), QUICK.perplexity_chunks,
                          QUICK.perplexity_len)
 
     def fake_side(module, job, workdir, python, log):
+        if job.get(PREPARE):
+            prepared.append((module, workdir.parent.name))
+            return {"info": {"kernels_compiled": 24}}
         order.append((module, workdir.name))
         k = len(order)
         if "perplexity" in job:          # every runtime gets the same chunks, after the timing
             assert job["perplexity"] == chunks
             return {"perplexity": {"nll": [1.0] * QUICK.perplexity_len, "top1": [k] * QUICK.perplexity_len}}
+        assert prepared == [("bench.side_ours", OURS)]     # built once before anything is timed
+        info = {"round": workdir.name, "kernels_compiled": int(k == 3)}
         return {"ttft_s": {"32": [0.1 * k]}, "decode_tok_s": [float(k)], "peak_rss_bytes": 100 * k,
-                "load_s": 1.0 / k, "other_cores": 0.0, "wall_s": 2.0, "info": {"round": workdir.name}}
+                "load_s": 1.0 / k, "other_cores": 0.0, "wall_s": 2.0, "info": info}
 
     def fake_turns(model, sides, turns, steps, workdir, env, cwd, notes, log, peaks):
         order.append(("turns", [name for name, *_ in sides], turns, steps, peaks))
@@ -273,7 +295,7 @@ def test_runtimes_take_turns_round_by_round_and_their_rounds_merge(monkeypatch, 
 
     monkeypatch.setattr(bench_run, "run_side", fake_side)
     monkeypatch.setattr(bench_run, "decode_turns", fake_turns)
-    _, raw, _ = bench_run.bench_model(EMBEDDED, QUICK, "sim", None, tmp_path, [], samples.append, lambda _: None)
+    _, raw, _ = bench_run.bench_model(EMBEDDED, QUICK, "sim", None, tmp_path, notes, samples.append, lambda _: None)
     assert order == [("bench.side_ours", "round1"), ("bench.side_hf", "round1"),
                      ("bench.side_ours", "round2"), ("bench.side_hf", "round2"),
                      ("turns", [OURS, HF], QUICK.turns, QUICK.turn_steps, {OURS: 300, HF: 400}),
@@ -283,7 +305,10 @@ def test_runtimes_take_turns_round_by_round_and_their_rounds_merge(monkeypatch, 
     assert raw[OURS]["decode_turns_tok_s"] == [4.0, 6.0] and raw[HF]["decode_turns_tok_s"] == [2.0, None]
     ours = raw[OURS]
     assert ours["ttft_s"] == {"32": [pytest.approx(0.1), pytest.approx(0.3)]} and ours["decode_tok_s"] == [1.0, 3.0]
-    assert ours["peak_rss_bytes"] == 300 and ours["wall_s"] == 4.0 and ours["info"] == {"round": "round1"}
+    assert ours["peak_rss_bytes"] == 300 and ours["wall_s"] == 4.0 and ours["info"]["round"] == "round1"
+    # a timed round that still compiled is named: its load and peak carry the compiler
+    assert [n for n in notes if "compiled" in n] == [f"{EMBEDDED}: {OURS} compiled 1 kernel groups in round 2: "
+                                                     "its load time and peak memory include the MLIR compiler."]
 
 
 def test_a_failed_round_is_reported_and_the_others_still_count():
