@@ -12,7 +12,8 @@ A sample's rate is the fastest of several passes, not their median: this is the 
 decode is held against, and anything else running on the host can only slow a pass down. On a
 VM the ceiling itself moves (other guests share the memory system), so the bench samples
 again after every runtime and bounds decode by the median sample, reporting the range; each
-pass's time is kept in the report.
+pass's time is kept in the report. In the decode turns a child of this module
+(`serve_samples`) samples it in every turn too, so that each burst has a bound of its own turn.
 """
 from __future__ import annotations
 
@@ -58,37 +59,46 @@ def _native_gemv():
     return lib
 
 
+class Stream:
+    """The GEMV and its matrix, made once, so that passes can be timed again and again: in the
+    decode turns a sample is taken in every turn, seconds from the runtimes' bursts."""
+
+    def __init__(self, matrix_bytes: int = GIB):
+        row_bytes = _ROW_FLOATS * np.dtype(np.float32).itemsize
+        rows = -(-matrix_bytes // row_bytes)
+        # On huge pages, as the runtime's weight buffers are; written, so every page is resident.
+        a = zeroed_buffer(rows * row_bytes).numpy().view(np.float32).reshape(rows, _ROW_FLOATS)
+        a.fill(1.0)
+        x = np.ones(_ROW_FLOATS, dtype=np.float32)
+        self.y = np.empty(rows, dtype=np.float32)
+        self.matrix_bytes = a.nbytes
+        lib = _native_gemv()
+        if lib is not None:
+            self.threads = lib.gemv_f32_stream_threads()
+            self.method = f"native AVX-512 f32 GEMV ({_SRC.name}), OpenMP, {self.threads} threads"
+            self._run = lambda: lib.gemv_f32_stream(a.ctypes.data, x.ctypes.data, self.y.ctypes.data, rows,
+                                                    _ROW_FLOATS)
+        else:
+            self.threads = 0
+            self.method = "numpy f32 GEMV (BLAS sgemv), library threading"
+            self._run = lambda: np.matmul(a, x, out=self.y)
+        self._run()          # untimed: the first pass also warms the library and its threads
+
+    def sample(self, passes: int) -> Bandwidth:
+        """The fastest of `passes` timed passes."""
+        times = []
+        for _ in range(passes):
+            t0 = time.perf_counter()
+            self._run()
+            times.append(time.perf_counter() - t0)
+        if not np.all(self.y == _ROW_FLOATS):   # every row of ones · ones sums to its length, exactly in f32
+            raise RuntimeError("the bandwidth GEMV computed a wrong result")
+        return Bandwidth(self.matrix_bytes / min(times), self.matrix_bytes, self.method, self.threads, times)
+
+
 def measure_bandwidth(matrix_bytes: int = GIB, passes: int = 8) -> Bandwidth:
     """Read rate of an f32 GEMV over a matrix of at least `matrix_bytes`; one untimed pass first."""
-    row_bytes = _ROW_FLOATS * np.dtype(np.float32).itemsize
-    rows = -(-matrix_bytes // row_bytes)
-    # On huge pages, as the runtime's weight buffers are; written, so every page is resident.
-    a = zeroed_buffer(rows * row_bytes).numpy().view(np.float32).reshape(rows, _ROW_FLOATS)
-    a.fill(1.0)
-    x = np.ones(_ROW_FLOATS, dtype=np.float32)
-    y = np.empty(rows, dtype=np.float32)
-    lib = _native_gemv()
-    if lib is not None:
-        threads = lib.gemv_f32_stream_threads()
-        method = f"native AVX-512 f32 GEMV ({_SRC.name}), OpenMP, {threads} threads"
-
-        def run() -> None:
-            lib.gemv_f32_stream(a.ctypes.data, x.ctypes.data, y.ctypes.data, rows, _ROW_FLOATS)
-    else:
-        threads = 0
-        method = "numpy f32 GEMV (BLAS sgemv), library threading"
-
-        def run() -> None:
-            np.matmul(a, x, out=y)
-    run()
-    times = []
-    for _ in range(passes):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    if not np.all(y == _ROW_FLOATS):   # every row of ones · ones sums to its length, exactly in f32
-        raise RuntimeError("the bandwidth GEMV computed a wrong result")
-    return Bandwidth(a.nbytes / min(times), a.nbytes, method, threads, times)
+    return Stream(matrix_bytes).sample(passes)
 
 
 def summarize(samples: list[tuple[str, Bandwidth]]) -> dict:
@@ -98,3 +108,28 @@ def summarize(samples: list[tuple[str, Bandwidth]]) -> dict:
     return {"bytes_per_s": statistics.median(rates), "min_bytes_per_s": min(rates), "max_bytes_per_s": max(rates),
             "method": first.method, "matrix_bytes": first.matrix_bytes, "threads": first.threads,
             "samples": [{"after": label, **b.to_dict()} for label, b in samples]}
+
+
+def serve_samples(matrix_bytes: int, commands, replies) -> int:
+    """The decode turns' bandwidth child (`bench.turns`): a line "n" in → the rate in bytes/s of
+    the fastest of n passes out. Returns the samples served."""
+    stream = Stream(matrix_bytes)
+    served = 0
+    for line in commands:
+        replies.write(f"{stream.sample(int(line)).bytes_per_s!r}\n")
+        replies.flush()
+        served += 1
+    return served
+
+
+if __name__ == "__main__":       # python -m bench.bandwidth WORKDIR: a child of the decode turns
+    import json
+    import os
+    import sys
+
+    from bench.protocol import JOB_FILE, TURN_FDS
+
+    job = json.loads((Path(sys.argv[1]) / JOB_FILE).read_text())
+    cmd_fd, reply_fd = job[TURN_FDS]
+    with os.fdopen(cmd_fd, "r") as cmds, os.fdopen(reply_fd, "w") as reps:
+        serve_samples(job["matrix_bytes"], cmds, reps)

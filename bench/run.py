@@ -26,7 +26,7 @@ from bench.plan import Plan, prompt_ids
 from bench.protocol import JOB_FILE, PERPLEXITY, PREPARE, PROJECT_ROOT, RESULT_FILE, child_env, exit_description
 from bench.render import markdown
 from bench.summary import HF, OURS, OURS_BF16, summarize_model
-from bench.turns import decode_turns
+from bench.turns import BANDWIDTH, decode_turns
 from llama_base.config import LlamaConfig
 from llama_runtime.models import EMBEDDED, LLAMA1B_SHAPE, TINY, resolve_checkpoint
 from verify.report import write_report
@@ -192,9 +192,12 @@ def bench_model(model: str, plan: Plan, device: str, llamacpp, work: Path, notes
         peaks = {name: r["peak_rss_bytes"] for name, r in raw.items() if r.get("peak_rss_bytes")}
         jobs = [(name, module, {**base, **extra}, python) for name, module, extra, python in sides]
         rates = decode_turns(model, jobs, plan.turns, plan.turn_steps, work / model, child_env(), PROJECT_ROOT, notes,
-                             log, peaks)
+                             log, peaks, bandwidth_bytes=plan.bandwidth_bytes)
+        turn_bandwidth = rates.pop(BANDWIDTH, None)
         for name, series in rates.items():
             raw[name]["decode_turns_tok_s"] = series
+            if turn_bandwidth:
+                raw[name]["decode_turns_bandwidth"] = turn_bandwidth
         sample_bandwidth(f"{model} decode turns")
     _perplexity(model, folder, cfg, plan, sides, base, work, raw, notes, log)
     return cfg, raw, str(folder)

@@ -8,7 +8,9 @@ the runtimes (rounds of the same two programs have ranged from 1.03× to 1.76×)
 runtime stays loaded in its own child, idle between bursts, and each turn runs one burst of
 `turn_steps` decode steps of every runtime, in a shuffled order, so the bursts of one turn are
 seconds apart. A decode ratio is then the median over turns of the ratio within each turn, and
-a runtime's decode rate the median of its bursts.
+a runtime's decode rate the median of its bursts. The bound moves with the host too, so the
+bandwidth is sampled in every turn as well, by a child of its own taking its place in the
+shuffled order: a burst is held against the bound of its own turn.
 
 Only one child runs at a time: the others block on their command pipe, so the one being timed
 has both cores and the memory system to itself, as in the rounds. They do share the machine's
@@ -22,6 +24,7 @@ import os
 import random
 import select
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,6 +34,8 @@ from bench.protocol import JOB_FILE, RESULT_FILE, TURN_FDS, exit_description
 
 TURN_TIMEOUT_S = 1800     # a burst (the first one loads the runtime) not answered by then: hung
 MEMORY_HEADROOM = 1.25    # the runtimes' peaks times this must fit in the available memory
+BANDWIDTH = "bandwidth"   # the series of the bandwidth child: bytes/s in each turn
+BANDWIDTH_PASSES = 4      # a turn's bandwidth sample: the fastest of this many passes
 
 
 class TurnChild:
@@ -58,7 +63,8 @@ class TurnChild:
         self.replies = os.fdopen(reply_r, "r")
 
     def burst(self, steps: int) -> float:
-        """Seconds the child took for `steps` decode steps; BenchError if it died or hung."""
+        """The child's answer to `steps`: the seconds its decode steps took (the bandwidth
+        child's: bytes/s, the fastest of that many passes). BenchError if it died or hung."""
         try:
             self.commands.write(f"{steps}\n")
             self.commands.flush()
@@ -96,14 +102,20 @@ class TurnChild:
 
 def decode_turns(model: str, sides: list[tuple[str, str, dict, str]], turns: int, steps: int, workdir: Path,
                  env: dict, cwd: Path, notes: list[str], log: Callable[[str], None] = print,
-                 peaks: dict[str, int] | None = None) -> dict[str, list[float | None]]:
+                 peaks: dict[str, int] | None = None,
+                 bandwidth_bytes: int | None = None) -> dict[str, list[float | None]]:
     """Each side's decode rate (tokens/s) in each of `turns` turns, None where it had none.
 
     `sides` are (name, module, job, python) as for the rounds. Each child's first burst is a
     warm-up (it loads the runtime and prefills): untimed, taken before the next child starts,
     so no two runtimes ever load at once. A child that fails is left out with a note.
+    With `bandwidth_bytes`, one more child takes its turn among them: the bandwidth GEMV over a
+    matrix of that size (`bench.bandwidth`), whose rate in each turn, under `BANDWIDTH`, bounds
+    the bursts of the same turn.
     """
-    need = int(sum((peaks or {}).values()) * MEMORY_HEADROOM)
+    if bandwidth_bytes:
+        sides = [*sides, (BANDWIDTH, "bench.bandwidth", {"matrix_bytes": bandwidth_bytes}, sys.executable)]
+    need = int((sum((peaks or {}).values()) + (bandwidth_bytes or 0)) * MEMORY_HEADROOM)
     have = meminfo_bytes("MemAvailable")
     if have is not None and need > have:
         notes.append(f"{model}: decode turns skipped: the runtimes' peaks need {need / 2**30:.1f} GiB together, "
@@ -116,7 +128,7 @@ def decode_turns(model: str, sides: list[tuple[str, str, dict, str]], turns: int
             log(f"[bench] {model}: {name} loading for the decode turns ...")
             try:
                 child = TurnChild(name, module, job, workdir / name.replace(" ", "-") / "turns", python, env, cwd)
-                child.burst(steps)
+                child.burst(_amount(name, steps))
             except BenchError as e:
                 notes.append(f"{model}: {name} left out of the decode turns: {str(e).splitlines()[0]}")
                 continue
@@ -131,7 +143,8 @@ def decode_turns(model: str, sides: list[tuple[str, str, dict, str]], turns: int
             rng.shuffle(order)
             for name in order:
                 try:
-                    rates[name][-1] = steps / children[name].burst(steps)
+                    answer = children[name].burst(_amount(name, steps))
+                    rates[name][-1] = answer if name == BANDWIDTH else steps / answer
                 except BenchError as e:
                     notes.append(f"{model}: {name} failed in the decode turns: {str(e).splitlines()[0]}")
                     children.pop(name)
@@ -140,3 +153,7 @@ def decode_turns(model: str, sides: list[tuple[str, str, dict, str]], turns: int
             child.close()
     return rates
 
+
+def _amount(name: str, steps: int) -> int:
+    """What a child is asked for in a turn: decode steps, or the bandwidth child's passes."""
+    return BANDWIDTH_PASSES if name == BANDWIDTH else steps

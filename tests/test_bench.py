@@ -6,6 +6,7 @@ import io
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -22,11 +23,11 @@ from bench.bound import decode_bound_tokens_per_s, decode_bytes_per_token, kv_ca
 from bench.gguf_convert import trim_tokenizer_files
 from bench.llamacpp_build import AMX_SWITCHES, cmake_args
 from bench.plan import QUICK, prompt_ids
-from bench.protocol import JOB_FILE, PREPARE, RESULT_FILE, child_main, measure, serve_turns
+from bench.protocol import JOB_FILE, PREPARE, PROJECT_ROOT, RESULT_FILE, child_main, measure, serve_turns
 from bench.render import model_table as render_model_table
 from bench.run import merge_rounds, run_side
 from bench.summary import HF, LLAMACPP_BF16, OURS, OURS_BF16, paired_ratio, ratio, summarize_model
-from bench.turns import decode_turns
+from bench.turns import BANDWIDTH, decode_turns
 from llama_base.config import LlamaConfig
 from llama_runtime.fixtures import ensure_embedded_model, llama_tokenizer_dir
 from llama_runtime.host_ops import KVCache
@@ -201,6 +202,40 @@ def test_a_side_that_fails_in_the_turns_is_left_out_and_the_others_go_on(tmp_pat
     assert any("unbuilt left out of the decode turns: could not start" in n for n in notes)
 
 
+def test_the_bandwidth_is_sampled_in_every_turn_by_a_child_of_its_own(tmp_path, monkeypatch):
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "steady_side.py").write_text(_FLAKY_SIDE.format(ok_steps=10**6))
+    monkeypatch.setenv("PYTHONPATH", str(mods))
+    job = {"prompts": {"4": [0, 1, 2, 3]}, "decode_length": 4, "n_decode": 2}
+    rates = decode_turns("m", [("steady", "steady_side", job, sys.executable)], 3, 2, tmp_path / "w",
+                         bench_run.child_env(), PROJECT_ROOT, [], lambda _: None, bandwidth_bytes=16 << 20)
+    assert set(rates) == {"steady", BANDWIDTH} and len(rates[BANDWIDTH]) == 3
+    assert all(1e8 < b < 1e13 for b in rates[BANDWIDTH])      # bytes/s of a real GEMV, not seconds
+    notes: list[str] = []             # its matrix counts in the memory the turns need
+    assert decode_turns("m", [], 1, 2, tmp_path, {}, tmp_path, notes, lambda _: None, bandwidth_bytes=1 << 60) == {}
+    assert "decode turns skipped" in notes[0]
+
+
+def test_the_bound_is_taken_turn_by_turn_where_the_turns_sampled_the_bandwidth():
+    """A burst in a slow turn is held against that turn's bound, not the run's median."""
+    per_token = decode_bytes_per_token(LLAMA_1B, "q4nx")
+    raw = {OURS: _raw({128: [0.3]}, [40.0], 1, decode_turns_tok_s=[30.0, 60.0, None, 45.0],
+                      decode_turns_bandwidth=[40e9, 80e9, 80e9, None]),
+           OURS_BF16: _raw({128: [0.3]}, [20.0], 2, decode_turns_tok_s=[15.0, 30.0, 20.0, 20.0])}
+    m = summarize_model("llama1b-shape", LLAMA_1B, False, (128,), 4096, raw, 50e9, "q4nx")
+    paired = statistics.median([30.0 * per_token / 40e9, 60.0 * per_token / 80e9])
+    assert m["bound_fraction_turns"][OURS] == pytest.approx(paired)
+    assert m["bound_fraction"][OURS] == pytest.approx(statistics.median([30.0, 60.0, 45.0]) * per_token / 50e9)
+    (t,) = [t for t in m["targets"] if "bound" in t["name"]]
+    assert t["row"] == "bound_turns" and t["value"] == pytest.approx(paired)
+    assert "| decode, % of the bound in the same turn |" in render_model_table(m)
+    del raw[OURS]["decode_turns_bandwidth"]      # no samples in the turns: the run's median bounds
+    (t,) = [t for t in summarize_model("llama1b-shape", LLAMA_1B, False, (128,), 4096, raw, 50e9, "q4nx")["targets"]
+            if "bound" in t["name"]]
+    assert t["row"] == "bound" and t["value"] == pytest.approx(m["bound_fraction"][OURS])
+
+
 def test_turns_are_skipped_when_the_runtimes_do_not_fit_in_memory_together(tmp_path):
     notes: list[str] = []
     rates = decode_turns("m", [("x", "no_such_side", {}, sys.executable)], 2, 2, tmp_path, {}, tmp_path, notes,
@@ -289,9 +324,10 @@ def test_runtimes_take_turns_round_by_round_and_their_rounds_merge(monkeypatch, 
         return {"ttft_s": {"32": [0.1 * k]}, "decode_tok_s": [float(k)], "peak_rss_bytes": 100 * k,
                 "load_s": 1.0 / k, "other_cores": 0.0, "wall_s": 2.0, "info": info}
 
-    def fake_turns(model, sides, turns, steps, workdir, env, cwd, notes, log, peaks):
+    def fake_turns(model, sides, turns, steps, workdir, env, cwd, notes, log, peaks, bandwidth_bytes):
         order.append(("turns", [name for name, *_ in sides], turns, steps, peaks))
-        return {OURS: [4.0, 6.0], HF: [2.0, None]}
+        assert bandwidth_bytes == QUICK.bandwidth_bytes
+        return {OURS: [4.0, 6.0], HF: [2.0, None], BANDWIDTH: [5e10, 6e10]}
 
     monkeypatch.setattr(bench_run, "run_side", fake_side)
     monkeypatch.setattr(bench_run, "decode_turns", fake_turns)
@@ -303,6 +339,7 @@ def test_runtimes_take_turns_round_by_round_and_their_rounds_merge(monkeypatch, 
     assert raw[HF]["perplexity"]["top1"] == [7] * QUICK.perplexity_len
     assert len(samples) == 5                                   # bandwidth after every child and after the turns
     assert raw[OURS]["decode_turns_tok_s"] == [4.0, 6.0] and raw[HF]["decode_turns_tok_s"] == [2.0, None]
+    assert BANDWIDTH not in raw and raw[HF]["decode_turns_bandwidth"] == [5e10, 6e10]   # each burst's own turn
     ours = raw[OURS]
     assert ours["ttft_s"] == {"32": [pytest.approx(0.1), pytest.approx(0.3)]} and ours["decode_tok_s"] == [1.0, 3.0]
     assert ours["peak_rss_bytes"] == 300 and ours["wall_s"] == 4.0 and ours["info"]["round"] == "round1"
@@ -399,6 +436,9 @@ def test_quick_bench_on_the_embedded_model_writes_both_reports(reports, capsys):
     assert math.isclose(m["ratios"][HF]["decode"], paired_ratio(turns[OURS], turns[HF]))
     assert math.isclose(m["ratios"][HF]["decode_rounds"], ours["decode_rounds_tok_s"] / hf["decode_rounds_tok_s"])
     assert "| decode, in turns (tokens/s) |" in md and "then decode in 2 turns" in md.lower()
+    turn_bw = ours["runs"]["decode_turns_bandwidth"]      # sampled in every turn, beside the bursts
+    assert len(turn_bw) == QUICK.turns and all(b > 1e8 for b in turn_bw)
+    assert m["bound_fraction_turns"][OURS] > 0 and "| decode, % of the bound in the same turn |" in md
     assert math.isclose(m["decode_bound_tok_s"], data["bandwidth"]["bytes_per_s"] / m["decode_bytes_per_token"])
     assert [t["name"] for t in m["targets"]] == ["decode ≥ 1.0× HF", "load ≤ 3 s (warm cache)"]
     assert all(t["status"] in ("PASS", "MISS") for t in m["targets"])
