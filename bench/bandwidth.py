@@ -70,18 +70,19 @@ class Stream:
         a = zeroed_buffer(rows * row_bytes).numpy().view(np.float32).reshape(rows, _ROW_FLOATS)
         a.fill(1.0)
         x = np.ones(_ROW_FLOATS, dtype=np.float32)
-        self.y = np.empty(rows, dtype=np.float32)
+        # The passes close over the arrays, never over self: a cycle would keep the matrix until
+        # the cyclic collector ran, a GiB per sample of a run.
+        self.y = y = np.empty(rows, dtype=np.float32)
         self.matrix_bytes = a.nbytes
         lib = _native_gemv()
         if lib is not None:
             self.threads = lib.gemv_f32_stream_threads()
             self.method = f"native AVX-512 f32 GEMV ({_SRC.name}), OpenMP, {self.threads} threads"
-            self._run = lambda: lib.gemv_f32_stream(a.ctypes.data, x.ctypes.data, self.y.ctypes.data, rows,
-                                                    _ROW_FLOATS)
+            self._run = lambda: lib.gemv_f32_stream(a.ctypes.data, x.ctypes.data, y.ctypes.data, rows, _ROW_FLOATS)
         else:
             self.threads = 0
             self.method = "numpy f32 GEMV (BLAS sgemv), library threading"
-            self._run = lambda: np.matmul(a, x, out=self.y)
+            self._run = lambda: np.matmul(a, x, out=y)
         self._run()          # untimed: the first pass also warms the library and its threads
 
     def sample(self, passes: int) -> Bandwidth:
