@@ -60,8 +60,8 @@ def _native_gemv():
 
 
 class Stream:
-    """The GEMV and its matrix, made once, so that passes can be timed again and again: in the
-    decode turns a sample is taken in every turn, seconds from the runtimes' bursts."""
+    """The GEMV and its matrix, made once, so that passes can be timed again and again: the
+    decode turns take a sample in every turn, seconds apart from the runtimes' bursts."""
 
     def __init__(self, matrix_bytes: int = GIB):
         row_bytes = _ROW_FLOATS * np.dtype(np.float32).itemsize
