@@ -116,9 +116,7 @@ def markdown(data: dict) -> str:
             lines.append(f"Decode bound: {per_token / GB:.3f} GB of {m.get('quant', 'bf16')} weights read per token "
                          f"(linear layers + LM head + one embedding row) ÷ bandwidth = "
                          f"{1e3 / m['decode_bound_tok_s']:.1f} ms/token = **{m['decode_bound_tok_s']:.2f} tokens/s**.")
-        turn_bw = next((s["runs"]["decode_turns_bandwidth"] for s in m["runtimes"].values()
-                        if s.get("runs", {}).get("decode_turns_bandwidth")), [])
-        got = [b for b in turn_bw if b]
+        got = [b for b in m.get("turn_bandwidth", []) if b]
         if got:
             lines.append(f"In the decode turns the bandwidth was sampled in every turn as well (the fastest of "
                          f"{BANDWIDTH_PASSES} passes): median {statistics.median(got) / GB:.1f} GB/s, range "

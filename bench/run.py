@@ -161,8 +161,10 @@ def _perplexity(model: str, folder: Path, cfg: LlamaConfig, plan: Plan, sides, b
 
 
 def bench_model(model: str, plan: Plan, device: str, llamacpp, work: Path, notes: list[str],
-                sample_bandwidth: Callable[[str], None], log) -> tuple[LlamaConfig, dict[str, dict], str]:
-    """Every runtime's raw results on `model`, the bandwidth sampled again after each one."""
+                sample_bandwidth: Callable[[str], None],
+                log) -> tuple[LlamaConfig, dict[str, dict], str, list[float | None] | None]:
+    """Every runtime's raw results on `model`, the bandwidth sampled again after each one; last,
+    the bandwidth sampled in each decode turn (None when the turns did not sample it)."""
     folder = resolve_checkpoint(model)
     cfg = LlamaConfig.from_json(folder)
     prompts = prompt_ids(folder, cfg, plan.prompt_lengths)
@@ -188,6 +190,7 @@ def bench_model(model: str, plan: Plan, device: str, llamacpp, work: Path, notes
                              "on average: its times may be slow.")
             sample_bandwidth(f"{model} {name} round {r + 1}")
     raw = {name: merge_rounds(results) for name, results in rounds.items()}
+    turn_bandwidth = None
     if plan.turns:
         peaks = {name: r["peak_rss_bytes"] for name, r in raw.items() if r.get("peak_rss_bytes")}
         jobs = [(name, module, {**base, **extra}, python) for name, module, extra, python in sides]
@@ -196,11 +199,9 @@ def bench_model(model: str, plan: Plan, device: str, llamacpp, work: Path, notes
         turn_bandwidth = rates.pop(BANDWIDTH, None)
         for name, series in rates.items():
             raw[name]["decode_turns_tok_s"] = series
-            if turn_bandwidth:
-                raw[name]["decode_turns_bandwidth"] = turn_bandwidth
         sample_bandwidth(f"{model} decode turns")
     _perplexity(model, folder, cfg, plan, sides, base, work, raw, notes, log)
-    return cfg, raw, str(folder)
+    return cfg, raw, str(folder), turn_bandwidth
 
 
 def run_bench(models: list[str], plan: Plan, device: str = "auto", skip_llamacpp: bool = False,
@@ -231,9 +232,9 @@ def run_bench(models: list[str], plan: Plan, device: str = "auto", skip_llamacpp
     if bw["max_bytes_per_s"] > BANDWIDTH_SPREAD * bw["min_bytes_per_s"]:
         notes.append(f"memory bandwidth varied from {bw['min_bytes_per_s'] / 1e9:.1f} to {bw['max_bytes_per_s'] / 1e9:.1f} "
                      "GB/s during the run (a shared host): the bound and the % of it are approximate.")
-    for model, cfg, raw, folder in measured:
+    for model, cfg, raw, folder, turn_bandwidth in measured:
         summary = summarize_model(model, cfg, model == EMBEDDED, plan.prompt_lengths, plan.max_context, raw,
-                                  bw["bytes_per_s"], quant=plan.quant)
+                                  bw["bytes_per_s"], quant=plan.quant, turn_bandwidth=turn_bandwidth)
         data["models"].append({**summary, "folder": folder})
         for name in summary["bound_readers"]:
             frac = summary["bound_fraction"].get(name)

@@ -60,13 +60,11 @@ def paired_ratio(ours: list[float | None] | None, peer: list[float | None] | Non
     return statistics.median(pairs) if pairs else None
 
 
-def turn_bound_fraction(side: dict, bytes_per_token: int) -> float | None:
+def turn_bound_fraction(side: dict, turn_bandwidth: list[float | None], bytes_per_token: int) -> float | None:
     """The median over turns of a runtime's burst ÷ the bound at the bandwidth sampled in the
     same turn, over the turns that have both."""
-    runs = side.get("runs", {})
-    pairs = [rate * bytes_per_token / bw for rate, bw in zip(runs.get("decode_turns_tok_s") or [],
-                                                             runs.get("decode_turns_bandwidth") or [])
-             if rate is not None and bw]
+    rates = side.get("runs", {}).get("decode_turns_tok_s") or []
+    pairs = [rate * bytes_per_token / bw for rate, bw in zip(rates, turn_bandwidth) if rate is not None and bw]
     return statistics.median(pairs) if pairs else None
 
 
@@ -88,8 +86,7 @@ def side_summary(raw: dict) -> dict:
         "info": raw.get("info", {}),
         **({PERPLEXITY: raw[PERPLEXITY]} if PERPLEXITY in raw else {}),
         "runs": {"ttft_s": raw.get("ttft_s", {}), "decode_tok_s": raw.get("decode_tok_s", []),
-                 "decode_turns_tok_s": raw.get("decode_turns_tok_s", []),
-                 "decode_turns_bandwidth": raw.get("decode_turns_bandwidth", [])},
+                 "decode_turns_tok_s": raw.get("decode_turns_tok_s", [])},
         **({"error": raw["error"]} if "error" in raw else {}),
     }
 
@@ -184,7 +181,10 @@ def perplexities(raw: dict[str, dict], reference: str) -> dict[str, dict]:
 
 
 def summarize_model(name: str, cfg: LlamaConfig, embedded: bool, lengths: tuple[int, ...], max_context: int,
-                    raw: dict[str, dict], bandwidth_bytes_per_s: float | None, quant: str = "bf16") -> dict:
+                    raw: dict[str, dict], bandwidth_bytes_per_s: float | None, quant: str = "bf16",
+                    turn_bandwidth: list[float | None] | None = None) -> dict:
+    """`turn_bandwidth`: the bandwidth sampled in each decode turn, which bounds the bursts of
+    the same turn (`bench.turns`); None where the turns did not sample it."""
     reference = OURS if quant == "bf16" else OURS_BF16
     scored = perplexities(raw, reference)
     sides = {k: {**side_summary({kk: vv for kk, vv in v.items() if kk != PERPLEXITY}),
@@ -195,7 +195,7 @@ def summarize_model(name: str, cfg: LlamaConfig, embedded: bool, lengths: tuple[
     kv = sides.get(OURS, {}).get("info", {}).get("kv_cache_bytes") or kv_cache_bytes(cfg, max_context)
     rat = ratios(sides, lengths)
     fraction = {k: ratio(s.get("decode_tok_s"), bound) for k, s in sides.items()}
-    fraction_turns = {k: turn_bound_fraction(s, per_token) for k, s in sides.items()}
+    fraction_turns = {k: turn_bound_fraction(s, turn_bandwidth or [], per_token) for k, s in sides.items()}
     # Against the bound of each burst's own turn where the turns sampled the bandwidth, as the
     # decode ratio pairs bursts of one turn; else against the run's median bandwidth.
     ours_bound = (("bound_turns", fraction_turns[OURS]) if fraction_turns.get(OURS) is not None
@@ -217,6 +217,7 @@ def summarize_model(name: str, cfg: LlamaConfig, embedded: bool, lengths: tuple[
         "bound_readers": list(BF16_RUNTIMES) if quant == "bf16" else [OURS],
         "bound_fraction": fraction,
         "bound_fraction_turns": fraction_turns,
+        "turn_bandwidth": turn_bandwidth or [],
         "perplexity_reference": reference,
         "runtimes": sides,
         "ratios": rat,

@@ -236,17 +236,17 @@ def test_the_bandwidth_is_sampled_in_every_turn_by_a_child_of_its_own(tmp_path, 
 def test_the_bound_is_taken_turn_by_turn_where_the_turns_sampled_the_bandwidth():
     """A burst in a slow turn is held against that turn's bound, not the run's median."""
     per_token = decode_bytes_per_token(LLAMA_1B, "q4nx")
-    raw = {OURS: _raw({128: [0.3]}, [40.0], 1, decode_turns_tok_s=[30.0, 60.0, None, 45.0],
-                      decode_turns_bandwidth=[40e9, 80e9, 80e9, None]),
+    raw = {OURS: _raw({128: [0.3]}, [40.0], 1, decode_turns_tok_s=[30.0, 60.0, None, 45.0]),
            OURS_BF16: _raw({128: [0.3]}, [20.0], 2, decode_turns_tok_s=[15.0, 30.0, 20.0, 20.0])}
-    m = summarize_model("llama1b-shape", LLAMA_1B, False, (128,), 4096, raw, 50e9, "q4nx")
+    m = summarize_model("llama1b-shape", LLAMA_1B, False, (128,), 4096, raw, 50e9, "q4nx",
+                        turn_bandwidth=[40e9, 80e9, 80e9, None])
     paired = statistics.median([30.0 * per_token / 40e9, 60.0 * per_token / 80e9])
     assert m["bound_fraction_turns"][OURS] == pytest.approx(paired)
     assert m["bound_fraction"][OURS] == pytest.approx(statistics.median([30.0, 60.0, 45.0]) * per_token / 50e9)
     (t,) = [t for t in m["targets"] if "bound" in t["name"]]
     assert t["row"] == "bound_turns" and t["value"] == pytest.approx(paired)
     assert "| decode, % of the bound in the same turn |" in render_model_table(m)
-    del raw[OURS]["decode_turns_bandwidth"]      # no samples in the turns: the run's median bounds
+    # no samples in the turns: the run's median bounds
     (t,) = [t for t in summarize_model("llama1b-shape", LLAMA_1B, False, (128,), 4096, raw, 50e9, "q4nx")["targets"]
             if "bound" in t["name"]]
     assert t["row"] == "bound" and t["value"] == pytest.approx(m["bound_fraction"][OURS])
@@ -347,7 +347,8 @@ def test_runtimes_take_turns_round_by_round_and_their_rounds_merge(monkeypatch, 
 
     monkeypatch.setattr(bench_run, "run_side", fake_side)
     monkeypatch.setattr(bench_run, "decode_turns", fake_turns)
-    _, raw, _ = bench_run.bench_model(EMBEDDED, QUICK, "sim", None, tmp_path, notes, samples.append, lambda _: None)
+    _, raw, _, turn_bandwidth = bench_run.bench_model(EMBEDDED, QUICK, "sim", None, tmp_path, notes, samples.append,
+                                                      lambda _: None)
     assert order == [("bench.side_ours", "round1"), ("bench.side_hf", "round1"),
                      ("bench.side_ours", "round2"), ("bench.side_hf", "round2"),
                      ("turns", [OURS, HF], QUICK.turns, QUICK.turn_steps, {OURS: 300, HF: 400}),
@@ -355,7 +356,7 @@ def test_runtimes_take_turns_round_by_round_and_their_rounds_merge(monkeypatch, 
     assert raw[HF]["perplexity"]["top1"] == [7] * QUICK.perplexity_len
     assert len(samples) == 5                                   # bandwidth after every child and after the turns
     assert raw[OURS]["decode_turns_tok_s"] == [4.0, 6.0] and raw[HF]["decode_turns_tok_s"] == [2.0, None]
-    assert BANDWIDTH not in raw and raw[HF]["decode_turns_bandwidth"] == [5e10, 6e10]   # each burst's own turn
+    assert BANDWIDTH not in raw and turn_bandwidth == [5e10, 6e10]      # the bound of each turn, apart
     ours = raw[OURS]
     assert ours["ttft_s"] == {"32": [pytest.approx(0.1), pytest.approx(0.3)]} and ours["decode_tok_s"] == [1.0, 3.0]
     assert ours["peak_rss_bytes"] == 300 and ours["wall_s"] == 4.0 and ours["info"]["round"] == "round1"
@@ -452,7 +453,7 @@ def test_quick_bench_on_the_embedded_model_writes_both_reports(reports, capsys):
     assert math.isclose(m["ratios"][HF]["decode"], paired_ratio(turns[OURS], turns[HF]))
     assert math.isclose(m["ratios"][HF]["decode_rounds"], ours["decode_rounds_tok_s"] / hf["decode_rounds_tok_s"])
     assert "| decode, in turns (tokens/s) |" in md and "then decode in 2 turns" in md.lower()
-    turn_bw = ours["runs"]["decode_turns_bandwidth"]      # sampled in every turn, beside the bursts
+    turn_bw = m["turn_bandwidth"]                          # sampled in every turn, beside the bursts
     assert len(turn_bw) == QUICK.turns and all(b > 1e8 for b in turn_bw)
     assert m["bound_fraction_turns"][OURS] > 0 and "| decode, % of the bound in the same turn |" in md
     assert math.isclose(m["decode_bound_tok_s"], data["bandwidth"]["bytes_per_s"] / m["decode_bytes_per_token"])
