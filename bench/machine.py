@@ -23,13 +23,51 @@ _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
 
 
 def _cpuinfo_field(name: str) -> str:
+    """The first CPU's value for the key `name` itself ("model" is not "model name")."""
     try:
         for line in CPUINFO.read_text().splitlines():
-            if line.startswith(name):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            if key.strip() == name:
+                return value.strip()
     except OSError:
         pass
     return ""
+
+
+# AMD's core generations by family and model ranges, as Linux assigns them (arch/x86/kernel/cpu/
+# amd.c). A VM's model name is often only "AMD EPYC", and a figure's meaning depends on the core:
+# Zen 4 runs 512-bit instructions in two halves, Zen 5's server parts in one.
+_AMD_CORES: dict[int, tuple[tuple[int, int, str], ...]] = {
+    0x17: ((0x00, 0x2F, "Zen/Zen+"), (0x50, 0x5F, "Zen/Zen+"), (0x30, 0x4F, "Zen 2"), (0x60, 0x7F, "Zen 2"),
+           (0x90, 0x91, "Zen 2"), (0xA0, 0xAF, "Zen 2")),
+    0x19: ((0x00, 0x0F, "Zen 3"), (0x20, 0x5F, "Zen 3"), (0x10, 0x1F, "Zen 4"), (0x60, 0xAF, "Zen 4")),
+    0x1A: ((0x00, 0x2F, "Zen 5"), (0x40, 0x4F, "Zen 5"), (0x60, 0x7F, "Zen 5"), (0x50, 0x5F, "Zen 6"),
+           (0x80, 0xAF, "Zen 6"), (0xC0, 0xCF, "Zen 6")),
+}
+
+
+def core_name(vendor: str, family: int | None, model: int | None) -> str:
+    """The core generation where the family and model name one, else the numbers themselves."""
+    if family is None or model is None:
+        return "unknown core"
+    ids = f"family {family}, model {model}"
+    if vendor == "AuthenticAMD":
+        for lo, hi, name in _AMD_CORES.get(family, ()):
+            if lo <= model <= hi:
+                return f"{name} ({ids})"
+    return f"{vendor or 'unknown vendor'} {ids}"
+
+
+def _int_or_none(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def this_core() -> str:
+    return core_name(_cpuinfo_field("vendor_id"), _int_or_none(_cpuinfo_field("cpu family")),
+                     _int_or_none(_cpuinfo_field("model")))
 
 
 # A bench can run "as" a lower CPU class on a machine that has a higher one: each runtime is
@@ -90,6 +128,7 @@ def describe(cpu_class: str = "native") -> dict:
     flags = cpu_flags()
     return {
         "cpu": _cpuinfo_field("model name") or platform.processor(),
+        "core": this_core(),
         "cores": os.cpu_count(),
         "memory_bytes": mem,
         "isa": sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2", "avx_vnni"))),

@@ -87,7 +87,7 @@ def markdown(data: dict) -> str:
     bw = data.get("bandwidth")
     lines = [f"# Bench {data['created']}", ""]
     mc = data["machine"]
-    lines.append(f"Machine: {mc['cpu']}, {mc['cores']} cores, {mc['memory_bytes'] / GIB:.0f} GiB; "
+    lines.append(f"Machine: {mc['cpu']}, {mc.get('core', 'core not recorded')}, {mc['cores']} cores, {mc['memory_bytes'] / GIB:.0f} GiB; "
                  f"device `{data['device']}`; our weights `{data['plan'].get('quant', 'bf16')}`; plan: TTFT at {', '.join(map(str, data['plan']['prompt_lengths']))} tokens, "
                  f"{data['plan']['n_decode']} decode tokens after the {data['plan']['decode_length']}-token prompt, "
                  f"median of {data['plan']['rounds'] * data['plan']['runs']} timed runs: {data['plan']['rounds']} rounds "

@@ -397,6 +397,22 @@ def test_an_avx2_class_run_hides_avx512_from_every_runtime(monkeypatch, tmp_path
     assert env["LLAMA_NPU_ISA"] == "avx2" and bench_machine.describe("avx2")["class_env"] == env
 
 
+def test_the_machine_names_its_core_generation_from_family_and_model(monkeypatch, tmp_path):
+    # "model name" must not be read as "model", and a VM that names only "AMD EPYC" still says its core.
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("vendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
+                       "flags\t\t: avx2\n")
+    monkeypatch.setattr(bench_machine, "CPUINFO", cpuinfo)
+    assert bench_machine.describe()["core"] == "Zen 4 (family 25, model 17)"
+    assert bench_machine.core_name("AuthenticAMD", 25, 1) == "Zen 3 (family 25, model 1)"
+    assert bench_machine.core_name("AuthenticAMD", 26, 2) == "Zen 5 (family 26, model 2)"
+    assert bench_machine.core_name("AuthenticAMD", 26, 0x50) == "Zen 6 (family 26, model 80)"
+    assert bench_machine.core_name("AuthenticAMD", 26, 0x3F) == "AuthenticAMD family 26, model 63"   # no range
+    assert bench_machine.core_name("GenuineIntel", 6, 143) == "GenuineIntel family 6, model 143"
+    cpuinfo.write_text("model name\t: test\n")
+    assert bench_machine.describe()["core"] == "unknown core"
+
+
 def test_tokenizer_trim_drops_ids_past_the_text_vocabulary(tmp_path):
     src = llama_tokenizer_dir()
     changed = trim_tokenizer_files(src, tmp_path, LLAMA_1B.vocab_size)
@@ -441,6 +457,7 @@ def test_quick_bench_on_the_embedded_model_writes_both_reports(reports, capsys):
     assert [x["after"] for x in bw["samples"]] == ["start"] + [f"{EMBEDDED} {side} round {r}" for r in (1, 2)
                                                                for side in (OURS, HF)] + [f"{EMBEDDED} decode turns"]
     assert 0 < bw["min_bytes_per_s"] <= bw["bytes_per_s"] <= bw["max_bytes_per_s"] and bw["method"] in md
+    assert f"Machine: {data['machine']['cpu']}, {data['machine']['core']}," in md      # which CPU the figures are from
     (m,) = data["models"]
     assert set(m["runtimes"]) == {OURS, HF}
     for s in m["runtimes"].values():
