@@ -36,6 +36,7 @@ RESULT_FILE = "result.json"
 TURN_FDS = "turn_fds"     # job key: the child's (command, reply) pipe descriptors when it serves turns
 PERPLEXITY = "perplexity"  # job key: chunks of token ids to score (`verify.scoring`) instead of timing
 PREPARE = "prepare"        # job key: build the runtime and stop, filling the caches its first load fills
+DECODE_SPLIT = "decode_split"  # result key of a prepare job: a decode step inside and outside the device's runs
 
 
 def child_env() -> dict:
@@ -157,6 +158,9 @@ def child_main(make_runner: Callable[[dict], tuple[object, dict]], argv: list[st
         elif not job.get(PREPARE):
             result.update(measure(runner, prompts, job["decode_length"], job["n_decode"], job["runs"],
                                   job["warmup"], job.get("short_runs", 1), job.get("short_limit", 0)))
+        elif hasattr(runner, DECODE_SPLIT):
+            # Untimed, so a profiler may run: no timed step carries its cost.
+            result[DECODE_SPLIT] = runner.decode_split(prompts[job["decode_length"]], job["n_decode"])
     except Exception as e:  # reported by the parent as this runtime's note
         result["error"] = f"{type(e).__name__}: {e}"
         result["traceback"] = traceback.format_exc()

@@ -23,7 +23,8 @@ from bench.bandwidth import Bandwidth, measure_bandwidth
 from bench.bandwidth import summarize as summarize_bandwidth
 from bench.machine import cpu_sample, describe, other_cores
 from bench.plan import Plan, prompt_ids
-from bench.protocol import JOB_FILE, PERPLEXITY, PREPARE, PROJECT_ROOT, RESULT_FILE, child_env, exit_description
+from bench.protocol import (DECODE_SPLIT, JOB_FILE, PERPLEXITY, PREPARE, PROJECT_ROOT, RESULT_FILE, child_env,
+                            exit_description)
 from bench.render import markdown
 from bench.summary import HF, OURS, OURS_BF16, summarize_model
 from bench.turns import BANDWIDTH, decode_turns
@@ -125,17 +126,22 @@ def _sides(plan: Plan, folder: Path, cfg: LlamaConfig, device: str, llamacpp, mo
     return sides
 
 
-def _prepare(model: str, sides, base: dict, work: Path, log) -> None:
+def _prepare(model: str, sides, base: dict, work: Path, log) -> dict[str, dict]:
     """Each of our runtimes built once, untimed, before any round. A first build after a change
     compiles kernel groups (the MLIR compiler's library alone is 80 MiB resident, and stays
     mapped) and makes the quantized weights' cache: neither belongs in a round's load time or
-    peak memory, where the first round would carry it and the rounds' highest peak would keep it."""
+    peak memory, where the first round would carry it and the rounds' highest peak would keep it.
+    Returns each one's decode step split into the device's runs and the rest (`DECODE_SPLIT`)."""
+    splits = {}
     for name, module, extra, python in sides:
         if module != OURS_MODULE:
             continue
         log(f"[bench] {model}: {name}: kernel cache and weights, untimed ...")
-        run_side(module, {**base, **extra, PREPARE: True}, work / model / name.replace(" ", "-") / "prepare",
-                 python, log)
+        result = run_side(module, {**base, **extra, PREPARE: True}, work / model / name.replace(" ", "-") / "prepare",
+                          python, log)
+        if result.get(DECODE_SPLIT):
+            splits[name] = result[DECODE_SPLIT]
+    return splits
 
 
 def _perplexity(model: str, folder: Path, cfg: LlamaConfig, plan: Plan, sides, base: dict, work: Path,
@@ -172,7 +178,7 @@ def bench_model(model: str, plan: Plan, device: str, llamacpp, work: Path, notes
             "n_decode": plan.n_decode, "runs": plan.runs, "short_runs": plan.short_runs,
             "short_limit": plan.short_limit, "warmup": plan.warmup, "max_context": plan.max_context}
     sides = _sides(plan, folder, cfg, device, llamacpp, model, notes, log)
-    _prepare(model, sides, base, work, log)
+    splits = _prepare(model, sides, base, work, log)
     rounds: dict[str, list[dict]] = {name: [] for name, *_ in sides}
     for r in range(plan.rounds):
         for name, module, extra, python in sides:
@@ -190,6 +196,8 @@ def bench_model(model: str, plan: Plan, device: str, llamacpp, work: Path, notes
                              "on average: its times may be slow.")
             sample_bandwidth(f"{model} {name} round {r + 1}")
     raw = {name: merge_rounds(results) for name, results in rounds.items()}
+    for name, split in splits.items():
+        raw[name][DECODE_SPLIT] = split
     turn_bandwidth = None
     if plan.turns:
         peaks = {name: r["peak_rss_bytes"] for name, r in raw.items() if r.get("peak_rss_bytes")}

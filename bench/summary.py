@@ -15,7 +15,7 @@ import statistics
 from dataclasses import asdict, dataclass
 
 from bench.bound import decode_bound_tokens_per_s, decode_bytes_per_token, kv_cache_bytes, weight_bytes
-from bench.protocol import PERPLEXITY
+from bench.protocol import DECODE_SPLIT, PERPLEXITY
 from llama_base.config import LlamaConfig
 from verify.scoring import agreement, perplexity
 
@@ -68,6 +68,19 @@ def turn_bound_fraction(side: dict, turn_bandwidth: list[float | None], bytes_pe
     return statistics.median(pairs) if pairs else None
 
 
+def host_share(side: dict, bytes_per_token: int, bandwidth_bytes_per_s: float | None) -> dict | None:
+    """A runtime's decode step outside the device's runs (`DECODE_SPLIT`), and the fraction of
+    the bound its decode would reach if the device's runs took exactly the bound's time: the
+    ceiling the host's share alone sets, at the bandwidth given."""
+    split = side.get(DECODE_SPLIT)
+    if not split or not bandwidth_bytes_per_s:
+        return None
+    host = max(split["step_s"] - split["device_run_s"], 0.0)
+    bound_s = bytes_per_token / bandwidth_bytes_per_s
+    return {**split, "host_s": host, "bandwidth_bytes_per_s": bandwidth_bytes_per_s,
+            "ceiling": bound_s / (bound_s + host)}
+
+
 def side_summary(raw: dict) -> dict:
     """Medians of one runtime's runs (raw runs kept alongside). Its decode rate is the median of
     its decode turns where it had any (`bench.turns`), else of its rounds."""
@@ -85,6 +98,7 @@ def side_summary(raw: dict) -> dict:
         "other_cores": raw.get("other_cores"),
         "info": raw.get("info", {}),
         **({PERPLEXITY: raw[PERPLEXITY]} if PERPLEXITY in raw else {}),
+        **({DECODE_SPLIT: raw[DECODE_SPLIT]} if DECODE_SPLIT in raw else {}),
         "runs": {"ttft_s": raw.get("ttft_s", {}), "decode_tok_s": raw.get("decode_tok_s", []),
                  "decode_turns_tok_s": raw.get("decode_turns_tok_s", [])},
         **({"error": raw["error"]} if "error" in raw else {}),
@@ -200,6 +214,10 @@ def summarize_model(name: str, cfg: LlamaConfig, embedded: bool, lengths: tuple[
     # decode ratio pairs bursts of one turn; else against the run's median bandwidth.
     ours_bound = (("bound_turns", fraction_turns[OURS]) if fraction_turns.get(OURS) is not None
                   else ("bound", fraction.get(OURS)))
+    # At the bandwidth the target is read against: the turns' where they sampled it.
+    sampled = [b for b in turn_bandwidth or [] if b]
+    at = statistics.median(sampled) if ours_bound[0] == "bound_turns" and sampled else bandwidth_bytes_per_s
+    share = host_share(sides.get(OURS, {}), per_token, at)
     if quant == "bf16":
         tg = targets(embedded, rat, sides.get(OURS, {}), ours_bound, weights + kv)
     else:
@@ -218,6 +236,7 @@ def summarize_model(name: str, cfg: LlamaConfig, embedded: bool, lengths: tuple[
         "bound_fraction": fraction,
         "bound_fraction_turns": fraction_turns,
         "turn_bandwidth": turn_bandwidth or [],
+        "host_share": share,
         "perplexity_reference": reference,
         "runtimes": sides,
         "ratios": rat,

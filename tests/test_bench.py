@@ -25,10 +25,11 @@ from bench.bound import decode_bound_tokens_per_s, decode_bytes_per_token, kv_ca
 from bench.gguf_convert import trim_tokenizer_files
 from bench.llamacpp_build import AMX_SWITCHES, cmake_args
 from bench.plan import QUICK, prompt_ids
-from bench.protocol import JOB_FILE, PREPARE, PROJECT_ROOT, RESULT_FILE, child_main, measure, serve_turns
+from bench.protocol import (DECODE_SPLIT, JOB_FILE, PREPARE, PROJECT_ROOT, RESULT_FILE, child_main, measure,
+                            serve_turns)
 from bench.render import model_table as render_model_table
 from bench.run import merge_rounds, run_side
-from bench.summary import HF, LLAMACPP_BF16, OURS, OURS_BF16, paired_ratio, ratio, summarize_model
+from bench.summary import HF, LLAMACPP_BF16, OURS, OURS_BF16, host_share, paired_ratio, ratio, summarize_model
 from bench.turns import BANDWIDTH, decode_turns
 from llama_base.config import LlamaConfig
 from llama_runtime.fixtures import ensure_embedded_model, llama_tokenizer_dir
@@ -134,6 +135,23 @@ def test_a_prepare_job_builds_the_runtime_and_times_nothing(tmp_path):
         assert result["info"] == {"kernels_compiled": 3} and result["peak_rss_bytes"] > 0
         assert ("ttft_s" in result) is times and ("decode_tok_s" in result) is times
     assert built == ["m", "m"]
+
+    class Split(_Scripted):
+        def decode_split(self, prompt, n):
+            return {"steps": n, "prompt": list(prompt)}
+
+    (tmp_path / JOB_FILE).write_text(json.dumps({**job, PREPARE: True}))
+    assert child_main(lambda job: (Split(), {}), [str(tmp_path)]) == 0
+    result = json.loads((tmp_path / RESULT_FILE).read_text())
+    assert result[DECODE_SPLIT] == {"steps": 3, "prompt": [0, 1, 2, 3]} and "decode_tok_s" not in result
+
+
+def test_the_host_share_caps_the_fraction_of_the_bound():
+    """772 MB at 80 GB/s is 9.65 ms; 2 ms outside the device's runs caps decode at 9.65 / 11.65."""
+    side = {DECODE_SPLIT: {"steps": 8, "step_s": 0.012, "device_run_s": 0.010}}
+    share = host_share(side, 772_000_000, 80e9)
+    assert share["host_s"] == pytest.approx(0.002) and share["ceiling"] == pytest.approx(9.65 / 11.65)
+    assert host_share({}, 772_000_000, 80e9) is None and host_share(side, 772_000_000, None) is None
 
 
 def test_turns_decode_bursts_within_the_positions_the_rounds_time():
@@ -329,7 +347,7 @@ def test_runtimes_take_turns_round_by_round_and_their_rounds_merge(monkeypatch, 
     def fake_side(module, job, workdir, python, log):
         if job.get(PREPARE):
             prepared.append((module, workdir.parent.name))
-            return {"info": {"kernels_compiled": 24}}
+            return {"info": {"kernels_compiled": 24}, DECODE_SPLIT: {"steps": 2, "step_s": 0.02, "device_run_s": 0.01}}
         order.append((module, workdir.name))
         k = len(order)
         if "perplexity" in job:          # every runtime gets the same chunks, after the timing
@@ -358,6 +376,7 @@ def test_runtimes_take_turns_round_by_round_and_their_rounds_merge(monkeypatch, 
     assert raw[OURS]["decode_turns_tok_s"] == [4.0, 6.0] and raw[HF]["decode_turns_tok_s"] == [2.0, None]
     assert BANDWIDTH not in raw and turn_bandwidth == [5e10, 6e10]      # the bound of each turn, apart
     ours = raw[OURS]
+    assert ours[DECODE_SPLIT]["step_s"] == 0.02 and DECODE_SPLIT not in raw[HF]
     assert ours["ttft_s"] == {"32": [pytest.approx(0.1), pytest.approx(0.3)]} and ours["decode_tok_s"] == [1.0, 3.0]
     assert ours["peak_rss_bytes"] == 300 and ours["wall_s"] == 4.0 and ours["info"]["round"] == "round1"
     # a timed round that still compiled is named: its load and peak carry the compiler
@@ -473,6 +492,10 @@ def test_quick_bench_on_the_embedded_model_writes_both_reports(reports, capsys):
     turn_bw = m["turn_bandwidth"]                          # sampled in every turn, beside the bursts
     assert len(turn_bw) == QUICK.turns and all(b > 1e8 for b in turn_bw)
     assert m["bound_fraction_turns"][OURS] > 0 and "| decode, % of the bound in the same turn |" in md
+    hs = m["host_share"]                                   # measured by ours' untimed prepare child
+    assert hs["steps"] == QUICK.n_decode and 0 < hs["device_run_s"] < hs["step_s"] and 0 < hs["ceiling"] < 1
+    assert hs["bandwidth_bytes_per_s"] == statistics.median(turn_bw)
+    assert "Our decode step outside the device's runs" in md
     assert math.isclose(m["decode_bound_tok_s"], data["bandwidth"]["bytes_per_s"] / m["decode_bytes_per_token"])
     assert [t["name"] for t in m["targets"]] == ["decode ≥ 1.0× HF", "load ≤ 3 s (warm cache)"]
     assert all(t["status"] in ("PASS", "MISS") for t in m["targets"])
