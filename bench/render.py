@@ -87,7 +87,8 @@ def markdown(data: dict) -> str:
     bw = data.get("bandwidth")
     lines = [f"# Bench {data['created']}", ""]
     mc = data["machine"]
-    lines.append(f"Machine: {mc['cpu']}, {mc.get('core', 'core not recorded')}, {mc['cores']} cores, {mc['memory_bytes'] / GIB:.0f} GiB; "
+    lines.append(f"Machine: {mc['cpu']}, {mc.get('core', 'core not recorded')}, {mc['cores']} cores, "
+                 f"{mc['memory_bytes'] / GIB:.0f} GiB; "
                  f"device `{data['device']}`; our weights `{data['plan'].get('quant', 'bf16')}`; plan: TTFT at {', '.join(map(str, data['plan']['prompt_lengths']))} tokens, "
                  f"{data['plan']['n_decode']} decode tokens after the {data['plan']['decode_length']}-token prompt, "
                  f"median of {data['plan']['rounds'] * data['plan']['runs']} timed runs: {data['plan']['rounds']} rounds "
@@ -124,8 +125,9 @@ def markdown(data: dict) -> str:
                          "on the row \"% of the bound in the same turn\".")
         hs = m.get("host_share")
         if hs:
+            rescoring = " and, with 4-bit weights, the LM head's rescoring" if m.get("quant", "bf16") != "bf16" else ""
             lines.append(f"Our decode step outside the device's runs (host attention, KV writes, the launches' "
-                         f"own work, the final norm and the LM head's rescoring; {hs['steps']} untimed steps before "
+                         f"own work, the final norm{rescoring}; {hs['steps']} untimed steps before "
                          f"round 1, profiler on): {hs['host_s'] * 1e3:.2f} of {hs['step_s'] * 1e3:.2f} ms. "
                          f"Even with the device's runs taking exactly the bound's time, that share holds decode "
                          f"to {hs['ceiling']:.0%} of the bound at {hs['bandwidth_bytes_per_s'] / GB:.1f} GB/s.")
