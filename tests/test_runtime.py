@@ -222,3 +222,25 @@ def test_kv_cache_row_outside_the_cache_is_refused_not_written():
     assert cache.k.abs().sum() == 0 and cache.v.abs().sum() == 0
 
 
+
+
+def test_the_bench_s_decode_split_times_the_device_s_runs_and_leaves_no_profiler_behind(session):
+    """The bench's host-share measurement turns a profiler on for its own steps only: afterwards
+    the session records nothing, and greedy decoding gives the tokens it gave before."""
+    from verify.our_runner import OurRunner
+
+    runner, ids = OurRunner(session), session.encode("The capital of France is")
+
+    def greedy(n=4):
+        tok, out = runner.prefill(ids).top1, []
+        for pos in range(len(ids), len(ids) + n):
+            out.append(tok)
+            tok = runner.decode_step(tok, pos).top1
+        return out
+
+    before = greedy()
+    split = runner.decode_split(ids, 4)
+    assert split["steps"] == 4 and 0 < split["device_run_s"] < split["step_s"]
+    assert not session.model.profiler.enabled and not session.kc.profiler.enabled
+    assert session.model.profiler.groups == {} and session.kc.profiler.host == {}
+    assert greedy() == before
