@@ -126,7 +126,7 @@ def _sides(plan: Plan, folder: Path, cfg: LlamaConfig, device: str, llamacpp, mo
     return sides
 
 
-def _prepare(model: str, sides, base: dict, work: Path, log) -> dict[str, dict]:
+def _prepare(model: str, sides, base: dict, work: Path, notes: list[str], log) -> dict[str, dict]:
     """Each of our runtimes built once, untimed, before any round. A first build after a change
     compiles kernel groups (the MLIR compiler's library alone is 80 MiB resident, and stays
     mapped) and makes the quantized weights' cache: neither belongs in a round's load time or
@@ -141,6 +141,9 @@ def _prepare(model: str, sides, base: dict, work: Path, log) -> dict[str, dict]:
                           python, log)
         if result.get(DECODE_SPLIT):
             splits[name] = result[DECODE_SPLIT]
+        elif result.get("error"):      # the rounds will show whether the build itself fails
+            notes.append(f"{model}: {name}'s untimed build and decode split failed: "
+                         f"{result['error'].splitlines()[0]}")
     return splits
 
 
@@ -178,7 +181,7 @@ def bench_model(model: str, plan: Plan, device: str, llamacpp, work: Path, notes
             "n_decode": plan.n_decode, "runs": plan.runs, "short_runs": plan.short_runs,
             "short_limit": plan.short_limit, "warmup": plan.warmup, "max_context": plan.max_context}
     sides = _sides(plan, folder, cfg, device, llamacpp, model, notes, log)
-    splits = _prepare(model, sides, base, work, log)
+    splits = _prepare(model, sides, base, work, notes, log)
     rounds: dict[str, list[dict]] = {name: [] for name, *_ in sides}
     for r in range(plan.rounds):
         for name, module, extra, python in sides:

@@ -383,6 +383,16 @@ def test_runtimes_take_turns_round_by_round_and_their_rounds_merge(monkeypatch, 
     assert [n for n in notes if "compiled" in n] == [f"{EMBEDDED}: {OURS} compiled 1 kernel groups in round 2: "
                                                      "its load time and peak memory include the MLIR compiler."]
 
+    def failing_prepare(module, job, workdir, python, log):
+        return {"error": "RuntimeError: no split\ntraceback"} if job.get(PREPARE) else fake_side(module, job, workdir,
+                                                                                                python, log)
+
+    monkeypatch.setattr(bench_run, "run_side", failing_prepare)
+    notes.clear()
+    _, raw, _, _ = bench_run.bench_model(EMBEDDED, QUICK, "sim", None, tmp_path, notes, samples.append, lambda _: None)
+    assert DECODE_SPLIT not in raw[OURS]
+    assert f"{EMBEDDED}: {OURS}'s untimed build and decode split failed: RuntimeError: no split" in notes
+
 
 def test_a_failed_round_is_reported_and_the_others_still_count():
     good = {"ttft_s": {"32": [0.2]}, "decode_tok_s": [5.0], "peak_rss_bytes": 7, "load_s": 3.0}
