@@ -125,12 +125,11 @@ def serve_samples(matrix_bytes: int, commands, replies) -> int:
 
 if __name__ == "__main__":       # python -m bench.bandwidth WORKDIR: a child of the decode turns
     import json
-    import os
     import sys
 
-    from bench.protocol import JOB_FILE, TURN_FDS
+    from bench.protocol import JOB_FILE, turn_pipes
 
     job = json.loads((Path(sys.argv[1]) / JOB_FILE).read_text())
-    cmd_fd, reply_fd = job[TURN_FDS]
-    with os.fdopen(cmd_fd, "r") as cmds, os.fdopen(reply_fd, "w") as reps:
-        serve_samples(job["matrix_bytes"], cmds, reps)
+    commands, replies = turn_pipes(job)
+    with commands, replies:
+        serve_samples(job["matrix_bytes"], commands, replies)

@@ -39,6 +39,13 @@ PREPARE = "prepare"        # job key: build the runtime and stop, filling the ca
 DECODE_SPLIT = "decode_split"  # result key of a prepare job: a decode step inside and outside the device's runs
 
 
+def turn_pipes(job: dict):
+    """The (commands, replies) files of a child that serves decode turns, from its job's
+    `TURN_FDS`: a runtime's child or the bandwidth child (`bench.bandwidth`)."""
+    cmd_fd, reply_fd = job[TURN_FDS]
+    return os.fdopen(cmd_fd, "r"), os.fdopen(reply_fd, "w")
+
+
 def child_env() -> dict:
     """Every child's environment: offline, quiet, and the project importable from any interpreter."""
     return dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
@@ -151,8 +158,8 @@ def child_main(make_runner: Callable[[dict], tuple[object, dict]], argv: list[st
             t0 = time.perf_counter()
             result[PERPLEXITY] = {**score_chunks(runner, job[PERPLEXITY]), "seconds": time.perf_counter() - t0}
         elif TURN_FDS in job:
-            cmd_fd, reply_fd = job[TURN_FDS]
-            with os.fdopen(cmd_fd, "r") as commands, os.fdopen(reply_fd, "w") as replies:
+            commands, replies = turn_pipes(job)
+            with commands, replies:
                 result["turns"] = serve_turns(runner, prompts[job["decode_length"]], job["n_decode"], commands,
                                               replies)
         elif not job.get(PREPARE):
