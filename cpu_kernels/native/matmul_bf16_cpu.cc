@@ -9,10 +9,11 @@
 // broadcast pair of the activation advance 16 outputs at once: no horizontal sums, and the
 // weights of 16 outputs are one sequential stream.
 //
-// - GEMV (decode, memory-bound): each thread decodes whole blocks as they stream in, in chunks
-//   of about 1 MiB scheduled dynamically, so a batch (Q/K/V, gate and up, the LM head's
-//   partitions) ends balanced. It reads 3/4 of the bytes a bf16 GEMV reads, and decoding keeps
-//   pace with memory, so it runs about 4/3 as fast where memory is the limit.
+// - GEMV (decode, memory-bound): each thread decodes whole blocks as they stream in, reading
+//   its own contiguous share of the batch (Q/K/V, gate and up, the LM head's partitions) and
+//   then helping with the others' (stream_split.h), so the batch ends balanced. It reads 3/4
+//   of the bytes a bf16 GEMV reads, and decoding keeps pace with memory, so it runs about 4/3
+//   as fast where memory is the limit.
 // - GEMM (prefill, compute-bound): on AVX-512 an 8-row by 32-column register tile, 16 f32
 //   accumulators fed by 2 weight vectors and 8 activation broadcasts per pair; AVX2 has half the
 //   registers at half the width, so 4 rows by 16 columns (8 accumulators of 8 floats, 4 widened
@@ -31,6 +32,7 @@
 #include "packed_tiles.h"
 #include "q4nx_blocks.h"
 #include "simd_bf16.h"
+#include "stream_split.h"
 #include "tiles_bf16.h"
 
 namespace {
@@ -78,15 +80,6 @@ void gemv_block(const packed::View &w, int64_t blk, const uint32_t *x, uint16_t 
   }
   nv::store_bf16(y, nv::add(nv::add(s0, s1), nv::add(s2, s3)));
 }
-
-// About 1 MiB of weights per chunk: long enough for the prefetchers to ramp up on each stream,
-// still dozens of chunks per batch for the dynamic schedule to balance.
-constexpr int64_t kChunkBytes = 1024 * 1024;
-
-struct Chunk {
-  int job;
-  int64_t b0, b1;   // blocks
-};
 
 // ---- GEMM -----------------------------------------------------------------------------------
 
@@ -205,22 +198,17 @@ extern "C" int64_t matmul_bf16_cpu_packed_header() { return packed::kHeader; }
 extern "C" void gemv_packed_bf16_cpu_batch(const int64_t *desc, int count) {
   std::vector<Job> jobs;
   jobs.reserve(count);
-  std::vector<Chunk> chunks;
+  std::vector<int64_t> blocks(count), block_bytes(count);
   for (int i = 0; i < count; ++i) {
     const int64_t *d = desc + 5 * i;
     jobs.push_back({packed::View(reinterpret_cast<const uint8_t *>(d[0])), reinterpret_cast<const uint32_t *>(d[1]),
                     reinterpret_cast<uint16_t *>(d[2])});
-    const int64_t blocks = d[3] / kLanes;
-    int64_t step = kChunkBytes / (kLanes * d[4] * 2);
-    step = step < 1 ? 1 : step;
-    for (int64_t b = 0; b < blocks; b += step) chunks.push_back({i, b, b + step < blocks ? b + step : blocks});
+    blocks[i] = d[3] / kLanes;
+    block_bytes[i] = jobs.back().w.u * packed::kUnitBytes;   // escapes aside, which are rare
   }
-  const int64_t total = static_cast<int64_t>(chunks.size());
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t c = 0; c < total; ++c) {
-    const Job &j = jobs[chunks[c].job];
-    for (int64_t b = chunks[c].b0; b < chunks[c].b1; ++b) gemv_block(j.w, b, j.x, j.y + b * kLanes);
-  }
+  nv::StreamSplit split(blocks, block_bytes);
+#pragma omp parallel
+  split.run([&](int job, int64_t b) { gemv_block(jobs[job].w, b, jobs[job].x, jobs[job].y + b * kLanes); });
 }
 
 // C[m][n] = A[m][k] · Wᵀ with W packed; A and C row-major. On AMX tiles where the library has

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "q4nx_blocks.h"
+#include "stream_split.h"
 
 namespace {
 
@@ -182,13 +183,6 @@ void gemv_row_block(const uint8_t *rb, int64_t k, const int32_t *xh, const int32
   native::store_bf16(y + native::kWidth, y_hi);
 }
 
-constexpr int64_t kChunkBytes = 1024 * 1024;   // as the bf16 GEMV: long streams, dozens of chunks a batch
-
-struct Chunk {
-  int job;
-  int64_t rb0, rb1;
-};
-
 // Groups of activations a thread converts at a time (1024 columns).
 constexpr int64_t kConvertGroups = 32;
 
@@ -206,7 +200,7 @@ extern "C" void gemv_q4nx_cpu_batch(const int64_t *desc, int count) {
   std::vector<Activations> acts;
   acts.reserve(count);
   std::vector<int> act_of(count);
-  std::vector<Chunk> chunks;
+  std::vector<int64_t> blocks(count), block_bytes(count);
   for (int i = 0; i < count; ++i) {
     const int64_t *d = desc + 5 * i;
     int same = -1;
@@ -217,11 +211,10 @@ extern "C" void gemv_q4nx_cpu_batch(const int64_t *desc, int count) {
       acts.emplace_back(reinterpret_cast<const uint16_t *>(d[1]), d[4]);
     }
     act_of[i] = same;
-    const int64_t blocks = d[3] / kRows, bytes = d[4] * kBytesPerCol;
-    int64_t step = kChunkBytes / bytes;
-    step = step < 1 ? 1 : step;
-    for (int64_t b = 0; b < blocks; b += step) chunks.push_back({i, b, b + step < blocks ? b + step : blocks});
+    blocks[i] = d[3] / kRows;
+    block_bytes[i] = d[4] * kBytesPerCol;
   }
+  native::StreamSplit split(blocks, block_bytes);
   // The conversion is shared by the team too: on one thread a down projection's 8192 columns
   // took about 20 µs of each call while the other thread waited.
   std::vector<Piece> pieces;
@@ -230,22 +223,18 @@ extern "C" void gemv_q4nx_cpu_batch(const int64_t *desc, int count) {
     for (int64_t g = 0; g < groups; g += kConvertGroups)
       pieces.push_back({a, g, g + kConvertGroups < groups ? g + kConvertGroups : groups});
   }
-  const int64_t n_pieces = static_cast<int64_t>(pieces.size()), total = static_cast<int64_t>(chunks.size());
+  const int64_t n_pieces = static_cast<int64_t>(pieces.size());
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < n_pieces; ++p) acts[pieces[p].act].convert(pieces[p].g0, pieces[p].g1);
     // (the loop's barrier: every row-block below reads all of its activations)
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t c = 0; c < total; ++c) {
-      const int64_t *d = desc + 5 * chunks[c].job;
-      const uint8_t *w = reinterpret_cast<const uint8_t *>(d[0]);
-      uint16_t *y = reinterpret_cast<uint16_t *>(d[2]);
-      const Activations &act = acts[act_of[chunks[c].job]];
-      for (int64_t b = chunks[c].rb0; b < chunks[c].rb1; ++b)
-        gemv_row_block(w + b * d[4] * kBytesPerCol, d[4], act.hi.data(), act.lo.data(), act.unit.data(),
-                       act.sum.data(), y + b * kRows);
-    }
+    split.run([&](int job, int64_t b) {
+      const int64_t *d = desc + 5 * job;
+      const Activations &act = acts[act_of[job]];
+      gemv_row_block(reinterpret_cast<const uint8_t *>(d[0]) + b * block_bytes[job], d[4], act.hi.data(),
+                     act.lo.data(), act.unit.data(), act.sum.data(), reinterpret_cast<uint16_t *>(d[2]) + b * kRows);
+    });
   }
 }
 

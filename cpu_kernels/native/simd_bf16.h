@@ -30,8 +30,9 @@ constexpr int kWidth = 16;   // floats per vector: outputs of one weight tile bl
 
 // How far ahead of its reads a decode GEMV asks for the weight stream it walks. The hardware
 // prefetchers alone left a token's GEMVs 6-10 % slower on both classes and both weight formats
-// (2-core Zen 4 VM; docs/profile.md, "Asking for the weights ahead"). Non-temporal: each weight
-// byte is read once a token, and what the host runs between the GEMVs keeps more of the caches.
+// (2-core AMD EPYC Zen 5 VM; docs/profile.md, "Asking for the weights ahead"). Non-temporal:
+// each weight byte is read once a token, and what the host runs between the GEMVs keeps more
+// of the caches.
 constexpr int64_t kStreamAhead = 5 * 1024;
 
 // Asks for the cache lines of [p, p + bytes) moved kStreamAhead on. The address may lie past

@@ -1,0 +1,77 @@
+"""Decode's GEMV batches under every team size: each thread reads a contiguous share of the
+batch and then helps with the others' (`stream_split.h`), so where a share ends, and whether a
+job's blocks are read by one thread or two, depends on the team. Whatever the team, every
+output row must be written, and to the same bits, since each block's sums run in one order.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+
+import pytest
+import torch
+
+from cpu_kernels import native_cpu
+from cpu_kernels.weight_tiles import Q4nxPacking
+from llama_runtime import quantize
+
+pytestmark = [pytest.mark.skipif(native_cpu._library() is None, reason="no native library: the GEMVs are torch's"),
+              pytest.mark.usefixtures("native_isa")]
+
+# Unlike jobs: one block only, K from 64 to 8192 (so shares end inside jobs of different block
+# sizes), and a job as large as the rest together.
+SHAPES = [(32, 64), (96, 8192), (32, 2048), (608, 256), (1024, 2048)]
+TEAMS = (1, 3, 5)
+
+
+@contextlib.contextmanager
+def team(threads: int):
+    """Parallel regions started from this thread get `threads` threads (the native library's
+    OpenMP runtime is the system's libgomp, which the loaded library already uses)."""
+    gomp = ctypes.CDLL(ctypes.util.find_library("gomp") or "libgomp.so.1")
+    saved = gomp.omp_get_max_threads()
+    gomp.omp_set_num_threads(threads)
+    try:
+        assert gomp.omp_get_max_threads() == threads
+        yield
+    finally:
+        gomp.omp_set_num_threads(saved)
+
+
+def _rand(*shape, seed: int) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 0.02).to(torch.bfloat16)
+
+
+def _jobs(fmt: str):
+    jobs = []
+    for i, (n, k) in enumerate(SHAPES):
+        w, x = _rand(n, k, seed=i), _rand(k, seed=100 + i)
+        if fmt == "q4nx":
+            dev = Q4nxPacking(n, k).pack(quantize.quantize(w), lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
+        else:
+            dev = native_cpu.pack_weight(w, lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
+        jobs.append((dev, x))
+    return jobs
+
+
+def _run(fmt: str, jobs, rows: list[int]) -> list[torch.Tensor]:
+    """The batch's outputs, every row NaN before the call."""
+    ys = [torch.full((n,), float("nan"), dtype=torch.bfloat16) for n in rows]
+    batch = native_cpu.gemv_q4nx_batch_call if fmt == "q4nx" else native_cpu.gemv_batch_call
+    batch([(w, x, y) for (w, x), y in zip(jobs, ys)])()
+    return ys
+
+
+@pytest.mark.parametrize("fmt", ["q4nx", "bf16"])
+def test_every_team_writes_every_row_to_the_same_bits(fmt):
+    jobs, rows = _jobs(fmt), [n for n, _ in SHAPES]
+    want = _run(fmt, jobs, rows)
+    for i, y in enumerate(want):
+        assert not y.isnan().any(), f"job {i}: rows left unwritten"
+        assert torch.equal(_run(fmt, [jobs[i]], [rows[i]])[0], y), f"job {i} alone differs"
+    for threads in TEAMS:
+        with team(threads):
+            got = _run(fmt, jobs, rows)
+        for i, (a, b) in enumerate(zip(want, got)):
+            assert torch.equal(a, b), f"{threads} threads: job {i} {SHAPES[i]} differs"
