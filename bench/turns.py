@@ -13,7 +13,11 @@ bandwidth is sampled in every turn as well, by a child of its own taking its pla
 shuffled order: a burst is held against the bound of its own turn.
 
 Only one child runs at a time: the others block on their command pipe, so the one being timed
-has both cores and the memory system to itself, as in the rounds. They do share the machine's
+has both cores and the memory system to itself, as in the rounds. A child's answer does not
+mean its threads have stopped: OpenMP's default wait keeps a runtime's worker threads spinning
+for some milliseconds after its last parallel region, and a burst started then shares the cores
+with them (the first step of a 1B-shape Q4NX burst right after the bandwidth child took 25 ms
+instead of 18). So a burst ends only once the child's threads have stopped running. They do share the machine's
 memory, which is why the turns are skipped (with a note) when the runtimes' peaks from the
 rounds do not fit in what is available.
 """
@@ -25,6 +29,7 @@ import random
 import select
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,6 +41,9 @@ TURN_TIMEOUT_S = 1800     # a burst (the first one loads the runtime) not answer
 MEMORY_HEADROOM = 1.25    # the runtimes' peaks times this must fit in the available memory
 BANDWIDTH = "bandwidth"   # the series of the bandwidth child: bytes/s in each turn
 BANDWIDTH_PASSES = 4      # a turn's bandwidth sample: the fastest of this many passes
+QUIET_S = 0.005           # a child has gone quiet once its threads ran for almost none of this long
+QUIET_CPU = 0.05          # "almost none": this fraction of the window
+QUIET_MAX_S = 2.0         # a child still running after this long is left running
 
 
 class TurnChild:
@@ -78,6 +86,7 @@ class TurnChild:
         line = self.replies.readline()
         if not line:
             raise BenchError(self._failure())
+        wait_quiet(self.proc.pid)
         return float(line)
 
     def _failure(self) -> str:
@@ -152,6 +161,37 @@ def decode_turns(model: str, sides: list[tuple[str, str, dict, str]], turns: int
         for child in children.values():
             child.close()
     return rates
+
+
+def cpu_ns(pid: int) -> int | None:
+    """The CPU time all threads of process `pid` have run, in ns (the scheduler's own count, not
+    the clock ticks of /proc/PID/stat); None where /proc does not give it."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    total = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):     # a thread that ended meanwhile
+            pass
+    return total
+
+
+def wait_quiet(pid: int) -> float:
+    """Wait until process `pid` has stopped running (its threads asleep or blocked): at most
+    `QUIET_MAX_S`; at once where its CPU time cannot be read. Returns the seconds waited."""
+    t0 = time.perf_counter()
+    last = cpu_ns(pid)
+    while last is not None and time.perf_counter() - t0 < QUIET_MAX_S:
+        time.sleep(QUIET_S)
+        now = cpu_ns(pid)
+        if now is None or now - last < QUIET_CPU * QUIET_S * 1e9:
+            break
+        last = now
+    return time.perf_counter() - t0
 
 
 def _amount(name: str, steps: int) -> int:

@@ -222,6 +222,57 @@ def test_a_side_that_fails_in_the_turns_is_left_out_and_the_others_go_on(tmp_pat
     assert any("unbuilt left out of the decode turns: could not start" in n for n in notes)
 
 
+_SPINNING_SIDE = """
+import os, sys, threading, time
+from bench.protocol import child_main
+
+LOG = os.environ["TURN_LOG"]
+SPIN_S = 0.3
+
+def log(event):
+    with open(LOG, "a") as f:
+        f.write(f"{sys.argv[1]} {event} {time.time()!r}\\n")
+
+class Runner:
+    class R:
+        top1 = 1
+    def prefill(self, ids):
+        return self.R()
+    def decode_step(self, token, pos):
+        log("step")
+        threading.Thread(target=self.spin).start()    # as OpenMP's workers spin on after a region
+        return self.R()
+    def spin(self):
+        end = time.time() + SPIN_S
+        while time.time() < end:
+            pass
+        log("quiet")
+
+raise SystemExit(child_main(lambda job: (Runner(), {})))
+"""
+
+
+def test_a_burst_starts_only_once_the_previous_child_has_stopped_running(tmp_path, monkeypatch):
+    """Each child's threads keep running for SPIN_S after every step it answers: no other
+    child's step may fall while they do."""
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "spinning_side.py").write_text(_SPINNING_SIDE)
+    monkeypatch.setenv("PYTHONPATH", str(mods))
+    monkeypatch.setenv("TURN_LOG", str(tmp_path / "turns.log"))
+    job = {"prompts": {"4": [0, 1, 2, 3]}, "decode_length": 4, "n_decode": 2}
+    sides = [(name, "spinning_side", job, sys.executable) for name in ("a", "b")]
+    rates = decode_turns("m", sides, 2, 1, tmp_path / "w", bench_run.child_env(), tmp_path, [], lambda _: None)
+    assert set(rates) == {"a", "b"}
+    events = [line.split() for line in (tmp_path / "turns.log").read_text().splitlines()]
+    steps = {w: [float(t) for who, e, t in events if who.endswith(f"/{w}/turns") and e == "step"] for w in "ab"}
+    quiet = {w: [float(t) for who, e, t in events if who.endswith(f"/{w}/turns") and e == "quiet"] for w in "ab"}
+    assert len(steps["a"]) == len(quiet["a"]) == 3            # the warm-up and two turns of one step
+    for w, other in (("a", "b"), ("b", "a")):
+        for start, end in zip(steps[w], quiet[w]):             # w's threads run from each step until quiet
+            assert not any(start < t < end for t in steps[other]), f"{other} stepped while {w} still ran"
+
+
 def test_a_bandwidth_sample_frees_its_matrix_as_soon_as_it_is_taken():
     """A run takes a sample after every runtime: a matrix left to the cyclic collector would
     hold a GiB each until it ran (15 GiB were seen held by the time of the decode turns)."""
