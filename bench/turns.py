@@ -17,9 +17,9 @@ has both cores and the memory system to itself, as in the rounds. A child's answ
 mean its threads have stopped: OpenMP's default wait keeps a runtime's worker threads spinning
 for some milliseconds after its last parallel region, and a burst started then shares the cores
 with them (the first step of a 1B-shape Q4NX burst right after the bandwidth child took 25 ms
-instead of 18). So a burst ends only once the child's threads have stopped running. They do share the machine's
-memory, which is why the turns are skipped (with a note) when the runtimes' peaks from the
-rounds do not fit in what is available.
+instead of about 19). So a burst ends only once the child's threads have stopped running.
+The children do share the machine's memory, which is why the turns are skipped (with a note)
+when the runtimes' peaks from the rounds do not fit in what is available.
 """
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import os
 
 import pytest
 import torch
@@ -27,8 +28,8 @@ TEAMS = (1, 3, 5)
 
 @contextlib.contextmanager
 def team(threads: int):
-    """Parallel regions started from this thread get `threads` threads (the native library's
-    OpenMP runtime is the system's libgomp, which the loaded library already uses)."""
+    """Parallel regions started from this thread get `threads` threads: the native library
+    binds to the libgomp already loaded (torch's), which this handle reaches by its soname."""
     gomp = ctypes.CDLL(ctypes.util.find_library("gomp") or "libgomp.so.1")
     saved = gomp.omp_get_max_threads()
     gomp.omp_set_num_threads(threads)
@@ -73,5 +74,6 @@ def test_every_team_writes_every_row_to_the_same_bits(fmt):
     for threads in TEAMS:
         with team(threads):
             got = _run(fmt, jobs, rows)
+        assert len(os.listdir("/proc/self/task")) >= threads    # the team did grow: its threads stay
         for i, (a, b) in enumerate(zip(want, got)):
             assert torch.equal(a, b), f"{threads} threads: job {i} {SHAPES[i]} differs"

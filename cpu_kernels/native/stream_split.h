@@ -6,7 +6,7 @@
 // the batch's blocks, job after job, are cut into one contiguous share per thread, balanced by
 // bytes; a thread claims its own share a piece at a time from the front, and once it is done
 // helps with the others' pieces, so a thread the host delays does not hold the batch up.
-// Against chunks of about 1 MiB handed out dynamically, this read a token's Q4NX GEMVs 2-3 %
+// Against chunks of about 1 MiB handed out dynamically, this read a token's Q4NX GEMVs 2-4 %
 // faster (docs/profile.md, "One stream per core").
 #pragma once
 
