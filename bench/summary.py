@@ -216,8 +216,7 @@ def summarize_model(name: str, cfg: LlamaConfig, embedded: bool, lengths: tuple[
                   else ("bound", fraction.get(OURS)))
     # At the bandwidth the target is read against: the turns' where they sampled it (a fraction
     # "bound_turns" exists only then).
-    at = (statistics.median(b for b in turn_bandwidth if b) if ours_bound[0] == "bound_turns"
-          else bandwidth_bytes_per_s)
+    at = median([b for b in turn_bandwidth if b]) if ours_bound[0] == "bound_turns" else bandwidth_bytes_per_s
     share = host_share(sides.get(OURS, {}), per_token, at)
     if quant == "bf16":
         tg = targets(embedded, rat, sides.get(OURS, {}), ours_bound, weights + kv)
