@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+from functools import partial
 import os
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 from cpu_kernels import native_cpu
 from cpu_kernels.weight_tiles import Q4nxPacking
 from llama_runtime import quantize
+from seeded import rand_bf16
 
 pytestmark = [pytest.mark.skipif(native_cpu._library() is None, reason="no native library: the GEMVs are torch's"),
               pytest.mark.usefixtures("native_isa")]
@@ -40,8 +42,7 @@ def team(threads: int):
         gomp.omp_set_num_threads(saved)
 
 
-def _rand(*shape, seed: int) -> torch.Tensor:
-    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 0.02).to(torch.bfloat16)
+_rand = partial(rand_bf16, scale=0.02)
 
 
 def _jobs(fmt: str):

@@ -24,6 +24,7 @@ from llama_runtime.tokenizer import Tokenizer
 from npu_runtime.cache import KernelCache
 from npu_runtime.devices import open_device
 from npu_runtime.sim.device import SimDevice
+from seeded import rand_bf16
 
 NATIVE = native_cpu.supported_isas()
 EMULATED = native_cpu.emulated_isas()
@@ -90,8 +91,7 @@ def test_the_avx2_libraries_hold_no_avx512_instruction():
     assert "tdpbf16ps" in text["amx"] and "ldtilecfg" in text["amx"] and "tdpbf16ps" not in text["avx512bf16"]
 
 
-def _rand(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(torch.bfloat16)
+_rand = rand_bf16
 
 
 def _k2048() -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,8 @@ measured at least at `CANCELLED` of its terms' size (`sum_floor`).
 """
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -15,14 +17,14 @@ from cpu_kernels import native_cpu
 from cpu_kernels.weight_tiles import HEADER, LANES, UNIT_BYTES, PackedWeight, from_packed, to_tiles
 from llama_runtime import reference as ref
 from npu_runtime.sim import ops as sim_ops
+from seeded import rand_bf16
 
 pytestmark = [pytest.mark.skipif(native_cpu._library() is None,
                                  reason="no C++ compiler or no AVX2/AVX512-BF16 on this CPU: the simulator uses torch"),
               pytest.mark.usefixtures("native_isa")]   # every ISA class this CPU runs
 
 
-def _rand(*shape, seed: int) -> torch.Tensor:
-    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 0.02).to(torch.bfloat16)
+_rand = partial(rand_bf16, scale=0.02)
 
 
 def _packed(w: torch.Tensor) -> torch.Tensor:

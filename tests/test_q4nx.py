@@ -4,6 +4,8 @@ Q4_1), the simulated device's form of it, and the native kernels on every CPU cl
 `q4nx.dequantize`)."""
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -16,12 +18,12 @@ from llama_runtime import quantize
 from llama_runtime import reference as ref
 from llama_runtime.weight_slots import static_tensors
 from llama_runtime.weights import synthetic_weights
+from seeded import rand_bf16
 
 SHAPES = [(32, 256), (64, 576), (96, 64), (32, 1536)]   # 576 = 2 x 256 + a 64-wide last block
 
 
-def _rand(*shape, seed: int, scale: float = 0.02) -> torch.Tensor:
-    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(torch.bfloat16)
+_rand = partial(rand_bf16, scale=0.02)
 
 
 def _alloc(n: int) -> torch.Tensor:

@@ -12,12 +12,12 @@ import torch
 from llama_base.config import LlamaConfig
 from llama_runtime import reference as ref
 from llama_runtime.rope import generate_rope_lut
+from seeded import rand_bf16
 
 bf = torch.bfloat16
 
 
-def _randn(*shape, seed, scale=1.0):
-    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(bf)
+_randn = rand_bf16
 
 
 def test_rms_is_hf_llama_rmsnorm_bit_for_bit():

@@ -10,6 +10,7 @@ import torch
 
 from cpu_kernels import native_cpu
 from llama_runtime import reference as ref
+from seeded import rand_bf16
 
 EMULATED = "amx-emulated"
 HAVE_EMULATION = native_cpu.runnable(EMULATED)
@@ -18,8 +19,7 @@ NEEDS_AMX = pytest.mark.skipif("amx" not in native_cpu.supported_isas(),
                                reason="this CPU has no AMX-BF16 (or Linux does not grant it)")
 
 
-def _rand(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(torch.bfloat16)
+_rand = rand_bf16
 
 
 def _sdm_gemm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@
 #include "packed_tiles.h"
 #include "q4nx_blocks.h"
 #include "simd_bf16.h"
+#include "stream_ahead.h"
 #include "stream_split.h"
 #include "tiles_bf16.h"
 
@@ -59,13 +60,13 @@ struct Job {
 
 // One block: 16 outputs over all K, four sums in flight (K-pair p into sum p % 4, a last odd
 // unit into the first) to cover the instruction's latency.
-void gemv_block(const packed::View &w, int64_t blk, const uint32_t *x, uint16_t *y) {
+void gemv_block(const packed::View &w, int64_t blk, const uint32_t *x, uint16_t *y, int64_t ahead) {
   nv::F16 s0 = nv::zero(), s1 = s0, s2 = s0, s3 = s0;
   packed::Cursor cur(w, blk);
   nv::P16 a, b;
   int64_t u = 0;
   for (; u + 2 <= w.u; u += 2) {
-    nv::prefetch_ahead(cur.c + u * packed::kUnitBytes, 2 * packed::kUnitBytes);
+    nv::prefetch_ahead(cur.c + u * packed::kUnitBytes, 2 * packed::kUnitBytes, ahead);
     cur.unit(u, a, b);
     s0 = nv::dot(s0, nv::widen(a), nv::bcast_pair(x[2 * u]));
     s1 = nv::dot(s1, nv::widen(b), nv::bcast_pair(x[2 * u + 1]));
@@ -207,8 +208,10 @@ extern "C" void gemv_packed_bf16_cpu_batch(const int64_t *desc, int count) {
     block_bytes[i] = jobs.back().w.u * packed::kUnitBytes;   // escapes aside, which are rare
   }
   nv::StreamSplit split(blocks, block_bytes);
+  const nv::AheadCall timed(nv::StreamFormat::kPackedBf16, split.bytes());
+  const int64_t ahead = timed.ahead();
 #pragma omp parallel
-  split.run([&](int job, int64_t b) { gemv_block(jobs[job].w, b, jobs[job].x, jobs[job].y + b * kLanes); });
+  split.run([&](int job, int64_t b) { gemv_block(jobs[job].w, b, jobs[job].x, jobs[job].y + b * kLanes, ahead); });
 }
 
 // C[m][n] = A[m][k] · Wᵀ with W packed; A and C row-major. On AMX tiles where the library has

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "q4nx_blocks.h"
+#include "stream_ahead.h"
 #include "stream_split.h"
 
 namespace {
@@ -160,11 +161,11 @@ inline void group_f32_narrow(const uint8_t *values, const int32_t *xb, native::F
 
 // One row-block: 32 outputs over all K, read as one forward stream.
 void gemv_row_block(const uint8_t *rb, int64_t k, const int32_t *xh, const int32_t *xl, const float *unit,
-                    const float *sum, uint16_t *y) {
+                    const float *sum, uint16_t *y, int64_t ahead) {
   native::F16 y_lo = native::zero(), y_hi = native::zero();
   for (int64_t g = 0; g < k / kGroup; ++g) {
     const q4nx::Group grp = q4nx::group(rb, g);
-    native::prefetch_ahead(grp.values, q4nx::kGroupBytes);
+    native::prefetch_ahead(grp.values, q4nx::kGroupBytes, ahead);
     const int64_t unit0 = g * kGroup / q4nx::kUnitCols;
     native::F16 s_lo, s_hi;
 #if NATIVE_AVX2
@@ -215,6 +216,8 @@ extern "C" void gemv_q4nx_cpu_batch(const int64_t *desc, int count) {
     block_bytes[i] = d[4] * kBytesPerCol;
   }
   native::StreamSplit split(blocks, block_bytes);
+  const native::AheadCall timed(native::StreamFormat::kQ4nx, split.bytes());
+  const int64_t ahead = timed.ahead();
   // The conversion is shared by the team too: on one thread a down projection's 8192 columns
   // took about 20 µs of each call while the other thread waited.
   std::vector<Piece> pieces;
@@ -233,7 +236,7 @@ extern "C" void gemv_q4nx_cpu_batch(const int64_t *desc, int count) {
       const int64_t *d = desc + 5 * job;
       const Activations &act = acts[act_of[job]];
       gemv_row_block(reinterpret_cast<const uint8_t *>(d[0]) + b * block_bytes[job], d[4], act.hi.data(),
-                     act.lo.data(), act.unit.data(), act.sum.data(), reinterpret_cast<uint16_t *>(d[2]) + b * kRows);
+                     act.lo.data(), act.unit.data(), act.sum.data(), reinterpret_cast<uint16_t *>(d[2]) + b * kRows, ahead);
     });
   }
 }
@@ -507,7 +510,8 @@ void int_block(const uint8_t *rb, int64_t k, const RowActivations &act, int64_t 
 void int_block(const uint8_t *rb, int64_t k, const RowActivations &act, int64_t r0, int64_t r1, uint16_t *c,
                int64_t ldc) {
   for (int64_t r = r0; r < r1; ++r)
-    gemv_row_block(rb, k, act.row(r), act.row(r) + act.units, act.unit_row(r), act.sum_row(r), c + r * ldc);
+    gemv_row_block(rb, k, act.row(r), act.row(r) + act.units, act.unit_row(r), act.sum_row(r), c + r * ldc,
+                   native::kAheadLadder[native::kAheadStart]);
 }
 
 #endif

@@ -28,17 +28,13 @@ namespace native {
 
 constexpr int kWidth = 16;   // floats per vector: outputs of one weight tile block
 
-// How far ahead of its reads a decode GEMV asks for the weight stream it walks. The hardware
-// prefetchers alone left a token's GEMVs 6-10 % slower on both classes and both weight formats
-// (2-core AMD EPYC Zen 5 VM; docs/profile.md, "Asking for the weights ahead"). Non-temporal:
-// each weight byte is read once a token, and what the host runs between the GEMVs keeps more
-// of the caches.
-constexpr int64_t kStreamAhead = 5 * 1024;
-
-// Asks for the cache lines of [p, p + bytes) moved kStreamAhead on. The address may lie past
-// the end of the weights, so it is formed as an integer: a prefetch never faults.
-inline void prefetch_ahead(const void *p, int64_t bytes) {
-  const uintptr_t at = reinterpret_cast<uintptr_t>(p) + kStreamAhead;
+// Asks for the cache lines of [p, p + bytes) moved `ahead` bytes on: decode's GEMVs ask for the
+// weight stream they walk ahead of their reads, as far as their tuner says (stream_ahead.h).
+// Non-temporal: each weight byte is read once a token, and what the host runs between the
+// GEMVs keeps more of the caches. The address may lie past the end of the weights, so it is
+// formed as an integer: a prefetch never faults.
+inline void prefetch_ahead(const void *p, int64_t bytes, int64_t ahead) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(p) + ahead;
   for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char *>(at + line), _MM_HINT_NTA);
 }
 
