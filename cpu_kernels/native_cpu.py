@@ -34,7 +34,7 @@ from cpu_kernels.native_build import (ALL_CLASSES, CPU_FLAGS, EMULATIONS, INTEGE
 
 TORCH = "torch"                 # no native library: the simulator's torch bodies
 ENV_ISA = "LLAMA_NPU_ISA"
-ENV_AHEAD = "LLAMA_NPU_STREAM_AHEAD"   # bytes a decode GEMV prefetches ahead; unset or "auto": tuned
+ENV_AHEAD = "LLAMA_NPU_STREAM_AHEAD"   # bytes the decode GEMVs prefetch ahead, for comparisons
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -138,24 +138,20 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.read_rows_cached_cpu.restype = i64
     lib.top_k_ids_cpu.argtypes = [ptr, i64, i64, ptr]
     lib.rows_dot_bf16_cpu.argtypes = [ptr, i64, i64, ptr, ptr]
-    lib.stream_ahead_pin.argtypes = [i64]
-    lib.stream_ahead_bytes.argtypes = [ctypes.c_int]
+    lib.stream_ahead_set.argtypes = [i64]
     lib.stream_ahead_bytes.restype = i64
-    lib.stream_ahead_moves.argtypes = [ctypes.c_int]
-    lib.stream_ahead_ladder.argtypes = [ptr]
-    lib.stream_ahead_replay.argtypes = [ptr, ptr, i64, ptr]
-    lib.stream_ahead_pin(pinned_ahead())
+    lib.stream_ahead_set(ahead_from_env())
     lib.isa = lib.native_cpu_isa().decode()
     return lib
 
 
-def pinned_ahead() -> int:
-    """LLAMA_NPU_STREAM_AHEAD as bytes, 0 (tuned) where it is unset or "auto"."""
-    want = os.environ.get(ENV_AHEAD, "").strip().lower()
-    if want in ("", "auto"):
+def ahead_from_env() -> int:
+    """LLAMA_NPU_STREAM_AHEAD as bytes; 0 (the library's default) where it is unset."""
+    want = os.environ.get(ENV_AHEAD, "").strip()
+    if not want:
         return 0
     if not want.isdigit() or int(want) == 0:
-        raise IsaError(f"{ENV_AHEAD}={want!r}: expected a positive number of bytes or 'auto'")
+        raise IsaError(f"{ENV_AHEAD}={want!r}: expected a positive number of bytes")
     return int(want)
 
 
@@ -207,55 +203,24 @@ def use_isa(name: str) -> Iterator[None]:
             _lib, _tried, _forced = saved
 
 
-# The decode GEMV formats, as the native tuners number them (stream_ahead.h's StreamFormat).
-STREAM_FORMATS = {"q4nx": 0, "bf16": 1}
-
-
-def stream_ahead() -> dict[str, int]:
-    """How far ahead each decode GEMV format prefetches its weights now, in bytes (stream_ahead.h
-    tunes it while decoding); empty without the native library."""
+def stream_ahead() -> int:
+    """How far ahead the decode GEMVs prefetch their weights, in bytes; 0 without the native library."""
     lib = _library()
-    return {} if lib is None else {name: lib.stream_ahead_bytes(i) for name, i in STREAM_FORMATS.items()}
-
-
-def stream_ahead_moves() -> dict[str, int]:
-    """How often each format's tuner has moved to another distance."""
-    lib = _library()
-    return {} if lib is None else {name: lib.stream_ahead_moves(i) for name, i in STREAM_FORMATS.items()}
-
-
-def stream_ahead_ladder() -> list[int]:
-    """The distances the tuners choose from, nearest first."""
-    lib = _library()
-    if lib is None:
-        return []
-    out = (ctypes.c_int64 * 16)()
-    return list(out[:lib.stream_ahead_ladder(out)])
+    return lib.stream_ahead_bytes() if lib is not None else 0
 
 
 @contextlib.contextmanager
 def pinned_stream_ahead(nbytes: int) -> Iterator[None]:
-    """Hold every decode GEMV at `nbytes` ahead inside the block (A/B measurements, tests);
-    afterwards the tuners start again as LLAMA_NPU_STREAM_AHEAD says."""
+    """The decode GEMVs prefetch `nbytes` ahead inside the block (A/B measurements, tests), then
+    as LLAMA_NPU_STREAM_AHEAD says."""
     lib = _library()
     if lib is not None:
-        lib.stream_ahead_pin(nbytes)
+        lib.stream_ahead_set(nbytes)
     try:
         yield
     finally:
         if lib is not None:
-            lib.stream_ahead_pin(pinned_ahead())
-
-
-def stream_ahead_replay(nbytes: torch.Tensor, ns: torch.Tensor) -> torch.Tensor:
-    """The rungs a fresh tuner runs calls at, given what each call would take at each rung:
-    nbytes [calls] int64, ns [calls, rungs] float64. For tests of the tuner's decisions."""
-    lib = _library()
-    assert lib is not None and ns.shape == (nbytes.numel(), len(stream_ahead_ladder()))
-    nbytes, ns = nbytes.contiguous().to(torch.int64), ns.contiguous().to(torch.float64)
-    arms = torch.empty(nbytes.numel(), dtype=torch.int32)
-    lib.stream_ahead_replay(nbytes.data_ptr(), ns.data_ptr(), nbytes.numel(), arms.data_ptr())
-    return arms
+            lib.stream_ahead_set(ahead_from_env())
 
 
 def available() -> bool:

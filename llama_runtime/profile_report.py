@@ -11,15 +11,13 @@ def isa_line() -> str:
 
 
 def stream_ahead_line() -> str | None:
-    """How far ahead the decode GEMVs read their weights, which their tuner moves with the
-    host's memory (cpu_kernels/native/stream_ahead.h); None without the native kernels."""
-    ahead, moves = native_cpu.stream_ahead(), native_cpu.stream_ahead_moves()
+    """How far ahead the decode GEMVs read their weights: the one knob of their memory stream a
+    user may turn (LLAMA_NPU_STREAM_AHEAD); None without the native kernels."""
+    ahead = native_cpu.stream_ahead()
     if not ahead:
         return None
-    how = (f"pinned by {native_cpu.ENV_AHEAD}" if native_cpu.pinned_ahead()
-           else f"tuned while decoding over {', '.join(f'{b / 1024:g}' for b in native_cpu.stream_ahead_ladder())} KiB")
-    return "decode GEMVs prefetch " + ", ".join(f"{fmt} {b / 1024:g} KiB ahead ({moves[fmt]} moves)"
-                                                 for fmt, b in ahead.items()) + f"; {how}"
+    how = f"set by {native_cpu.ENV_AHEAD}" if native_cpu.ahead_from_env() else f"the default; {native_cpu.ENV_AHEAD} sets it"
+    return f"decode GEMVs prefetch {ahead / 1024:g} KiB ahead ({how})"
 
 
 def report(session, result) -> str:
@@ -39,8 +37,9 @@ def report(session, result) -> str:
         f"{dev.counters.bytes_from_device / 1e6:.1f} MB from device; resident "
         + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in session.kc.resident_bytes().items()),
     ]
-    if dev.kind == "sim" and stream_ahead_line():
-        lines.insert(2, stream_ahead_line())
+    ahead = stream_ahead_line() if dev.kind == "sim" else None
+    if ahead:
+        lines.insert(2, ahead)
     if dev.kind == "interp":
         lines.append(npu_estimate(session, result))
     return "\n".join(lines)

@@ -32,7 +32,6 @@
 #include "packed_tiles.h"
 #include "q4nx_blocks.h"
 #include "simd_bf16.h"
-#include "stream_ahead.h"
 #include "stream_split.h"
 #include "tiles_bf16.h"
 
@@ -208,8 +207,7 @@ extern "C" void gemv_packed_bf16_cpu_batch(const int64_t *desc, int count) {
     block_bytes[i] = jobs.back().w.u * packed::kUnitBytes;   // escapes aside, which are rare
   }
   nv::StreamSplit split(blocks, block_bytes);
-  const nv::AheadCall timed(nv::StreamFormat::kPackedBf16, split.bytes());
-  const int64_t ahead = timed.ahead();
+  const int64_t ahead = nv::stream_ahead();
 #pragma omp parallel
   split.run([&](int job, int64_t b) { gemv_block(jobs[job].w, b, jobs[job].x, jobs[job].y + b * kLanes, ahead); });
 }

@@ -30,7 +30,6 @@
 #include <vector>
 
 #include "q4nx_blocks.h"
-#include "stream_ahead.h"
 #include "stream_split.h"
 
 namespace {
@@ -159,7 +158,7 @@ inline void group_f32_narrow(const uint8_t *values, const int32_t *xb, native::F
 
 #endif
 
-// One row-block: 32 outputs over all K, read as one forward stream.
+// One row-block: 32 outputs over all K, read as one forward stream, asked for `ahead` bytes on.
 void gemv_row_block(const uint8_t *rb, int64_t k, const int32_t *xh, const int32_t *xl, const float *unit,
                     const float *sum, uint16_t *y, int64_t ahead) {
   native::F16 y_lo = native::zero(), y_hi = native::zero();
@@ -216,8 +215,7 @@ extern "C" void gemv_q4nx_cpu_batch(const int64_t *desc, int count) {
     block_bytes[i] = d[4] * kBytesPerCol;
   }
   native::StreamSplit split(blocks, block_bytes);
-  const native::AheadCall timed(native::StreamFormat::kQ4nx, split.bytes());
-  const int64_t ahead = timed.ahead();
+  const int64_t ahead = native::stream_ahead();
   // The conversion is shared by the team too: on one thread a down projection's 8192 columns
   // took about 20 µs of each call while the other thread waited.
   std::vector<Piece> pieces;
@@ -511,7 +509,7 @@ void int_block(const uint8_t *rb, int64_t k, const RowActivations &act, int64_t 
                int64_t ldc) {
   for (int64_t r = r0; r < r1; ++r)
     gemv_row_block(rb, k, act.row(r), act.row(r) + act.units, act.unit_row(r), act.sum_row(r), c + r * ldc,
-                   native::kAheadLadder[native::kAheadStart]);
+                   native::stream_ahead());
 }
 
 #endif

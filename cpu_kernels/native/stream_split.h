@@ -37,7 +37,6 @@ class StreamSplit {
       widest = std::max(widest, block_bytes[i]);
       total_bytes += blocks[i] * block_bytes[i];
     }
-    bytes_ = total_bytes;
     piece_ = std::max<int64_t>(1, kPieceBytes / widest);
     const int shares = std::max(1, omp_get_max_threads());
     start_.assign(shares + 1, first_[jobs]);
@@ -52,8 +51,6 @@ class StreamSplit {
     next_ = std::make_unique<std::atomic<int64_t>[]>(shares);
     for (int r = 0; r < shares; ++r) next_[r].store(start_[r], std::memory_order_relaxed);
   }
-
-  int64_t bytes() const { return bytes_; }
 
   // Called by every thread of the team: fn(job, block) runs once for every block of the batch,
   // over the whole team. A team smaller than the shares leaves none undone: every thread
@@ -81,7 +78,6 @@ class StreamSplit {
   std::vector<int64_t> first_;                   // the batch's index of job i's first block; then the total
   std::vector<int64_t> start_;                   // share r: blocks start_[r] .. start_[r + 1] - 1
   int64_t piece_ = 1;                            // blocks claimed at a time
-  int64_t bytes_ = 0;                            // of the whole batch
   std::unique_ptr<std::atomic<int64_t>[]> next_;  // share r's next unclaimed block
 };
 
