@@ -14,8 +14,6 @@ from seeded import rand_bf16
 
 pytestmark = [pytest.mark.skipif(native_cpu._library() is None, reason="no native library: the GEMVs are torch's")]
 
-DEFAULT = 5 * 1024
-
 
 @pytest.mark.parametrize("fmt", ["q4nx", "bf16"])
 def test_the_distance_never_changes_a_result(native_isa, fmt):
@@ -28,28 +26,32 @@ def test_the_distance_never_changes_a_result(native_isa, fmt):
         dev = Q4nxPacking(n, k).pack(quantize.quantize(w), empty) if fmt == "q4nx" else native_cpu.pack_weight(w, empty)
         jobs.append((dev, x))
     batch = native_cpu.gemv_q4nx_batch_call if fmt == "q4nx" else native_cpu.gemv_batch_call
-    outs = []
-    for ahead in (64, 2560, DEFAULT, 10240, 20480, 1 << 20):
+    default, outs = native_cpu.stream_ahead(), []
+    for ahead in (64, 2560, default, 4 * default, 1 << 20):
         ys = [torch.full((n,), float("nan"), dtype=torch.bfloat16) for n, _ in shapes]
         with native_cpu.pinned_stream_ahead(ahead):
             assert native_cpu.stream_ahead() == ahead
             batch([(w, x, y) for (w, x), y in zip(jobs, ys)])()
         outs.append(ys)
-    assert native_cpu.stream_ahead() == DEFAULT           # restored after the block
+    assert native_cpu.stream_ahead() == default           # restored after the block
     assert not any(y.isnan().any() for y in outs[0])
     assert all(torch.equal(a, b) for ys in outs[1:] for a, b in zip(outs[0], ys))
 
 
 def test_the_environment_sets_the_distance_or_says_what_it_takes(monkeypatch):
     isa = native_cpu.supported_isas()[0]
+    monkeypatch.delenv(native_cpu.ENV_AHEAD, raising=False)
+    with native_cpu.use_isa(isa):
+        default = native_cpu.stream_ahead()
+    assert default > 0
     monkeypatch.setenv(native_cpu.ENV_AHEAD, "8192")
     with native_cpu.use_isa(isa):
         assert native_cpu.stream_ahead() == 8192
         assert stream_ahead_line() == f"decode GEMVs prefetch 8 KiB ahead (set by {native_cpu.ENV_AHEAD})"
     monkeypatch.delenv(native_cpu.ENV_AHEAD)
     with native_cpu.use_isa(isa):
-        assert native_cpu.stream_ahead() == DEFAULT
-        assert "5 KiB ahead (the default" in stream_ahead_line()
+        assert native_cpu.stream_ahead() == default             # unset again: the library's own
+        assert f"{default / 1024:g} KiB ahead (the default" in stream_ahead_line()
     for bad in ("-1", "5k", "0", "auto"):
         monkeypatch.setenv(native_cpu.ENV_AHEAD, bad)
         with pytest.raises(native_cpu.IsaError, match=f"{native_cpu.ENV_AHEAD}=.*positive number of bytes"):

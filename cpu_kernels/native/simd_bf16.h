@@ -36,7 +36,7 @@ int64_t stream_ahead();
 // GEMVs 6-10 % slower; docs/profile.md, "Asking for the weights ahead"). Non-temporal: each
 // weight byte is read once a token, and what the host runs between the GEMVs keeps more of the
 // caches. The address may lie past the end of the weights, so it is formed as an integer: a
-// prefetch never faults. (Stopping at the end of a job's weights instead cost 1-1.5 %.)
+// prefetch never faults. (Stopping at the end of a job's weights instead cost 1-1.6 %.)
 inline void prefetch_ahead(const void *p, int64_t bytes, int64_t ahead) {
   const uintptr_t at = reinterpret_cast<uintptr_t>(p) + ahead;
   for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char *>(at + line), _MM_HINT_NTA);

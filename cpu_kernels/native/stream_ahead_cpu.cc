@@ -1,10 +1,10 @@
 // How far ahead of its reads a decode GEMV asks for its weights (simd_bf16.h, prefetch_ahead).
 //
-// 5 KiB, measured on the 2-core Zen 5 VM in real decode steps and over a token's GEMVs, was the
-// best of 2.5 to 20 KiB in both states of its host's memory (docs/profile.md, "Asking for the
-// weights ahead"). Another CPU may want another distance: LLAMA_NPU_STREAM_AHEAD sets it
-// (cpu_kernels/native_cpu.py), for comparisons; a prefetch moves no data the kernel sees, so
-// the distance never changes a result.
+// 5 KiB: on the 2-core Zen 5 VM the best of 2.5, 5, 10 and 20 KiB in real decode steps with the
+// host's memory in its fast state, and better than 10 KiB in its slow state too (docs/profile.md,
+// "Which distance, measured in decode"). Another CPU may want another distance:
+// LLAMA_NPU_STREAM_AHEAD sets it (cpu_kernels/native_cpu.py), for comparisons; a prefetch moves
+// no data the kernel sees, so the distance never changes a result.
 #include <atomic>
 #include <cstdint>
 
