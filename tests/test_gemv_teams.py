@@ -8,16 +8,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-from functools import partial
 import os
 
 import pytest
 import torch
 
 from cpu_kernels import native_cpu
-from cpu_kernels.weight_tiles import Q4nxPacking
-from llama_runtime import quantize
-from seeded import rand_bf16
+from seeded import gemv_jobs, run_gemvs
 
 pytestmark = [pytest.mark.skipif(native_cpu._library() is None, reason="no native library: the GEMVs are torch's"),
               pytest.mark.usefixtures("native_isa")]
@@ -42,39 +39,16 @@ def team(threads: int):
         gomp.omp_set_num_threads(saved)
 
 
-_rand = partial(rand_bf16, scale=0.02)
-
-
-def _jobs(fmt: str):
-    jobs = []
-    for i, (n, k) in enumerate(SHAPES):
-        w, x = _rand(n, k, seed=i), _rand(k, seed=100 + i)
-        if fmt == "q4nx":
-            dev = Q4nxPacking(n, k).pack(quantize.quantize(w), lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
-        else:
-            dev = native_cpu.pack_weight(w, lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
-        jobs.append((dev, x))
-    return jobs
-
-
-def _run(fmt: str, jobs, rows: list[int]) -> list[torch.Tensor]:
-    """The batch's outputs, every row NaN before the call."""
-    ys = [torch.full((n,), float("nan"), dtype=torch.bfloat16) for n in rows]
-    batch = native_cpu.gemv_q4nx_batch_call if fmt == "q4nx" else native_cpu.gemv_batch_call
-    batch([(w, x, y) for (w, x), y in zip(jobs, ys)])()
-    return ys
-
-
 @pytest.mark.parametrize("fmt", ["q4nx", "bf16"])
 def test_every_team_writes_every_row_to_the_same_bits(fmt):
-    jobs, rows = _jobs(fmt), [n for n, _ in SHAPES]
-    want = _run(fmt, jobs, rows)
+    jobs, rows = gemv_jobs(fmt, SHAPES), [n for n, _ in SHAPES]
+    want = run_gemvs(fmt, jobs, rows)
     for i, y in enumerate(want):
         assert not y.isnan().any(), f"job {i}: rows left unwritten"
-        assert torch.equal(_run(fmt, [jobs[i]], [rows[i]])[0], y), f"job {i} alone differs"
+        assert torch.equal(run_gemvs(fmt, [jobs[i]], [rows[i]])[0], y), f"job {i} alone differs"
     for threads in TEAMS:
         with team(threads):
-            got = _run(fmt, jobs, rows)
+            got = run_gemvs(fmt, jobs, rows)
         assert len(os.listdir("/proc/self/task")) >= threads    # the team did grow: its threads stay
         for i, (a, b) in enumerate(zip(want, got)):
             assert torch.equal(a, b), f"{threads} threads: job {i} {SHAPES[i]} differs"

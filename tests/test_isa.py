@@ -91,17 +91,14 @@ def test_the_avx2_libraries_hold_no_avx512_instruction():
     assert "tdpbf16ps" in text["amx"] and "ldtilecfg" in text["amx"] and "tdpbf16ps" not in text["avx512bf16"]
 
 
-_rand = rand_bf16
-
-
 def _k2048() -> tuple[torch.Tensor, torch.Tensor]:
     """W and A of the GEMM with K = 2048, which the tiled classes sum in their own order."""
-    return _rand(96, 2048, seed=11, scale=0.02), _rand(45, 2048, seed=12)
+    return rand_bf16(96, 2048, seed=11, scale=0.02), rand_bf16(45, 2048, seed=12)
 
 
 def _every_kernel() -> dict[str, torch.Tensor]:
     """Each native kernel's output on fixed operands (shapes with vector tails and leftover rows)."""
-    w, x, a = _rand(96, 584, seed=1, scale=0.02), _rand(584, seed=2), _rand(13, 584, seed=3)
+    w, x, a = rand_bf16(96, 584, seed=1, scale=0.02), rand_bf16(584, seed=2), rand_bf16(13, 584, seed=3)
     w.view(-1)[::97] = 1e-30                                   # units kept whole
     out = {"packed": native_cpu.pack_weight(w, lambda n: torch.zeros(n, dtype=torch.uint8))}
     out["gemv"] = torch.empty(96, dtype=torch.bfloat16)
@@ -112,16 +109,16 @@ def _every_kernel() -> dict[str, torch.Tensor]:
     out["gemm_k2048"] = torch.empty(45, 96, dtype=torch.bfloat16)  # tiles where the class has them
     out["packed_k2048"] = native_cpu.pack_weight(w2, lambda n: torch.zeros(n, dtype=torch.uint8))   # held, as below
     native_cpu.gemm_call(a2, out["packed_k2048"], out["gemm_k2048"])()
-    g, u = _rand(1000, seed=4, scale=4), _rand(1000, seed=5)
+    g, u = rand_bf16(1000, seed=4, scale=4), rand_bf16(1000, seed=5)
     for name, call in [("swiglu", native_cpu.swiglu_call), ("add", native_cpu.add_call)]:
         out[name] = torch.empty_like(g)
         call(g, u, out[name])()
     out["rmsnorm"] = torch.empty_like(a)
     native_cpu.rmsnorm_call(a, x, out["rmsnorm"], 584, 1e-5)()
-    rows, lut = _rand(3, 80, seed=6), _rand(3, 20, seed=7)      # held: a bound call keeps only pointers
+    rows, lut = rand_bf16(3, 80, seed=6), rand_bf16(3, 20, seed=7)      # held: a bound call keeps only pointers
     out["rope"] = torch.empty_like(rows)
     native_cpu.rope_call(rows, lut, out["rope"], 3, 4, 20)()
-    q, k, v = _rand(37, 4, 64, seed=8, scale=2), _rand(2, 80, 64, seed=9, scale=2), _rand(2, 80, 64, seed=10)
+    q, k, v = rand_bf16(37, 4, 64, seed=8, scale=2), rand_bf16(2, 80, 64, seed=9, scale=2), rand_bf16(2, 80, 64, seed=10)
     out["flash"] = torch.empty_like(q)
     assert native_cpu.flash_attention(q, k, v, 20, out["flash"])
     out["decode_attention"] = torch.empty(4 * 64, dtype=torch.bfloat16)

@@ -17,13 +17,10 @@ from seeded import rand_bf16
 bf = torch.bfloat16
 
 
-_randn = rand_bf16
-
-
 def test_rms_is_hf_llama_rmsnorm_bit_for_bit():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    x, w = _randn(5, 576, seed=1, scale=3), _randn(576, seed=2)
+    x, w = rand_bf16(5, 576, seed=1, scale=3), rand_bf16(576, seed=2)
     norm = LlamaRMSNorm(576, eps=1e-5).to(bf)
     norm.weight.data.copy_(w)
     with torch.no_grad():
@@ -40,7 +37,7 @@ def test_rope_is_hf_rotate_half_at_llama_s_scaled_positions():
     lut = generate_rope_lut(cfg, 8192)[positions]
     h = cfg.head_dim // 2
     cos, sin = (torch.cat([half, half], -1).float() for half in (lut[:, :h], lut[:, h:]))
-    q = _randn(4, cfg.num_attention_heads * cfg.head_dim, seed=3)
+    q = rand_bf16(4, cfg.num_attention_heads * cfg.head_dim, seed=3)
     qh = q.float().view(4, cfg.num_attention_heads, cfg.head_dim)
     hf, _ = apply_rotary_pos_emb(qh, qh, cos, sin, unsqueeze_dim=1)
     got = ref.rope(q, lut, cfg.num_attention_heads)
@@ -50,7 +47,7 @@ def test_rope_is_hf_rotate_half_at_llama_s_scaled_positions():
 
 def test_lin_is_the_float64_product_rounded():
     """One rounding of f32 sums: within an ulp of the exact product rounded, rarely off."""
-    x, w = _randn(64, 2048, seed=4), _randn(512, 2048, seed=5, scale=0.02)
+    x, w = rand_bf16(64, 2048, seed=4), rand_bf16(512, 2048, seed=5, scale=0.02)
     exact = (x.double() @ w.double().t()).to(bf)
     ref.assert_within_ulps(ref.lin(x, w), exact, 1, ref.REORDERED, floor=ref.sum_floor(x, w))
 
@@ -61,7 +58,7 @@ def test_attention_is_float64_softmax_attention_with_its_mask(n, t, start):
     flash form (probabilities rounded to bf16) within the flash bound's ulps of it, which holds
     at every element (how many elements differ depends on how flat the softmax is)."""
     hq, hk, d = 8, 2, 64
-    q, k, v = _randn(n, hq * d, seed=6), _randn(t, hk * d, seed=7), _randn(t, hk * d, seed=8)
+    q, k, v = rand_bf16(n, hq * d, seed=6), rand_bf16(t, hk * d, seed=7), rand_bf16(t, hk * d, seed=8)
     qh = q.double().view(n, hq, d).transpose(0, 1)
     kh, vh = (m.double().view(t, hk, d).transpose(0, 1).repeat_interleave(hq // hk, 0) for m in (k, v))
     s = qh @ kh.transpose(1, 2) / math.sqrt(d)

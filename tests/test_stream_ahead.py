@@ -7,10 +7,8 @@ import pytest
 import torch
 
 from cpu_kernels import native_cpu
-from cpu_kernels.weight_tiles import Q4nxPacking
-from llama_runtime import quantize
 from llama_runtime.profile_report import stream_ahead_line
-from seeded import rand_bf16
+from seeded import gemv_jobs, run_gemvs
 
 pytestmark = [pytest.mark.skipif(native_cpu._library() is None, reason="no native library: the GEMVs are torch's")]
 
@@ -19,20 +17,12 @@ pytestmark = [pytest.mark.skipif(native_cpu._library() is None, reason="no nativ
 def test_the_distance_never_changes_a_result(native_isa, fmt):
     # Jobs of one block and of many, so that a distance reaches past a job's end or stays inside it.
     shapes = [(32, 2048), (256, 2048), (64, 8192)]
-    empty = lambda nbytes: torch.empty(nbytes, dtype=torch.uint8)
-    jobs = []
-    for i, (n, k) in enumerate(shapes):
-        w, x = rand_bf16(n, k, seed=3 + i, scale=0.02), rand_bf16(k, seed=30 + i)
-        dev = Q4nxPacking(n, k).pack(quantize.quantize(w), empty) if fmt == "q4nx" else native_cpu.pack_weight(w, empty)
-        jobs.append((dev, x))
-    batch = native_cpu.gemv_q4nx_batch_call if fmt == "q4nx" else native_cpu.gemv_batch_call
+    jobs, rows = gemv_jobs(fmt, shapes, seed=3), [n for n, _ in shapes]
     default, outs = native_cpu.stream_ahead(), []
     for ahead in (64, 2560, default, 4 * default, 1 << 20):
-        ys = [torch.full((n,), float("nan"), dtype=torch.bfloat16) for n, _ in shapes]
         with native_cpu.pinned_stream_ahead(ahead):
             assert native_cpu.stream_ahead() == ahead
-            batch([(w, x, y) for (w, x), y in zip(jobs, ys)])()
-        outs.append(ys)
+            outs.append(run_gemvs(fmt, jobs, rows))
     assert native_cpu.stream_ahead() == default           # restored after the block
     assert not any(y.isnan().any() for y in outs[0])
     assert all(torch.equal(a, b) for ys in outs[1:] for a, b in zip(outs[0], ys))

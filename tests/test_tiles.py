@@ -19,9 +19,6 @@ NEEDS_AMX = pytest.mark.skipif("amx" not in native_cpu.supported_isas(),
                                reason="this CPU has no AMX-BF16 (or Linux does not grant it)")
 
 
-_rand = rand_bf16
-
-
 def _sdm_gemm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """C = A · Wᵀ as a chain of TDPBF16PS over 16 K-pairs each: per step an even and an odd f32
     sum, each product added with one rounding, then C += even + odd; C rounded to bf16 at the end.
@@ -96,7 +93,7 @@ def _gemm(isa: str, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # number of blocks (a lone last B tile) and several panels (K = 4096 fits 2 blocks a panel).
 @pytest.mark.parametrize("m,n,k", [(1, 48, 64), (13, 80, 512), (32, 96, 512), (45, 80, 256), (77, 112, 4096)])
 def test_emulated_tiles_compute_what_the_sdm_specifies(m, n, k):
-    a, w = _rand(m, k, seed=m), _rand(n, k, seed=n, scale=0.05)
+    a, w = rand_bf16(m, k, seed=m), rand_bf16(n, k, seed=n, scale=0.05)
     w.view(-1)[::97] = 1e-30                       # units the packing keeps whole
     got = _gemm(EMULATED, a, w)
     assert torch.equal(got.view(torch.int16), _sdm_gemm(a, w).view(torch.int16))
@@ -106,7 +103,7 @@ def test_the_tiles_order_differs_from_the_vector_gemms_and_agrees_within_roundin
     """Same products, another summation order (even and odd sums per 16 pairs, where vdpbf16ps
     chains odd then even): both within the reference's bound for reordered sums, not always the
     same bits."""
-    a, w = _rand(64, 2048, seed=1), _rand(64, 2048, seed=2, scale=0.05)
+    a, w = rand_bf16(64, 2048, seed=1), rand_bf16(64, 2048, seed=2, scale=0.05)
     tiles, vector = _gemm(EMULATED, a, w), _gemm("avx2", a, w)
     for got in (tiles, vector):
         ref.assert_within_ulps(got, ref.lin(a, w), 1, ref.REORDERED, floor=ref.sum_floor(a, w))
@@ -114,7 +111,7 @@ def test_the_tiles_order_differs_from_the_vector_gemms_and_agrees_within_roundin
 
 
 def test_k_that_is_not_whole_tile_steps_runs_the_vector_gemm():
-    a, w = _rand(40, 584, seed=3), _rand(32, 584, seed=4, scale=0.05)
+    a, w = rand_bf16(40, 584, seed=3), rand_bf16(32, 584, seed=4, scale=0.05)
     assert torch.equal(_gemm(EMULATED, a, w).view(torch.int16), _gemm("avx2", a, w).view(torch.int16))
 
 
@@ -132,5 +129,5 @@ def test_subnormal_activations_read_as_zero_as_the_instruction_specifies():
 def test_real_tiles_agree_with_the_emulation(m, n, k):
     """The hardware against the SDM's pseudo-code: within one bf16 step (the SDM does not promise
     that real cores round each step as written; a difference here is worth a report)."""
-    a, w = _rand(m, k, seed=m), _rand(n, k, seed=n, scale=0.05)
+    a, w = rand_bf16(m, k, seed=m), rand_bf16(n, k, seed=n, scale=0.05)
     ref.assert_within_ulps(_gemm("amx", a, w), _gemm(EMULATED, a, w), 1)
