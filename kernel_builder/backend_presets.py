@@ -163,18 +163,40 @@ def q4nx_k_steps(k: int, tk: int) -> list[int]:
 
 def gemm_q4nx_tiling(m: int, n: int, k: int) -> dict:
     """C[m,n] = A[m,k] · W[n,k]^T with W in Q4NX: each core dequantizes its W tile to bf16 in L1
-    and runs the bf16 product on it (prefill is compute-bound: the dequantization is one
-    operation per weight against `tile_m` multiply-adds, and the DMAs move 5/16 of the bytes).
+    and runs the bf16 product on it.
 
     As `gemm_tiling`, with a W tile of whole row-blocks (`q4nx.ROWS` rows) and whole groups
     (`q4nx.GROUP` columns), so it is a contiguous part of each row-block's blocks, and K steps
-    of whole blocks (`q4nx_k_steps`).
+    of whole blocks (`q4nx_k_steps`). A core expands one weight per `tile_m` multiply-adds, and
+    that expansion, not the DMAs (which move 5/16 of bf16's bytes), is what the cost model finds
+    bounding these GEMMs; so `tile_m` comes first. Rows of A may walk either dimension of the
+    herd (`m_axis`): along the array's 8 columns, as the bf16 GEMM, or along its 4 rows, where
+    twice as many rows fit each core for the same L2 (32 against 16 at 2048 prompt rows on
+    Llama-3.2-1B). The choice: the most cores, then the largest `tile_m` (multiples of 8
+    first), then the fewest bytes read from L3 (A once per block of columns, W once per block
+    of rows), then the longest K step (docs/profile.md, "Q4NX on the NPU", prices it).
     """
-    hn = _largest_divisor(n // q4nx.ROWS, GEMM_HERD[1])
     tk = _largest_divisor(k, 64, q4nx.GROUP)
-    tn = _largest_divisor(n // hn, 64, q4nx.ROWS)
-    return _search_tile_m(m, n, k, (GEMM_HERD[0], hn), tn, tk, q4nx_k_steps(k, tk),
-                          gemm_q4nx_l1_bytes, gemm_q4nx_l2_bytes, "Q4NX GEMM")
+    steps = q4nx_k_steps(k, tk)
+    blocks = n // q4nx.ROWS
+    found = []
+    for m_axis in (0, 1):
+        along_m, along_n = GEMM_HERD if m_axis == 0 else GEMM_HERD[::-1]
+        hn = _largest_divisor(blocks, along_n)
+        for tn in (q4nx.ROWS * d for d in range(blocks // hn, 0, -1) if (blocks // hn) % d == 0):
+            try:
+                t = _search_tile_m(m, n, k, (along_m, hn), tn, tk, steps, gemm_q4nx_l1_bytes, gemm_q4nx_l2_bytes,
+                                   "Q4NX GEMM")
+            except ValueError:
+                continue
+            tm, mb, nb = t["tile_m"], along_m * t["tile_m"], hn * tn
+            # A is read once per block of columns, W once per block of rows
+            l3 = m * k * BF16 * (n // nb) + q4nx.nbytes(n, k) * (m // mb)
+            found.append(((along_m * hn, tm % 8 == 0, tm, -l3, t["tile_k_l2"], -m_axis),
+                          {**t, "herd": (along_m, hn) if m_axis == 0 else (hn, along_m), "m_axis": m_axis}))
+    if not found:
+        raise ValueError(f"no Q4NX GEMM tiling of {m}x{n}x{k} fits L1 ({L1_BUDGET} B) and L2 ({L2_BYTES} B)")
+    return max(found, key=lambda f: f[0])[1]
 
 
 def elementwise_tiling(rows: int, dim: int) -> dict:

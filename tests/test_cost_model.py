@@ -16,8 +16,8 @@ from npu_runtime.cost import calibrate
 from npu_runtime.cost.counts import count_module
 from npu_runtime.cost.hardware import FITTED
 from npu_runtime.cost.model import estimate_group, estimate_phases, format_group
-from npu_runtime.cost.tiling import (MARGIN, MARGIN_S, best_gemv, gemv_candidate, gemv_candidates, gemv_margin,
-                                     gemv_work)
+from npu_runtime.cost.tiling import (MARGIN, MARGIN_S, best_gemv, gemm_q4nx_candidates, gemv_candidate,
+                                     gemv_candidates, gemv_margin, gemv_work)
 
 TINY = LlamaConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                    intermediate_size=1024, vocab_size=4096, max_position_embeddings=512)
@@ -149,6 +149,31 @@ def test_every_decode_gemv_the_builder_declares_is_the_models_best_within_its_ma
             assert gemv_candidate(p["M"], p["K"], p["herd"][0], p["tile_m"], p["tile_k"]).legal, launch.name
             rel, secs = gemv_margin(p)
             assert rel < MARGIN or secs < MARGIN_S, (launch.name, rel, secs)
+
+
+@pytest.mark.parametrize("name,rows,kind", [("llama32_1b", 2048, "o_ffn"), ("llama32_1b", 32, "rms_gemms_rope"),
+                                           ("smollm2", 64, "o_ffn")])
+def test_every_q4nx_gemm_the_builder_declares_is_the_models_best(name, rows, kind):
+    """`backend_presets.gemm_q4nx_tiling`'s rule (most cores, then `tile_m`, then the fewest L3
+    bytes) against the model's ranking of every tiling the builder accepts, both orientations
+    of the herd among them."""
+    for launch in groups.build_group(kind, CONFIGS[name], rows, quant="q4nx").launches:
+        if launch.op != "gemm_q4nx":
+            continue
+        p = launch.param_dict
+        ranked = gemm_q4nx_candidates(p["M"], p["N"], p["K"], p["tile_k"])
+        mine = next(c for c in ranked if (c.m_axis, c.herd, c.tile_m, c.tile_n, c.tile_k_l2) ==
+                    (p["m_axis"], p["herd"], p["tile_m"], p["tile_n"], p["tile_k_l2"]))
+        assert mine.seconds <= ranked[0].seconds * (1 + MARGIN), (launch.name, mine, ranked[0])
+
+
+def test_rows_along_the_herds_four_rows_are_what_makes_the_prefill_gemm_faster():
+    """The gate projection at 2048 rows: with rows along the 8 columns, L2 allows only 16-row
+    tiles and the best is 9 % slower (docs/profile.md, "Q4NX on the NPU")."""
+    ranked = gemm_q4nx_candidates(2048, 8192, 2048)
+    best_along_columns = next(c for c in ranked if c.m_axis == 0)
+    assert ranked[0].m_axis == 1 and ranked[0].tile_m == 32 and best_along_columns.tile_m == 16
+    assert best_along_columns.seconds > 1.08 * ranked[0].seconds
 
 
 def test_the_margin_is_not_vacuous():

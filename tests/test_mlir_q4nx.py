@@ -51,7 +51,7 @@ def test_q4nx_groups_use_the_q4nx_ops_and_only_their_kernels(configs):
         "gemv_q4nx_t256_k2048", "gemv_q4nx_t256_k8192", "silu_and_mul_bf16_n1024"}
     prefill = compile_group_mlir(groups.build_group("o_ffn", configs["llama32_1b"], BUCKET, quant=QUANT))
     assert set(re.findall(r"func\.func private @(\w+)", prefill)) == {
-        "dequant_q4nx_n64_k64", "silu_and_mul_bf16_n1024"}
+        "dequant_q4nx_n32_k64", "silu_and_mul_bf16_n1024"}
 
 
 def _launch(cfg, kind, name, seq=BUCKET):
@@ -85,10 +85,27 @@ def test_llama_tilings_fit_l1_and_l2():
                 assert (p["M"] // q4nx.ROWS) % p["herd"][0] == 0
             elif l.op == "gemm_q4nx":
                 assert presets.gemm_q4nx_l1_bytes(p["tile_m"], p["tile_n"], p["tile_k"]) <= presets.L1_BUDGET
-                mb, nb = p["herd"][0] * p["tile_m"], p["herd"][1] * p["tile_n"]
+                hm, hn = p["herd"][::-1] if p.get("m_axis") else p["herd"]
+                mb, nb = hm * p["tile_m"], hn * p["tile_n"]
                 split = p["tile_k_l2"] < p["K"]
                 assert presets.gemm_q4nx_l2_bytes(mb, nb, p["tile_k_l2"], split) <= presets.L2_BYTES
                 assert p["tile_k_l2"] in presets.q4nx_k_steps(p["K"], p["tile_k"])
+
+
+def test_prompt_rows_walk_the_herd_dimension_the_tiling_names(configs):
+    """At 2048 prompt rows, rows of A run along the array's 4 rows (`m_axis` 1), so 32 rows fit
+    a core where 16 did along its 8 columns: the herd stays the array's [8, 4], the A panel holds
+    4 tiles of rows and the W panel 8 tiles of columns."""
+    g, l = _launch(configs["llama32_1b"], "o_ffn", "gate_proj", seq=2048)
+    p = l.param_dict
+    assert (p["herd"], p["m_axis"], p["tile_m"], p["tile_n"]) == ((8, 4), 1, 32, 32)
+    text = build_launch(g, l)
+    assert f"memref<{4 * 32}x{p['tile_k_l2']}xbf16, 1 : i32>" in text                 # A panel
+    assert f"memref<{q4nx.nbytes(8 * 32, p['tile_k_l2'])}xi8, 1 : i32>" in text        # W panel
+    assert f"memref<{4 * 32}x{8 * 32}xf32, 1 : i32>" in text                           # partial sums
+    bad = groups.Launch(l.name, l.op, l.reads, l.writes, tuple((k, 2 if k == "m_axis" else v) for k, v in l.params))
+    with pytest.raises(KernelShapeError, match="m_axis"):
+        gemm_q4nx.build(bad, [g.slot(a) for a in l.args])
 
 
 def test_a_builder_refuses_the_other_weight_format(configs):

@@ -1,13 +1,16 @@
 """Prefill projection GEMM, C[M,N] = A[M,K] · W[N,K]ᵀ (W kept in the checkpoint's [out, in] layout).
 
-Params: `M`, `N`, `K`, `herd` (hm, hn), `tile_m`, `tile_n`, `tile_k`, `tile_k_l2`.
+Params: `M`, `N`, `K`, `herd` (columns, rows of the array), `tile_m`, `tile_n`, `tile_k`,
+`tile_k_l2`, and optionally `m_axis`: the herd dimension that walks M (0, the default: the
+array's columns; 1: its rows, so the wider dimension walks N).
 
 Hierarchy and data movement:
 - the launch iterates over output blocks of (hm·tile_m) × (hn·tile_n);
 - its segment stages K in steps of `tile_k_l2`: one DMA brings the block's A rows and one
   its W rows from L3 into L2 panels, then the herd runs;
-- each herd core (x over rows, y over columns) owns a tile_m × tile_n output tile and walks
-  the L2 panels `tile_k` at a time (L2→L1 DMAs), accumulating A·Wᵀ in an f32 L1 tile;
+- each herd core (one herd dimension over rows, the other over columns) owns a tile_m × tile_n
+  output tile and walks the L2 panels `tile_k` at a time (L2→L1 DMAs), accumulating A·Wᵀ in an
+  f32 L1 tile;
 - when K takes several L2 steps, the f32 tile is parked in an L2 partial-sum block between
   steps (zeroed on the first, rounded to bf16 and written to C on the last); with one step
   the tile goes straight to C.
@@ -86,7 +89,10 @@ def build(launch: Launch, slots: Sequence[Slot]) -> str:
 def build_gemm(launch: Launch, slots: Sequence[Slot], weights: Callable[..., Bf16Weights]) -> str:
     k = kernel(launch, slots, 2, 1)
     M, N, K = k.p("M"), k.p("N"), k.p("K")
-    hm, hn = k.herd()
+    herd = k.herd()
+    m_axis = launch.param_dict.get("m_axis", 0)
+    k.require(m_axis in (0, 1), f"m_axis {m_axis} is not a herd dimension")
+    hm, hn = herd if m_axis == 0 else herd[::-1]
     tm, tn, tk, tk2 = k.p("tile_m"), k.p("tile_n"), k.p("tile_k"), k.p("tile_k_l2")
     a_s, w_s, c_s = k.slots
     k.require((a_s.shape, w_s.shape, c_s.shape) == ((M, K), (N, K), (M, N)),
@@ -119,15 +125,16 @@ def build_gemm(launch: Launch, slots: Sequence[Slot], weights: Callable[..., Bf1
                 with b.loop(0, K, tk2, "kc") as kc:
                     b.dma(a2, None, a, ([row0, kc], [mb, tk2], [K, 1]))
                     wf.stage(b, w2, w, s_bn, col0, kc)
-                    with b.hierarchy("herd", [hm, hn], [*ops, kc], [*op_hints, "kc"]) as hh:
-                        _core(b, hh.ids, hh.args, split, (K, N, tm, tn, tk, tk2, nb), wf)
+                    with b.hierarchy("herd", list(herd), [*ops, kc], [*op_hints, "kc"]) as hh:
+                        ids = hh.ids if m_axis == 0 else hh.ids[::-1]
+                        _core(b, ids, hh.args, split, (K, N, tm, tn, tk, tk2, nb), wf)
                 b.dealloc(a2, w2, *([partial] if partial is not None else []))
     return b.text()
 
 
 def _core(b: Emitter, ids: tuple[Value, ...], hargs: tuple[Value, ...], split: bool, dims,
           wf: Bf16Weights) -> None:
-    """One core's tile for one L2 step."""
+    """One core's tile for one L2 step; `ids` are its (row, column) tile indices."""
     K, N, tm, tn, tk, tk2, nb = dims
     tx, ty = ids
     a2, w2, c, row0, col0 = hargs[:5]

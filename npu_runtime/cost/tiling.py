@@ -1,4 +1,5 @@
-"""Ranking GEMV tilings by the cost model, legal or not, with the rules each one breaks.
+"""Ranking GEMV tilings by the cost model, legal or not, with the rules each one breaks; and
+the Q4NX GEMM tilings the builder accepts.
 
 A candidate is a herd width (cores in one array row), rows per L1 slab (`tile_m`) and columns
 per slab (`tile_k`, dividing K; K itself is no split). Its work is what `kernel_builder.mlir.gemv`
@@ -24,9 +25,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernel_builder.backend_presets import ARRAY_COLS, BF16, L1_BUDGET, gemv_l1_bytes
+from kernel_builder.backend_presets import ARRAY_COLS, BF16, GEMM_HERD, L1_BUDGET, gemv_l1_bytes, q4nx_k_steps
+from kernel_builder.groups import Launch, Role, Slot
 from kernel_builder.hw_rules import WORD
-from npu_runtime.cost.counts import Work
+from kernel_builder.mlir import KernelShapeError, gemm_q4nx
+from llama_base import q4nx
+from npu_runtime.cost.counts import Work, count_module
 from npu_runtime.cost.hardware import FITTED, Calibration
 from npu_runtime.cost.model import launch_components
 
@@ -113,4 +117,46 @@ def gemv_margin(tiling: dict, cal: Calibration = FITTED) -> tuple[float, float]:
     return mine.seconds / best.seconds - 1.0, mine.seconds - best.seconds
 
 
-__all__ = ["MARGIN", "MARGIN_S", "GemvCandidate", "best_gemv", "gemv_candidate", "gemv_candidates", "gemv_margin", "gemv_work"]
+@dataclass(frozen=True)
+class GemmCandidate:
+    m_axis: int                 # the herd dimension prompt rows walk (gemm.py)
+    herd: tuple[int, int]
+    tile_m: int
+    tile_n: int
+    tile_k_l2: int
+    seconds: float
+    bound: str
+
+
+def gemm_q4nx_candidates(m: int, n: int, k: int, tile_k: int = 64, cal: Calibration = FITTED) -> list[GemmCandidate]:
+    """Every Q4NX GEMM tiling the builder accepts (both orientations, `tile_m` up to 64, every
+    whole-row-block `tile_n` and K step), timed from the count of the module it emits; fastest
+    first. Built rather than counted in closed form: the builder's L1 and L2 checks are the
+    legality, and a GEMM's walk has more shapes than a closed form would be worth keeping."""
+    slots = [Slot("a", (m, k), "bf16", Role.INPUT), Slot("w", (n, k), "q4nx", Role.STATIC),
+             Slot("c", (m, n), "bf16", Role.OUTPUT)]
+    blocks = n // q4nx.ROWS
+    out = []
+    for m_axis in (0, 1):
+        along_m, along_n = GEMM_HERD if m_axis == 0 else GEMM_HERD[::-1]
+        hn = max(d for d in range(1, along_n + 1) if blocks % d == 0)
+        herd = (along_m, hn) if m_axis == 0 else (hn, along_m)
+        per_core = m // along_m
+        for tm in (t for t in range(1, min(per_core, 64) + 1) if per_core % t == 0):
+            for tn in (q4nx.ROWS * d for d in range(1, blocks // hn + 1) if (blocks // hn) % d == 0):
+                for tk2 in q4nx_k_steps(k, tile_k):
+                    params = dict(M=m, N=n, K=k, herd=herd, m_axis=m_axis, tile_m=tm, tile_n=tn, tile_k=tile_k,
+                                  tile_k_l2=tk2)
+                    try:
+                        text = gemm_q4nx.build(Launch("gemm", "gemm_q4nx", ("a", "w"), ("c",),
+                                                      tuple(sorted(params.items()))), slots)
+                    except KernelShapeError:
+                        continue
+                    parts = launch_components(count_module(text)[0].work, cal)
+                    bound = max(parts, key=parts.get)
+                    out.append(GemmCandidate(m_axis, herd, tm, tn, tk2, parts[bound], bound))
+    return sorted(out, key=lambda c: c.seconds)
+
+
+__all__ = ["MARGIN", "MARGIN_S", "GemmCandidate", "GemvCandidate", "best_gemv", "gemm_q4nx_candidates",
+           "gemv_candidate", "gemv_candidates", "gemv_margin", "gemv_work"]

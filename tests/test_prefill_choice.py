@@ -1,0 +1,76 @@
+"""Where a Q4NX prefill dequantizes on the NPU: the cost model's three choices, and the one
+docs/profile.md draws from them."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from kernel_builder import groups
+from llama_base import q4nx
+from llama_base.config import LlamaConfig
+from npu_runtime.cost.hardware import FITTED
+from npu_runtime.cost.model import estimate_phases, launch_components, phase_groups
+from npu_runtime.cost.prefill_choice import compare, dequant_work, main, projections
+
+LLAMA_1B = LlamaConfig()
+
+
+def test_expanding_a_matrix_reads_its_q4nx_bytes_and_writes_bf16_once():
+    w = dequant_work(8192, 2048)
+    assert w.l3_read == q4nx.nbytes(8192, 2048) == 8192 * 2048 * 5 // 8
+    assert w.l3_write == 8192 * 2048 * 2 and w.vector == 8192 * 2048
+    parts = launch_components(w, FITTED)
+    assert max(parts, key=parts.get) == "l3"     # moving 2.6 bytes a weight, not expanding it, takes the time
+
+
+def test_the_projections_are_the_groups_weight_products():
+    g = phase_groups(LLAMA_1B, 2048, "q4nx")
+    shapes = {g[k].launches[i].name: nk for k in groups.PREFILL_KINDS for i, nk in projections(g[k]).items()}
+    cfg = LLAMA_1B
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    assert shapes == {"q_gemm": (q, h), "k_gemm": (kv, h), "v_gemm": (kv, h), "o_proj": (h, q),
+                      "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}
+
+
+def test_the_choices_are_priced_from_the_built_groups():
+    """Fused is the q4nx modules' own estimate; at load is the bf16 prefill with the Q4NX head;
+    per call adds one expansion per projection and layer to it."""
+    res = compare(LLAMA_1B, 128)
+    q4, bf = estimate_phases(LLAMA_1B, FITTED, 128, "q4nx"), estimate_phases(LLAMA_1B, FITTED, 128, "bf16")
+    head_q4, head_bf = q4.groups["lm_head_gemv"].seconds, bf.groups["lm_head_gemv"].seconds
+    assert res["fused"].ttft_s == pytest.approx(q4.ttft_s)
+    assert res["at load"].ttft_s == pytest.approx(bf.ttft_s - head_bf + head_q4)
+    shapes = [(2048, 2048), (512, 2048), (512, 2048), (2048, 2048), (8192, 2048), (8192, 2048), (2048, 8192)]
+    expand = 16 * sum(max(launch_components(dequant_work(n, k), FITTED).values()) for n, k in shapes)
+    assert res["per call"].ttft_s - res["at load"].ttft_s == pytest.approx(expand)
+    assert res["per call"].projection_s - res["at load"].projection_s == pytest.approx(expand)
+    assert 0 < res["fused"].projection_s < res["fused"].ttft_s
+    # bytes held beyond Q4NX: none; the largest matrix in bf16; every layer's matrices in bf16
+    assert res["fused"].extra_bytes == 0
+    assert res["per call"].extra_bytes == 8192 * 2048 * 2
+    assert res["at load"].extra_bytes == 16 * sum(n * k for n, k in shapes) * 2
+
+
+def _fastest(prompt: int, scale: float) -> str:
+    res = compare(LLAMA_1B, prompt, replace(FITTED, gemm_efficiency=FITTED.gemm_efficiency * scale))
+    return min(res.values(), key=lambda r: r.ttft_s).choice
+
+
+def test_the_documented_choice_holds():
+    """docs/profile.md keeps fused: fastest at 128 tokens with the fitted constants, behind
+    holding bf16 copies at 2048 only while the cores are as slow as fitted, fastest everywhere
+    once they are 1.5 times faster."""
+    assert _fastest(128, 1.0) == "fused"
+    assert _fastest(2048, 1.0) == "at load"
+    assert _fastest(128, 1.5) == "fused" and _fastest(2048, 1.5) == "fused"
+
+
+def test_the_report_prints_every_choice(capsys):
+    assert main(["--prompts", "128"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line[:3] == "| 0"]
+    assert len(rows) == 3 and all(" | 128 | " in r for r in rows)     # one per efficiency scale
+    assert "weights held beyond Q4NX" in out
+    assert all(c in out for c in ("fused", "per call", "at load"))
