@@ -74,3 +74,9 @@ def test_the_report_prints_every_choice(capsys):
     assert len(rows) == 3 and all(" | 128 | " in r for r in rows)     # one per efficiency scale
     assert "weights held beyond Q4NX" in out
     assert all(c in out for c in ("fused", "per call", "at load"))
+
+
+def test_prompt_lengths_that_are_not_numbers_are_one_line_errors(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--prompts", "128,lots"])
+    assert exit_.value.code == 2 and "'128,lots' is not a comma-separated list" in capsys.readouterr().err

@@ -17,8 +17,8 @@ has used:
 Fused and the bf16 GEMM are the built modules' counts (`model.estimate_group`); the per-call
 expansion is a closed form (`dequant_work`), since no builder emits it. All three are priced
 with the fitted constants and with the cores' GEMM efficiency scaled, because that one constant
-decides between them: fused trades L3 bytes for core work, so it loses while the cores are as
-slow as fitted and wins as soon as they are faster. `python -m npu_runtime.cost.prefill_choice`
+decides between them: fused trades L3 bytes for core work, so on long prompts it loses while
+the cores are as slow as fitted and wins as soon as they are faster. `python -m npu_runtime.cost.prefill_choice`
 prints the comparison docs/profile.md quotes.
 """
 from __future__ import annotations
@@ -109,11 +109,21 @@ def report(cfg: LlamaConfig, prompts: tuple[int, ...] = (128, 2048), cal: Calibr
     return "\n".join(lines)
 
 
+def _lengths(text: str) -> tuple[int, ...]:
+    try:
+        lengths = tuple(int(p) for p in text.split(","))
+    except ValueError:
+        lengths = ()
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of prompt lengths")
+    return lengths
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", default="128,2048", help="prompt lengths, comma-separated")
+    ap.add_argument("--prompts", default=(128, 2048), type=_lengths, help="prompt lengths, comma-separated")
     args = ap.parse_args(argv)
-    print(report(LlamaConfig(), tuple(int(p) for p in args.prompts.split(","))))
+    print(report(LlamaConfig(), args.prompts))
     return 0
 
 
