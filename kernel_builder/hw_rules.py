@@ -28,7 +28,12 @@ comes from (read for the fact only):
 - Memory: 64 KiB of data memory per compute tile (`getLocalMemorySize`), 512 KiB per memory
   tile (`getMemTileSize`); `L1_BUDGET` keeps 8 KiB of a core's data memory for its stack
   (mlir-air's default core stack is 1 KiB, `AIRToAIEPass.cpp`; the rest is slack for what the
-  compiler adds).
+  compiler adds). A segment's L2 is held to one memory tile in total. That is stricter than
+  mlir-air's lowering, which gives a segment a memory tile per column it spans and places each
+  L2 buffer whole on one of them (`AIRToAIEPass.cpp`: `outlineAIEMemtiles`,
+  `L2MemrefToMemTileMap`); the rule stays this strict until a toolchain run shows a segment
+  spread over several memory tiles compile (docs/profile.md, "Q4NX on the NPU", says what
+  it would allow).
 """
 from __future__ import annotations
 
