@@ -148,23 +148,28 @@ class FakeXrt:
                 self.sim_bo = state.sim.sub_bo(parent.sim_bo, nbytes, offset)
                 self._host = parent._host[offset:offset + nbytes]     # the parent's memory, as XRT's map is
 
-        class run:   # noqa: N801
+        class run:   # noqa: N801 (XRT: a run may be started again once its last start completed)
             def __init__(self, kernel):
                 assert isinstance(kernel, _Kernel)
-                self.kernel, self.args = kernel, {}
+                self.kernel, self.args, self.pending = kernel, {}, False
+                state.calls.append(("run_created", kernel.name))
 
             def set_arg(self, i: int, bo):
                 assert isinstance(bo, _BO)
+                state.calls.append(("set_arg", self.kernel.name, i, id(bo)))
                 self.args[i] = bo
 
             def start(self):
+                assert not self.pending, "started again before the last start was waited for"
                 k = self.kernel
                 bos = [self.args[i] for i in range(len(self.args))]
                 state.calls.append(("run", k.name, tuple(id(b) for b in bos)))
+                self.pending = True
                 if state.fail_run_state is None:
                     state.sim_kernel(k.group).run([b.sim_bo for b in bos])
 
             def wait2(self):
+                self.pending = False
                 return state.fail_run_state or ert_cmd_state.ERT_CMD_STATE_COMPLETED
 
         m.device, m.elf, m.hw_context, m.run, m.bo = device, elf, hw_context, run, bo

@@ -113,6 +113,9 @@ def test_the_call_protocol(fake, tiny_config, tiny_weights, tmp_path):
         prev = r + 1
     touched = {c[1] for c in calls if c[0] == "sync"}
     assert not touched & statics                                             # weights stay put
+    # one run for the BO set, its arguments set once: every later call is start and wait
+    assert [c[0] for c in calls].count("run_created") == 1
+    assert [c[3] for c in calls if c[0] == "set_arg"] == list(bo_ids)
     # and every static BO was written to the device once, during preload
     assert {c[1] for c in fake.calls[:preloaded] if c[0] == "sync" and c[2] == TO_DEV} >= statics
 
@@ -179,6 +182,8 @@ def test_contexts_are_bounded_and_reopened_on_demand(fake, tiny_config, tiny_wei
     assert fake.max_open_contexts == 2 and dev.open_contexts == 2
     assert sum(1 for c in fake.calls if c[0] == "hw_context") > len(gs)     # closed, then reopened
     assert sum(1 for c in fake.calls if c[0] == "context_closed") >= len(gs)
+    # a reopened context gets a new run: none outlives the kernel it was made from
+    assert sum(1 for c in fake.calls if c[0] == "run_created") == sum(1 for c in fake.calls if c[0] == "kernel")
 
 
 def test_the_default_context_limit_is_under_the_drivers_and_configurable(fake, monkeypatch):
@@ -231,11 +236,15 @@ def test_a_run_that_does_not_complete_is_a_device_error(fake, tiny_config, tiny_
     kc = KernelCache(xrt_device.XrtDevice(), tmp_path)
     g = build_group("o_gemv_ffn", tiny_config)
     _ready(kc, g, tiny_weights)
+    feed = {"attn": torch.zeros(tiny_config.q_dim, dtype=torch.bfloat16),
+            "x_res": torch.zeros(tiny_config.hidden_size, dtype=torch.bfloat16)}
     fake.fail_run_state = ert_cmd_state.ERT_CMD_STATE_TIMEOUT
     with pytest.raises(DeviceError, match="did not complete"):
-        kc.load_and_run(g.name, {"attn": torch.zeros(tiny_config.q_dim, dtype=torch.bfloat16),
-                                 "x_res": torch.zeros(tiny_config.hidden_size, dtype=torch.bfloat16)},
-                        f"{g.name}_L0")
+        kc.load_and_run(g.name, feed, f"{g.name}_L0")
+    # a run that timed out may still be in flight: the next call does not start it again
+    fake.fail_run_state = None
+    kc.load_and_run(g.name, feed, f"{g.name}_L0")
+    assert [c[0] for c in fake.calls].count("run_created") == 2
 
 
 def test_without_a_compiler_a_missing_npu_entry_says_so(fake, tiny_config, tmp_path):

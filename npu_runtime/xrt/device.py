@@ -4,7 +4,8 @@ Artifacts are ELFs produced by aircc (`output_format = elf`): the instruction st
 the ELF, so a run is just the BO list. pyxrt facts this relies on: `pyxrt.elf(path)`,
 `pyxrt.hw_context(device, elf)`, `pyxrt.ext.kernel(context, "main:<func>")`,
 `pyxrt.ext.bo(device, nbytes)`, `pyxrt.bo(parent, nbytes, offset)` (a sub-buffer), `bo.map()`,
-`bo.sync(direction, nbytes, offset)`, and a `pyxrt.run` with `set_arg` / `start` / `wait2`. A BO
+`bo.sync(direction, nbytes, offset)`, and a `pyxrt.run` with `set_arg` / `start` / `wait2`, which
+may be started again once it completed (`xrt_kernel.h`: a run handle "can be re-used"). A BO
 belongs to the device, not to a hardware context, which is why one weight BO can serve the
 prefill and the decode kernels of a layer. A sub-buffer is how the prefill buckets share their
 activation memory while each kernel still gets a BO of the size its argument declares: in XRT's
@@ -116,6 +117,11 @@ class XrtKernel:
         self.device = device
         self.kernel_name = meta["kernel"]
         self._ctx = self._kernel = None
+        # One pyxrt.run per BO list, its arguments set once: "a run handle can be re-used to
+        # execute the same kernel again" (XRT's xrt_kernel.h, class run). A layer's BO set is the
+        # same list on every call, so a call is start and wait. Each entry holds its BOs, so an
+        # id in a key cannot be reused by a newer BO while the entry lives.
+        self._runs: dict[tuple[int, ...], tuple[object, tuple[XrtBO, ...]]] = {}
         try:
             self._elf = pyxrt.elf(str(artifact_dir / meta["elf"]))
         except Exception as e:
@@ -138,7 +144,9 @@ class XrtKernel:
             raise DeviceError(f"{self.group.name}: cannot open a hardware context ({_first_line(e)})") from None
 
     def close(self) -> None:
-        """Drop the kernel and then its context: the last reference releases the driver's context."""
+        """Drop the runs, the kernel and then its context: the last reference releases the
+        driver's context."""
+        self._runs.clear()
         self._kernel = None
         self._ctx = None
 
@@ -146,13 +154,20 @@ class XrtKernel:
         import pyxrt
 
         self.device.activate(self)
-        run = pyxrt.run(self._kernel)
-        for i, bo in enumerate(bos):
-            run.set_arg(i, bo._bo)
+        key = tuple(id(bo) for bo in bos)
+        held = self._runs.get(key)
+        if held is None:
+            run = pyxrt.run(self._kernel)
+            for i, bo in enumerate(bos):
+                run.set_arg(i, bo._bo)
+            held = self._runs[key] = (run, tuple(bos))
+        run = held[0]
         run.start()
         state = run.wait2()
-        # wait2 reports a timed-out or aborted run as a state, not an exception.
+        # wait2 reports a timed-out or aborted run as a state, not an exception. Such a run may
+        # still be in flight, so it is not started again: the next call builds a new one.
         if state is not None and self._completed is not None and state != self._completed:
+            del self._runs[key]
             raise DeviceError(f"{self.group.name}: NPU run did not complete ({state})")
         self.device.counters.runs += 1
 
