@@ -161,6 +161,19 @@ def q4nx_k_steps(k: int, tk: int) -> list[int]:
     return [s for s in steps if all(c % tk == 0 for _, c in q4nx.Layout(q4nx.ROWS, s).col_blocks())]
 
 
+def q4nx_gemm_herds(n: int) -> list[tuple[int, int, int, tuple[int, int]]]:
+    """The two ways a Q4NX GEMM with `n` rows of W may sit on the GEMM herd, as (`m_axis`, herd
+    size along M, herd size along N, the herd as the array sees it): rows of A along the array's
+    columns (`m_axis` 0) or its rows (1), with as many cores along N as split W's row-blocks
+    evenly."""
+    out = []
+    for m_axis in (0, 1):
+        along_m, along_n = GEMM_HERD if m_axis == 0 else GEMM_HERD[::-1]
+        hn = _largest_divisor(n // q4nx.ROWS, along_n)
+        out.append((m_axis, along_m, hn, (along_m, hn) if m_axis == 0 else (hn, along_m)))
+    return out
+
+
 def gemm_q4nx_tiling(m: int, n: int, k: int) -> dict:
     """C[m,n] = A[m,k] · W[n,k]^T with W in Q4NX: each core dequantizes its W tile to bf16 in L1
     and runs the bf16 product on it.
@@ -180,9 +193,7 @@ def gemm_q4nx_tiling(m: int, n: int, k: int) -> dict:
     steps = q4nx_k_steps(k, tk)
     blocks = n // q4nx.ROWS
     found = []
-    for m_axis in (0, 1):
-        along_m, along_n = GEMM_HERD if m_axis == 0 else GEMM_HERD[::-1]
-        hn = _largest_divisor(blocks, along_n)
+    for m_axis, along_m, hn, herd in q4nx_gemm_herds(n):
         for tn in (q4nx.ROWS * d for d in range(blocks // hn, 0, -1) if (blocks // hn) % d == 0):
             try:
                 t = _search_tile_m(m, n, k, (along_m, hn), tn, tk, steps, gemm_q4nx_l1_bytes, gemm_q4nx_l2_bytes,
@@ -193,7 +204,7 @@ def gemm_q4nx_tiling(m: int, n: int, k: int) -> dict:
             # A is read once per block of columns, W once per block of rows
             l3 = m * k * BF16 * (n // nb) + q4nx.nbytes(n, k) * (m // mb)
             found.append(((along_m * hn, tm % 8 == 0, tm, -l3, t["tile_k_l2"], -m_axis),
-                          {**t, "herd": (along_m, hn) if m_axis == 0 else (hn, along_m), "m_axis": m_axis}))
+                          {**t, "herd": herd, "m_axis": m_axis}))
     if not found:
         raise ValueError(f"no Q4NX GEMM tiling of {m}x{n}x{k} fits L1 ({L1_BUDGET} B) and L2 ({L2_BYTES} B)")
     return max(found, key=lambda f: f[0])[1]

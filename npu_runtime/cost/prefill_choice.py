@@ -94,15 +94,16 @@ def report(cfg: LlamaConfig, prompts: tuple[int, ...] = (128, 2048), cal: Calibr
     """TTFT of each choice per prompt and GEMM efficiency, and the bytes each holds beyond Q4NX."""
     lines = ["| GEMM efficiency | prompt | " + " | ".join(f"{c}: TTFT (products)" for c in CHOICES) + " |",
              "|---" * (2 + len(CHOICES)) + "|"]
+    extra = None        # the bytes each choice holds depend on neither the prompt nor the rates
     for scale in EFFICIENCY_SCALES:
         c = replace(cal, gemm_efficiency=cal.gemm_efficiency * scale)
         for prompt in prompts:
             res = compare(cfg, prompt, c)
+            extra = extra or res
             best = min(res.values(), key=lambda r: r.ttft_s).choice
             cells = [f"{'**' if r.choice == best else ''}{r.ttft_s * 1e3:.0f} ms ({r.projection_s * 1e3:.0f})"
                      f"{'**' if r.choice == best else ''}" for r in res.values()]
             lines.append(f"| {c.gemm_efficiency:.2f} | {prompt} | " + " | ".join(cells) + " |")
-    extra = compare(cfg, prompts[0], cal)
     lines.append("")
     lines.append("weights held beyond Q4NX: " + ", ".join(f"{r.choice} {r.extra_bytes / 2**20:.0f} MiB"
                                                          for r in extra.values()))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernel_builder.backend_presets import ARRAY_COLS, BF16, GEMM_HERD, L1_BUDGET, gemv_l1_bytes, q4nx_k_steps
+from kernel_builder.backend_presets import ARRAY_COLS, BF16, L1_BUDGET, gemv_l1_bytes, q4nx_gemm_herds, q4nx_k_steps
 from kernel_builder.groups import Launch, Role, Slot
 from kernel_builder.hw_rules import WORD
 from kernel_builder.mlir import KernelShapeError, gemm_q4nx
@@ -137,10 +137,7 @@ def gemm_q4nx_candidates(m: int, n: int, k: int, tile_k: int = 64, cal: Calibrat
              Slot("c", (m, n), "bf16", Role.OUTPUT)]
     blocks = n // q4nx.ROWS
     out = []
-    for m_axis in (0, 1):
-        along_m, along_n = GEMM_HERD if m_axis == 0 else GEMM_HERD[::-1]
-        hn = max(d for d in range(1, along_n + 1) if blocks % d == 0)
-        herd = (along_m, hn) if m_axis == 0 else (hn, along_m)
+    for m_axis, along_m, hn, herd in q4nx_gemm_herds(n):
         per_core = m // along_m
         for tm in (t for t in range(1, min(per_core, 64) + 1) if per_core % t == 0):
             for tn in (q4nx.ROWS * d for d in range(1, blocks // hn + 1) if (blocks // hn) % d == 0):
