@@ -41,7 +41,7 @@ help:
 	@echo "make verify       2 prompts x 32 greedy tokens vs HF transformers bf16 (top-5 gate)"
 	@echo "make verify-full  8 prompts, same gate"
 	@echo "make verify-mlir  execute every group's MLIR-AIR (interpreter) vs the simulated device, MODEL=tiny [QUANT=q4nx]"
-	@echo "make mutants      mutate the tiny model's stitched modules; every mutant must be caught by verify-mlir's checks"
+	@echo "make mutants      mutate the tiny model's stitched modules; every mutant must be caught by verify-mlir's checks (QUANT=q4nx: the 4-bit groups)"
 	@echo "make diagnosis    per-layer cosine / max-abs difference vs HF on one prompt"
 	@echo "make perplexity   perplexity of bf16 and q4nx weights on 4096 tokens of English news text"
 	@echo "make profile      run PROMPT with a per-call breakdown table"
@@ -104,7 +104,7 @@ verify-mlir: install
 
 # MUTANTS: mutants per operator and group (0: every site; the test suite runs 2).
 mutants: install
-	$(PY) -m verify.mutants --per-operator "$(or $(MUTANTS),12)"
+	$(PY) -m verify.mutants --per-operator "$(or $(MUTANTS),12)" $(if $(QUANT),--quant "$(QUANT)")
 
 diagnosis: install
 	$(PY) -m verify.diagnosis --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)"

@@ -51,3 +51,18 @@ def test_an_equivalence_rule_that_is_wrong_is_reported():
     m = next(m for m in mutants(compile_group_mlir(case.group), case.group) if m.operator == "dma_delete")
     wrong = type(m)(m.operator, m.site, m.text, equivalent="claimed without proof")
     assert Outcome(case.group.name, wrong, "interpreter").verdict == "RULE BROKEN"
+
+
+def test_the_q4nx_groups_mutants_are_killed():
+    """The groups `QUANT=q4nx` changes: the packed slots' DMAs (values, then scales and mins,
+    in one run of bytes) and the dequantizing kernels' calls are where a mistake would hide
+    from the bf16 suite."""
+    outcomes = run(_cfg(), per_operator=1, seed=0, log=lambda *_: None, quant="q4nx")
+    text, ok = summary(outcomes)
+    assert ok, text
+    mutated = {c.group.name: c.group for c in suite_cases(_cfg(), "q4nx")}
+    assert {o.group for o in outcomes} == set(mutated)
+    # the groups q4nx leaves in bf16 (attention) are the bf16 suite's, not mutated twice
+    assert all(any(s.quantized for s in g.slots) for g in mutated.values()), sorted(mutated)
+    assert sum(o.verdict == "killed" for o in outcomes) >= 0.8 * len(outcomes), text
+    assert {o.stage for o in outcomes if o.killed} == {"validator", "interpreter", "comparison"}

@@ -88,7 +88,9 @@ def attention_starts(seq: int) -> list[tuple[int, int]]:
 
 
 def inputs(case: Case, seed: int = 0, weights=None) -> dict[str, torch.Tensor]:
-    """Activations ~N(0,1); norm weights near 1; matrices scaled by 1/sqrt(K) so outputs stay ~1.
+    """Activations ~N(0,1); norm weights near 1; matrices scaled by 1/sqrt(K) so outputs stay ~1,
+    quantized where the slot is (random bytes in a packed slot would be scales of every
+    magnitude, NaN among them).
 
     With `weights` (a model's), the static slots are that model's layer 0 (or LM head) instead,
     quantized where the slot is: Q4NX groups run on the weights a session would upload."""
@@ -111,7 +113,8 @@ def inputs(case: Case, seed: int = 0, weights=None) -> dict[str, torch.Tensor]:
         elif s.role is Role.STATIC and len(s.shape) == 1:
             out[s.name] = (1 + 0.1 * torch.randn(s.shape, generator=g)).to(s.torch_dtype)
         elif s.role is Role.STATIC:
-            out[s.name] = (torch.randn(s.shape, generator=g) / s.shape[-1] ** 0.5).to(s.torch_dtype)
+            w = torch.randn(s.shape, generator=g) / s.shape[-1] ** 0.5
+            out[s.name] = quantize(w.bfloat16()) if s.quantized else w.to(s.torch_dtype)
         else:
             out[s.name] = torch.randn(s.shape, generator=g).to(s.torch_dtype)
     return out

@@ -43,4 +43,15 @@ SURVIVORS: dict[tuple[str, str, str], str] = {
     ("flash_attn_s32_c128", "const_int_plus1", "flash_attn:const.%flash_attn_c31@17"): TILE_COUNT_CHAT,
     ("rms_gemv_rope", "const_float_plus1", "rmsnorm:const.%rmsnorm_cst_1@15"): MEAN_DIVISOR,
     ("o_gemv_ffn", "const_float_plus1", "rmsnorm:const.%rmsnorm_cst_1@11"): MEAN_DIVISOR,
+    # `make mutants QUANT=q4nx`: the same RMSNorm launches in the groups on packed weights
+    ("rms_gemms_rope_s32_q4nx", "swap_generic_inputs", "rmsnorm:generic@52"): NORM_SWAP,
+    ("o_ffn_s32_q4nx", "swap_generic_inputs", "rmsnorm:generic@36"): NORM_SWAP,
+    ("rms_gemv_rope_q4nx", "swap_generic_inputs", "rmsnorm:generic@39"): NORM_SWAP,
+    ("o_gemv_ffn_q4nx", "swap_generic_inputs", "rmsnorm:generic@32"): NORM_SWAP,
+    ("o_ffn_s32_q4nx", "const_float_plus1", "rmsnorm:const.%rmsnorm_cst@12"): SUMSQ_START,
+    ("rms_gemv_rope_q4nx", "const_float_plus1", "rmsnorm:const.%rmsnorm_cst@17"): SUMSQ_START,
+    ("o_gemv_ffn_q4nx", "const_float_plus1", "rmsnorm:const.%rmsnorm_cst@10"): SUMSQ_START,
+    ("o_ffn_s32_q4nx", "const_float_plus1", "rmsnorm:const.%rmsnorm_cst_1@13"): MEAN_DIVISOR,
+    ("rms_gemv_rope_q4nx", "const_float_plus1", "rmsnorm:const.%rmsnorm_cst_1@18"): MEAN_DIVISOR,
+    ("o_gemv_ffn_q4nx", "const_float_plus1", "rmsnorm:const.%rmsnorm_cst_1@11"): MEAN_DIVISOR,
 }

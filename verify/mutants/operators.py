@@ -276,8 +276,12 @@ def constants(m: Module):
             continue
         indent, name, value, t = c.groups()
         new_value = str(int(value) + 1) if t in ("index", "i32") else f"{float(value) + 1.0:e}"
+        eq = ""
+        if t == "index" and _plus1_changes_no_value(m, i, name, int(value)):
+            eq = ("every use gives the same values: bounds of constant loops that run the same iterations, "
+                  "or a factor of a loop index that is only 0")
         yield Mutant(f"const_{'int' if t in ('index', 'i32') else 'float'}_plus1", m.site(i, f"const.{name}"),
-                     m.replace(i, f"{indent}{name} = arith.constant {new_value} : {t}"))
+                     m.replace(i, f"{indent}{name} = arith.constant {new_value} : {t}"), eq)
 
 
 def arg_maps(m: Module):
@@ -351,6 +355,45 @@ def _symmetric(lines: list[str], i: int) -> bool:
 
     a, b = build(False), build(True)
     return a is not None and a == b
+
+
+def _iterations(m: Module, lb: str, ub: str, st: str, name: str = "", value: int = 0) -> list[int] | None:
+    """A constant-bounded loop's iteration values, with `name` read as `value`; None if a bound
+    is not a constant."""
+    vals = [value if x == name else m.const(x) for x in (lb, ub, st)]
+    if None in vals or vals[2] <= 0:
+        return None
+    return list(range(*vals))
+
+
+def _plus1_changes_no_value(m: Module, i: int, name: str, value: int) -> bool:
+    """True if the index constant `name` (defined on line `i`) feeds, within its launch, only
+    loop bounds whose iteration set stays the same at `value` + 1 and products with a loop
+    index whose only value is 0. On the tiny shapes a Q4NX row is one block: the loop over its
+    blocks runs once, at 0, and the block's byte stride multiplies nothing but 0."""
+    owner = m.owner[i]
+    token = re.compile(re.escape(name) + r"\b")
+    scope = [k for k in range(len(m.lines)) if m.owner[k] == owner]
+    if sum(1 for k in scope if (c := _CONST.match(m.lines[k])) and c.group(2) == name) != 1:
+        return False
+    loops = {f.group(2): f for k in scope if (f := _FOR.match(m.lines[k]))}
+    uses = [k for k in scope if k != i and token.search(m.lines[k])]
+    for k in uses:
+        line = m.lines[k]
+        f, b = _FOR.match(line), _BIN.match(line)
+        if f:
+            _, _, lb, ub, st = f.groups()
+            before = _iterations(m, lb, ub, st)
+            if before is None or before != _iterations(m, lb, ub, st, name, value + 1):
+                return False
+        elif b and b.group(3) == "arith.muli" and name in (b.group(4), b.group(5)):
+            other = b.group(5) if b.group(4) == name else b.group(4)
+            loop = loops.get(other)
+            if loop is None or _iterations(m, *loop.groups()[2:]) != [0]:
+                return False
+        else:
+            return False
+    return bool(uses)
 
 
 def _guards_only_mask(lines: list[str], i: int, cond: str) -> bool:

@@ -1,6 +1,12 @@
 """`make mutants`: mutate the tiny model's stitched modules and put every mutant through the
 checks `make verify-mlir` relies on.
 
+`--quant q4nx` mutates the groups that format changes (the GEMMs and GEMVs on packed weights,
+with the launches around them), on the same synthetic inputs, their matrices quantized. Not on
+the tiny model's own weights, as `make verify-mlir QUANT=q4nx` runs: their scale (std 0.02)
+leaves an FFN branch small beside the residual it is added to, and a mutant that drops half of
+a down projection's sum then hides under the tolerance.
+
 A mutant first has to be well-formed MLIR (IREE's parser and verifier, as the validator parses):
 one that is not is discarded and counted apart, never as killed. Then, in order: the validator
 and its cross-check against the group declaration, and the interpreter run compared with the
@@ -60,13 +66,16 @@ class Outcome:
         return "expected survivor" if self.key in SURVIVORS else "SURVIVED"
 
 
-def suite_cases(cfg: LlamaConfig) -> list[verify_mlir.Case]:
+def suite_cases(cfg: LlamaConfig, quant: str = "bf16") -> list[verify_mlir.Case]:
     """One group of each kind at the smallest bucket, attention at an offset (masking and the K/V
-    tile range both move there), and the decode groups."""
+    tile range both move there), and the decode groups. In a quantized format, only the groups
+    it changes: the others are the bf16 suite's modules, byte for byte."""
     smallest = groups.prefill_buckets(cfg)[0]
     picked = []
-    for c in verify_mlir.cases(cfg):
+    for c in verify_mlir.cases(cfg, quant=quant):
         g = c.group
+        if quant != "bf16" and not any(s.quantized for s in g.slots):
+            continue
         if g.kind == "flash_attn" and not c.q_start:
             continue
         if g.kind in groups.PREFILL_KINDS and g.seq_len != smallest:
@@ -165,10 +174,10 @@ def sample(ms: list[Mutant], per_operator: int | None, seed: int) -> list[Mutant
 
 
 def run(cfg: LlamaConfig, per_operator: int | None, seed: int = 0, kinds: tuple[str, ...] | None = None,
-        log=print) -> list[Outcome]:
+        log=print, quant: str = "bf16") -> list[Outcome]:
     outcomes = []
     by_module: dict[str, list[verify_mlir.Case]] = {}
-    for case in suite_cases(cfg):
+    for case in suite_cases(cfg, quant):
         if not kinds or case.group.kind in kinds:
             by_module.setdefault(case.group.name, []).append(case)
     for name, cases in by_module.items():
@@ -210,9 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-operator", type=int, default=12,
                     help="mutants of each operator per group (0: every site)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quant", default="bf16", choices=groups.QUANTS,
+                    help="weight format of the groups mutated (a quantized one: only the groups it changes)")
     args = ap.parse_args(argv)
     cfg = LlamaConfig.from_json(resolve_checkpoint(args.model))
-    outcomes = run(cfg, args.per_operator or None, args.seed)
+    outcomes = run(cfg, args.per_operator or None, args.seed, quant=args.quant)
     text, ok = summary(outcomes)
     print(text)
     print(f"[mutants] {'PASS' if ok else 'FAIL'}")
