@@ -39,6 +39,10 @@ def test_a_haswell_gets_the_avx2_class():
 
 
 def test_the_kernel_tests_pass_on_a_cpu_without_avx512():
+    if native_cpu.supported_isas() == ["avx2"]:
+        # The suite itself has just run these files on a real CPU without AVX-512, where an
+        # emulated rerun only repeats them many times slower.
+        pytest.skip("this CPU has no AVX-512: the suite ran these files natively on it")
     r = _child("-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *FILES)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     summary = r.stdout.strip().splitlines()[-1]

@@ -279,7 +279,7 @@ def constants(m: Module):
         eq = ""
         if t == "index" and _plus1_changes_no_value(m, i, name, int(value)):
             eq = ("every use gives the same values: bounds of constant loops that run the same iterations, "
-                  "or a factor of a loop index that is only 0")
+                  "a factor of a loop index that is only 0, or the stride of a unit DMA dimension at offset 0")
         yield Mutant(f"const_{'int' if t in ('index', 'i32') else 'float'}_plus1", m.site(i, f"const.{name}"),
                      m.replace(i, f"{indent}{name} = arith.constant {new_value} : {t}"), eq)
 
@@ -368,9 +368,10 @@ def _iterations(m: Module, lb: str, ub: str, st: str, name: str = "", value: int
 
 def _plus1_changes_no_value(m: Module, i: int, name: str, value: int) -> bool:
     """True if the index constant `name` (defined on line `i`) feeds, within its launch, only
-    loop bounds whose iteration set stays the same at `value` + 1 and products with a loop
-    index whose only value is 0. On the tiny shapes a Q4NX row is one block: the loop over its
-    blocks runs once, at 0, and the block's byte stride multiplies nothing but 0."""
+    loop bounds whose iteration set stays the same at `value` + 1, products with a loop index
+    whose only value is 0, and strides of unit DMA dimensions at offset 0. On the tiny shapes a
+    Q4NX row is one block: the loop over its blocks runs once, at 0, and the block's byte
+    stride multiplies nothing but 0; a GEMM core's W tile lands in L1 as one row of bytes."""
     owner = m.owner[i]
     token = re.compile(re.escape(name) + r"\b")
     scope = [k for k in range(len(m.lines)) if m.owner[k] == owner]
@@ -391,9 +392,31 @@ def _plus1_changes_no_value(m: Module, i: int, name: str, value: int) -> bool:
             loop = loops.get(other)
             if loop is None or _iterations(m, *loop.groups()[2:]) != [0]:
                 return False
-        else:
+        elif not _only_unit_strides(m, line, name):
             return False
     return bool(uses)
+
+
+def _only_unit_strides(m: Module, line: str, name: str) -> bool:
+    """True if `line` is a DMA that uses `name` only as the stride of a dimension of size 1 at
+    offset 0 (one element, at the same address whatever the stride)."""
+    d = _DMA.match(line)
+    if not d:
+        return False
+    names = _names(d.group(2))
+    segs = [int(x) for x in d.group(3).split(",")]
+    pos, found = sum(segs[:2]), False
+    for seg, field in zip(segs[2:], DMA_FIELDS):
+        for dim in range(seg):
+            if names[pos + dim] != name:
+                continue
+            if field is None or not field.endswith("stride"):
+                return False
+            if m.const(names[pos + dim - seg]) != 1 or m.const(names[pos + dim - 2 * seg]) != 0:
+                return False
+            found = True
+        pos += seg
+    return found
 
 
 def _guards_only_mask(lines: list[str], i: int, cond: str) -> bool:
