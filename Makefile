@@ -102,7 +102,7 @@ verify-full: install
 verify-mlir: install
 	$(PY) -m verify.mlir --model "$(if $(filter command line,$(origin MODEL)),$(MODEL),tiny)" --n-tokens 16 $(if $(QUANT),--quant "$(QUANT)")
 
-# MUTANTS: mutants per operator and group (0: every site; the test suite runs 2).
+# MUTANTS: mutants per operator and group (0: every site; the test suite runs 2, and 1 of the q4nx groups).
 mutants: install
 	$(PY) -m verify.mutants --per-operator "$(or $(MUTANTS),12)" $(if $(QUANT),--quant "$(QUANT)")
 

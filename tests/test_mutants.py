@@ -66,3 +66,22 @@ def test_the_q4nx_groups_mutants_are_killed():
     assert all(any(s.quantized for s in g.slots) for g in mutated.values()), sorted(mutated)
     assert sum(o.verdict == "killed" for o in outcomes) >= 0.8 * len(outcomes), text
     assert {o.stage for o in outcomes if o.killed} == {"validator", "interpreter", "comparison"}
+
+
+def test_a_constant_that_changes_no_value_is_told_from_one_that_does():
+    """On the tiny shapes a Q4NX row of 256 columns is one block: its GEMV's block loop runs
+    once, at 0, so the block width and the byte stride may grow by one with no effect. The
+    down projection's rows (1024 columns) are four blocks: there the same constants matter."""
+    g = groups.build_group("o_gemv_ffn", _cfg(), 1, quant="q4nx")
+    by_launch = {}
+    for m in (m for m in mutants(compile_group_mlir(g), g) if m.operator == "const_int_plus1"):
+        launch, what = m.site.split(":const.")
+        by_launch.setdefault(launch, {})[what.split("@")[0]] = m
+    assert by_launch["up_proj"]["%up_proj_c256"].equivalent and by_launch["up_proj"]["%up_proj_c20"].equivalent
+    assert not by_launch["down_proj"]["%down_proj_c256"].equivalent
+    assert not by_launch["down_proj"]["%down_proj_c20"].equivalent
+    # the prefill GEMM's unit-row destination stride, and a stride that is applied
+    p = groups.build_group("o_ffn", _cfg(), 32, quant="q4nx")
+    pm = {m.site.split(":const.")[1].split("@")[0]: m for m in mutants(compile_group_mlir(p), p)
+          if m.operator == "const_int_plus1" and m.site.startswith("down_proj:")}
+    assert pm["%down_proj_c1280"].equivalent and not pm["%down_proj_c20480_1"].equivalent
