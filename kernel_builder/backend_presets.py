@@ -174,6 +174,13 @@ def q4nx_gemm_herds(n: int) -> list[tuple[int, int, int, tuple[int, int]]]:
     return out
 
 
+def q4nx_tile_ns(n: int, hn: int) -> list[int]:
+    """Every `tile_n` of whole row-blocks that divides a core's share of W's `n` rows over `hn`
+    cores along N, widest first."""
+    per_core = n // q4nx.ROWS // hn
+    return [q4nx.ROWS * d for d in range(per_core, 0, -1) if per_core % d == 0]
+
+
 def gemm_q4nx_tiling(m: int, n: int, k: int) -> dict:
     """C[m,n] = A[m,k] · W[n,k]^T with W in Q4NX: each core dequantizes its W tile to bf16 in L1
     and runs the bf16 product on it.
@@ -191,10 +198,9 @@ def gemm_q4nx_tiling(m: int, n: int, k: int) -> dict:
     """
     tk = _largest_divisor(k, 64, q4nx.GROUP)
     steps = q4nx_k_steps(k, tk)
-    blocks = n // q4nx.ROWS
     found = []
     for m_axis, along_m, hn, herd in q4nx_gemm_herds(n):
-        for tn in (q4nx.ROWS * d for d in range(blocks // hn, 0, -1) if (blocks // hn) % d == 0):
+        for tn in q4nx_tile_ns(n, hn):
             try:
                 t = _search_tile_m(m, n, k, (along_m, hn), tn, tk, steps, gemm_q4nx_l1_bytes, gemm_q4nx_l2_bytes,
                                    "Q4NX GEMM")

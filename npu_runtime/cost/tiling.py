@@ -25,11 +25,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernel_builder.backend_presets import ARRAY_COLS, BF16, L1_BUDGET, gemv_l1_bytes, q4nx_gemm_herds, q4nx_k_steps
+from kernel_builder.backend_presets import (ARRAY_COLS, BF16, L1_BUDGET, gemv_l1_bytes, q4nx_gemm_herds, q4nx_k_steps,
+                                            q4nx_tile_ns)
 from kernel_builder.groups import Launch, Role, Slot
 from kernel_builder.hw_rules import WORD
 from kernel_builder.mlir import KernelShapeError, gemm_q4nx
-from llama_base import q4nx
 from npu_runtime.cost.counts import Work, count_module
 from npu_runtime.cost.hardware import FITTED, Calibration
 from npu_runtime.cost.model import launch_components
@@ -135,12 +135,11 @@ def gemm_q4nx_candidates(m: int, n: int, k: int, tile_k: int = 64, cal: Calibrat
     legality, and a GEMM's walk has more shapes than a closed form would be worth keeping."""
     slots = [Slot("a", (m, k), "bf16", Role.INPUT), Slot("w", (n, k), "q4nx", Role.STATIC),
              Slot("c", (m, n), "bf16", Role.OUTPUT)]
-    blocks = n // q4nx.ROWS
     out = []
     for m_axis, along_m, hn, herd in q4nx_gemm_herds(n):
         per_core = m // along_m
         for tm in (t for t in range(1, min(per_core, 64) + 1) if per_core % t == 0):
-            for tn in (q4nx.ROWS * d for d in range(1, blocks // hn + 1) if (blocks // hn) % d == 0):
+            for tn in reversed(q4nx_tile_ns(n, hn)):
                 for tk2 in q4nx_k_steps(k, tile_k):
                     params = dict(M=m, N=n, K=k, herd=herd, m_axis=m_axis, tile_m=tm, tile_n=tn, tile_k=tile_k,
                                   tile_k_l2=tk2)

@@ -125,6 +125,24 @@ FIELD_CHANGES = {"offset": (("arith.addi", 1),), "size": (("arith.divui", 2), ("
                  "stride": (("arith.muli", 2), ("arith.addi", 1))}
 
 
+def _dma_operands(names: list[str], segs: list[int]):
+    """(index in `names`, side, kind, dim, segment length) of each offset, size and stride
+    operand of a DMA whose operand segment sizes are `segs`."""
+    pos = sum(segs[:2])                               # past deps and the destination
+    for seg, field in zip(segs[2:], DMA_FIELDS):
+        if field is not None:                         # None: the source memref
+            side, kind = field.split("_")
+            for dim in range(seg):
+                yield pos + dim, side, kind, dim, seg
+        pos += seg
+
+
+def _unit_stride(m: Module, names: list[str], k: int, seg: int) -> bool:
+    """The stride operand `k` belongs to a dimension of size 1 at offset 0: one element, at the
+    same address whatever the stride."""
+    return m.const(names[k - seg]) == 1 and m.const(names[k - 2 * seg]) == 0
+
+
 def dma_patterns(m: Module):
     """Offsets, sizes and strides of DMAs: plus one, halved, doubled."""
     for i, line in enumerate(m.lines):
@@ -132,26 +150,14 @@ def dma_patterns(m: Module):
         if not d:
             continue
         names = _names(d.group(2))
-        segs = [int(x) for x in d.group(3).split(",")]
-        start = d.start(2)
-        pos = sum(segs[:2])                           # past deps and the destination
-        for seg, field in zip(segs[2:], DMA_FIELDS):
-            if field is None:                         # the source memref
-                pos += seg
-                continue
-            side, kind = field.split("_")
-            for dim in range(seg):
-                k = pos + dim
-                for op, amount in FIELD_CHANGES[kind]:
-                    before, new = _derived(names[k], op, amount)
-                    text = m.replace(i, _with_operand(line, start, d.end(2), names, k, new), before)
-                    eq = ""
-                    if kind == "stride":
-                        size, off = m.const(names[k - seg]), m.const(names[k - 2 * seg])
-                        if size == 1 and off == 0:
-                            eq = "stride of a unit dimension at offset 0: one element, at the same address"
-                    yield Mutant(f"dma_{kind}_{op.split('.')[1]}{amount}", m.site(i, f"dma.{side}.{kind}{dim}"), text, eq)
-            pos += seg
+        for k, side, kind, dim, seg in _dma_operands(names, [int(x) for x in d.group(3).split(",")]):
+            for op, amount in FIELD_CHANGES[kind]:
+                before, new = _derived(names[k], op, amount)
+                text = m.replace(i, _with_operand(line, d.start(2), d.end(2), names, k, new), before)
+                eq = ""
+                if kind == "stride" and _unit_stride(m, names, k, seg):
+                    eq = "stride of a unit dimension at offset 0: one element, at the same address"
+                yield Mutant(f"dma_{kind}_{op.split('.')[1]}{amount}", m.site(i, f"dma.{side}.{kind}{dim}"), text, eq)
 
 
 def loops(m: Module):
@@ -404,19 +410,10 @@ def _only_unit_strides(m: Module, line: str, name: str) -> bool:
     if not d:
         return False
     names = _names(d.group(2))
-    segs = [int(x) for x in d.group(3).split(",")]
-    pos, found = sum(segs[:2]), False
-    for seg, field in zip(segs[2:], DMA_FIELDS):
-        for dim in range(seg):
-            if names[pos + dim] != name:
-                continue
-            if field is None or not field.endswith("stride"):
-                return False
-            if m.const(names[pos + dim - seg]) != 1 or m.const(names[pos + dim - 2 * seg]) != 0:
-                return False
-            found = True
-        pos += seg
-    return found
+    fields = {k: (kind, seg) for k, _, kind, _, seg in _dma_operands(names, [int(x) for x in d.group(3).split(",")])}
+    uses = [k for k, n in enumerate(names) if n == name]
+    return bool(uses) and all(k in fields and fields[k][0] == "stride" and _unit_stride(m, names, k, fields[k][1])
+                              for k in uses)
 
 
 def _guards_only_mask(lines: list[str], i: int, cond: str) -> bool:
