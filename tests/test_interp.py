@@ -111,6 +111,11 @@ def test_verify_mlir_runs_the_q4nx_groups_and_their_generation(capsys):
     out = capsys.readouterr().out
     assert "lm_head_gemv_q4nx" in out and "[verify-mlir] generation: " in out and "skipped" not in out
     assert "PASS" in out
+    # Every quantized group twice: on the model's weights and on the synthetic ones, which
+    # make an FFN branch weigh as much as its residual.
+    names = [line.split("  ")[0].strip() for line in out.splitlines()]
+    quantized = [n for n in names if n.endswith(q4nx.NAME)]
+    assert quantized and all(f"{n} {verify_mlir.SYNTHETIC}" in names for n in quantized)
 
 
 def _shift_dma(text, rows=2):

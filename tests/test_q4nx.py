@@ -248,6 +248,47 @@ def test_native_q4nx_gemv_and_gemm_match_the_reference_on_every_class(native_isa
     _matches_prefill_of(native_isa, c, a, buf, n, k)
 
 
+@pytest.mark.parametrize("k", [576, 2048])
+def test_the_gemv_converts_its_activations_exactly_as_declared(native_isa, k):
+    """Read decode's fixed point back out of the native GEMV: row c holds q = 1 at column c
+    (scale 1, min 0), so it outputs X[c] u exactly; row k + g holds only min 1 in group g, so it
+    outputs group g's sum. Each group's largest |x| is 127 2^j and the rest multiples of
+    2^(j-1), so X u and the sums are exact in f32 and narrow X = round(x 2^-j) meets ties; one
+    group is zeros, and narrow has one below its floor, which sends its 8-group block of the
+    vectorized conversion to the scalar code. k = 576: a block of 8 and a tail of 2 groups;
+    2048: two pieces of the conversion the threads share, the second at group 32."""
+    if native_isa == native_cpu.TORCH:
+        pytest.skip("no native library")
+    width = native_cpu.q4nx_activation_bytes(native_isa)
+    groups = k // q4nx.GROUP
+    g = torch.Generator().manual_seed(k)
+    j = torch.randint(-40, 30, (groups, 1), generator=g).double()
+    x = torch.randint(-254, 255, (groups, q4nx.GROUP), generator=g).double() * 2.0 ** (j - 1)
+    top = torch.randint(0, q4nx.GROUP, (groups,), generator=g)
+    x[torch.arange(groups), top] = 127 * 2.0 ** j[:, 0] * torch.where(torch.arange(groups) % 2 == 0, 1.0, -1.0)
+    assert ((x * 2.0 ** -j).remainder(1) == 0.5).any()      # ties for narrow's rounding
+    x[3] = 0
+    if width == q4nx.NARROW:
+        x[5] = torch.randint(-127, 128, (q4nx.GROUP,), generator=g).double() * 2.0 ** (q4nx.NARROW_FLOOR_EXP - 8)
+    exact, x = x.view(-1), x.view(-1).to(torch.bfloat16)
+    assert torch.equal(x.double(), exact)
+    n = -(-(k + groups) // q4nx.ROWS) * q4nx.ROWS
+    q = torch.zeros(n, k, dtype=torch.uint8)
+    q[torch.arange(k), torch.arange(k)] = 1
+    scale = torch.zeros(n, groups)
+    scale[:k] = 1
+    minimum = torch.zeros(n, groups)
+    minimum[k + torch.arange(groups), torch.arange(groups)] = 1
+    dev = Q4nxPacking(n, k).pack(q4nx.pack(q, scale.bfloat16(), minimum.bfloat16()), _alloc)
+    y = torch.empty(n, dtype=torch.bfloat16)
+    native_cpu.gemv_q4nx_batch_call([(dev, x, y)])()
+    X, u = q4nx.fixed_point(x, width)
+    assert torch.equal(y[:k].float(), (X.view(groups, -1) * u[:, None]).view(-1).bfloat16().float())
+    assert torch.equal(y[k:k + groups].float(), q4nx.group_sums(x, X, u, width).bfloat16().float())
+    if width == q4nx.NARROW:
+        assert (X.view(groups, -1)[5] == 0).all() and u[5] == 1
+
+
 def test_the_gemv_is_the_same_bits_on_every_class_of_one_activation_width():
     """Exact integer sums, combined in one order: every class of one width gives the same bits."""
     classes = native_cpu.supported_isas() + native_cpu.emulated_isas()

@@ -62,13 +62,28 @@ void convert_groups(const uint16_t *x, int64_t g0, int64_t g1, int32_t *xh, int3
   }
 }
 
+#if NATIVE_AVX2
+void convert_row_narrow(const uint16_t *x, int64_t k, int32_t *xb, float *unit, float *sum);   // below
+#endif
+
 struct Activations {
   const uint16_t *x;
   std::vector<int32_t> hi, lo;   // per 4 columns: the bytes Xh, Xl of X = 256 Xh + Xl (narrow: X in hi)
   std::vector<float> unit, sum;
   Activations(const uint16_t *x, int64_t k)
       : x(x), hi(k / 4), lo(q4nx::kActBytes == 2 ? k / 4 : 0), unit(k / kGroup), sum(k / kGroup) {}
-  void convert(int64_t g0, int64_t g1) { convert_groups(x, g0, g1, hi.data(), lo.data(), 1, unit.data(), sum.data()); }
+  void convert(int64_t g0, int64_t g1) {
+#if NATIVE_AVX2
+    // Narrow, the GEMM's vectorized conversion (the same numbers, as its tests check): in
+    // scalar code a down projection's 8192 columns took most of a small call on a Zen 3.
+    if (q4nx::kActBytes == 1) {
+      convert_row_narrow(x + g0 * kGroup, (g1 - g0) * kGroup, hi.data() + g0 * kGroup / q4nx::kUnitCols,
+                         unit.data() + g0, sum.data() + g0);
+      return;
+    }
+#endif
+    convert_groups(x, g0, g1, hi.data(), lo.data(), 1, unit.data(), sum.data());
+  }
 };
 
 #if NATIVE_AVX512BF16

@@ -76,6 +76,8 @@ inline M16 lanes_below(int64_t n) {
                                                                 : static_cast<__mmask16>((1u << n) - 1)};
 }
 inline F16 keep(M16 m, F16 a) { return {_mm512_maskz_mov_ps(m.m, a.v)}; }
+// Whether any lane of a is >= the same lane of b (NaN in either never is, as in scalar >=).
+inline bool any_at_least(F16 a, F16 b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_GE_OQ) != 0; }
 inline F16 max_where(F16 a, M16 m, F16 b) { return {_mm512_mask_max_ps(a.v, m.m, a.v, b.v)}; }
 
 // The first `left` values (all 16 if left >= 16); the rest read as 0 and are not touched.
@@ -185,6 +187,9 @@ inline M16 lanes_below(int64_t n) {
           _mm256_castsi256_ps(_mm256_cmpgt_epi32(cv, _mm256_add_epi32(at, _mm256_set1_epi32(8))))};
 }
 inline F16 keep(M16 m, F16 a) { return {_mm256_and_ps(m.lo, a.lo), _mm256_and_ps(m.hi, a.hi)}; }
+inline bool any_at_least(F16 a, F16 b) {
+  return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(a.lo, b.lo, _CMP_GE_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_GE_OQ))) != 0;
+}
 // max(a, b) where m is set, else a; with vmaxps's operand rule (b if either is NaN), as the masked AVX-512 max.
 inline F16 max_where(F16 a, M16 m, F16 b) {
   return {_mm256_blendv_ps(a.lo, _mm256_max_ps(a.lo, b.lo), m.lo), _mm256_blendv_ps(a.hi, _mm256_max_ps(a.hi, b.hi), m.hi)};
