@@ -91,6 +91,16 @@ class Device(Protocol):
     def load(self, artifact_dir: Path, group: KernelGroup) -> Kernel: ...
 
 
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor, offset: int, nbytes: int) -> None:
+    """Bytes [offset, offset + nbytes) of the contiguous byte buffer src into the same range of
+    dst. A sync of a decode row moves a few KiB; after a GEMV has streamed its weights, slicing
+    two views for it cost more than the copy, so small ranges go by pointer."""
+    if nbytes <= _MEMMOVE_MAX:
+        ctypes.memmove(dst.data_ptr() + offset, src.data_ptr() + offset, nbytes)
+    else:
+        dst[offset:offset + nbytes].copy_(src[offset:offset + nbytes])
+
+
 def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst ← src, both contiguous with one dtype and element count. A decode row (a few KiB)
     goes by one memmove: right after a GEMV has streamed its weights, a torch copy's dispatch

@@ -10,7 +10,7 @@ from cpu_kernels import native_cpu, weight_tiles
 from kernel_builder.groups import QUANTS, Role, build_group
 from llama_runtime import reference as ref
 from npu_runtime import api
-from npu_runtime.api import Sync
+from npu_runtime.api import DeviceError, Sync
 from npu_runtime.devices import open_device
 from npu_runtime.sim.device import SimDevice
 from npu_runtime.xrt import device as xrt_device
@@ -132,6 +132,16 @@ def test_partial_sync_moves_only_that_range(size):
     bo.device_view(True).fill_(5)
     bo.sync(Sync.FROM_DEVICE, q, offset=2 * q)
     assert bo.map().tolist() == [7] * (2 * q) + [5] * q + [7] * q
+
+
+@pytest.mark.parametrize("nbytes,offset", [(9, 0), (4, 5), (1, -1), (-1, 0)])
+def test_a_sync_outside_the_buffer_is_refused(nbytes, offset):
+    """Small syncs copy by pointer: a range past the buffer must be an error, not a write
+    into whatever memory follows it."""
+    bo = SimDevice().bo(8)
+    for direction in Sync:
+        with pytest.raises(DeviceError, match="outside a 8-byte buffer"):
+            bo.sync(direction, nbytes, offset)
 
 
 @ISAS

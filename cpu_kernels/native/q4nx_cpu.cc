@@ -74,8 +74,9 @@ struct Activations {
       : x(x), hi(k / 4), lo(q4nx::kActBytes == 2 ? k / 4 : 0), unit(k / kGroup), sum(k / kGroup) {}
   void convert(int64_t g0, int64_t g1) {
 #if NATIVE_AVX2
-    // Narrow, the GEMM's vectorized conversion (the same numbers, as its tests check): in
-    // scalar code a down projection's 8192 columns took most of a small call on a Zen 3.
+    // Narrow, the GEMM's vectorized conversion (the same numbers; tests/test_q4nx.py reads
+    // them back out of the GEMV): in scalar code a down projection's 8192 columns took most of
+    // a small call on a Zen 3.
     if (q4nx::kActBytes == 1) {
       convert_row_narrow(x + g0 * kGroup, (g1 - g0) * kGroup, hi.data() + g0 * kGroup / q4nx::kUnitCols,
                          unit.data() + g0, sum.data() + g0);

@@ -21,7 +21,7 @@ import torch
 from cpu_kernels import native_cpu
 from cpu_kernels.weight_tiles import DeviceQ4nx, PackedWeight, Packing, Q4nxPacking
 from kernel_builder.groups import KernelGroup
-from npu_runtime.api import Counters, DeviceError, Sync, copy_tensor
+from npu_runtime.api import Counters, DeviceError, Sync, copy_bytes
 from npu_runtime.sim import ops
 from npu_runtime.sim.packing import packing_for
 
@@ -123,6 +123,8 @@ class SimBO:
 
     def sync(self, direction: Sync, nbytes: int | None = None, offset: int = 0) -> None:
         n = self.size - offset if nbytes is None else nbytes
+        if offset < 0 or n < 0 or offset + n > self.size:
+            raise DeviceError(f"a sync of bytes {offset}..{offset + n} is outside a {self.size}-byte buffer")
         if direction is Sync.TO_DEVICE:
             self._dev_counters.bytes_to_device += n
             if self._shared:
@@ -145,11 +147,11 @@ class SimBO:
                 self._set_dev(host)       # one storage until either side writes
                 self._shared = True
             else:
-                copy_tensor(_span(self._dev_side(), offset, n), _span(host, offset, n))
+                copy_bytes(self._dev_side(), host, offset, n)
         else:
             self._dev_counters.bytes_from_device += n
             if not self._shared:
-                copy_tensor(_span(self._own_host(), offset, n), _span(self._host_form(), offset, n))
+                copy_bytes(self._own_host(), self._host_form(), offset, n)
 
     def device_view(self, for_write: bool) -> torch.Tensor:
         """What a simulated kernel sees; a kernel write first gives the host side its own copy."""
