@@ -145,6 +145,11 @@ class KernelGroup:
     def with_role(self, role: Role) -> tuple[Slot, ...]:
         return tuple(s for s in self.slots if s.role is role)
 
+    @property
+    def quantized(self) -> bool:
+        """Whether any slot holds packed 4-bit weights (what a quantized format changes)."""
+        return any(s.quantized for s in self.slots)
+
     def to_json(self) -> dict:
         return {
             "kind": self.kind,

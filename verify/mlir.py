@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for c in cases(cfg, args.max_seq, args.quant):
         rows.append(compare(c, weights=weights))
-        if weights is not None and any(s.quantized for s in c.group.slots):
+        if weights is not None and c.group.quantized:
             rows.append(compare(c, label=f"{c.group.name} {SYNTHETIC}"))
     width = max(len(r.name) for r in rows)
     print(f"{'group':{width}}  {'max|diff|':>10}  {'elements':>9}  {'of allowed':>10}  {'systematic':>10}  result")

@@ -74,7 +74,7 @@ def suite_cases(cfg: LlamaConfig, quant: str = "bf16") -> list[verify_mlir.Case]
     picked = []
     for c in verify_mlir.cases(cfg, quant=quant):
         g = c.group
-        if quant != "bf16" and not any(s.quantized for s in g.slots):
+        if quant != "bf16" and not g.quantized:
             continue
         if g.kind == "flash_attn" and not c.q_start:
             continue
