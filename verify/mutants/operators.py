@@ -125,16 +125,18 @@ FIELD_CHANGES = {"offset": (("arith.addi", 1),), "size": (("arith.divui", 2), ("
                  "stride": (("arith.muli", 2), ("arith.addi", 1))}
 
 
-def _dma_operands(names: list[str], segs: list[int]):
-    """(index in `names`, side, kind, dim, segment length) of each offset, size and stride
-    operand of a DMA whose operand segment sizes are `segs`."""
+def _dma_operands(d: re.Match) -> tuple[list[str], list[tuple[int, str, str, int, int]]]:
+    """A matched DMA's operand names, and (index in them, side, kind, dim, segment length) of
+    each of its offset, size and stride operands, read from its operand segment sizes."""
+    names, segs = _names(d.group(2)), [int(x) for x in d.group(3).split(",")]
+    fields = []
     pos = sum(segs[:2])                               # past deps and the destination
     for seg, field in zip(segs[2:], DMA_FIELDS):
         if field is not None:                         # None: the source memref
             side, kind = field.split("_")
-            for dim in range(seg):
-                yield pos + dim, side, kind, dim, seg
+            fields += [(pos + dim, side, kind, dim, seg) for dim in range(seg)]
         pos += seg
+    return names, fields
 
 
 def _unit_stride(m: Module, names: list[str], k: int, seg: int) -> bool:
@@ -149,8 +151,8 @@ def dma_patterns(m: Module):
         d = _DMA.match(line)
         if not d:
             continue
-        names = _names(d.group(2))
-        for k, side, kind, dim, seg in _dma_operands(names, [int(x) for x in d.group(3).split(",")]):
+        names, fields = _dma_operands(d)
+        for k, side, kind, dim, seg in fields:
             for op, amount in FIELD_CHANGES[kind]:
                 before, new = _derived(names[k], op, amount)
                 text = m.replace(i, _with_operand(line, d.start(2), d.end(2), names, k, new), before)
@@ -409,8 +411,8 @@ def _only_unit_strides(m: Module, line: str, name: str) -> bool:
     d = _DMA.match(line)
     if not d:
         return False
-    names = _names(d.group(2))
-    fields = {k: (kind, seg) for k, _, kind, _, seg in _dma_operands(names, [int(x) for x in d.group(3).split(",")])}
+    names, operands = _dma_operands(d)
+    fields = {k: (kind, seg) for k, _, kind, _, seg in operands}
     uses = [k for k, n in enumerate(names) if n == name]
     return bool(uses) and all(k in fields and fields[k][0] == "stride" and _unit_stride(m, names, k, fields[k][1])
                               for k in uses)
