@@ -14,6 +14,12 @@ else (a truncated ELF, an edited program) is rebuilt. A build happens in a tempo
 under a file lock and is renamed into place, so a killed compile never leaves a half-written
 entry that a later run would trust.
 
+A group's name does not say its shapes: the embedded model, Llama-3.2-1B and the bench's
+shapes each declare a `rms_gemv_rope`. So a build drops only what can never be used again,
+the older builds of its own declaration (same declaration, other builder sources or stamp),
+and keeps the entries of `DECLARATIONS_KEPT` declarations per group, the most recently used:
+switching models reuses each model's artifacts instead of running aircc again.
+
 A load that fails on a valid entry is rebuilt once on a device that says a rebuild can fix it
 (`rebuild_on_load_error`, the simulated device); on the NPU the driver's error is the answer,
 and rebuilding would only repeat a long compile that fails the same way.
@@ -44,6 +50,9 @@ FORMAT_VERSION = 2
 # What a compiled artifact is made from: the build-time packages, whole. The run side (this
 # package, the model runtime) changes how an artifact is used, never what it contains.
 _BUILD_PACKAGES = (kernel_builder, multi_launch_builder)
+# Entries kept per group name and target: one per declaration, so that about this many models
+# (each its own shapes) alternate without recompiling. Past it the least recently used goes.
+DECLARATIONS_KEPT = 4
 
 
 def builder_sources_hash() -> str:
@@ -56,6 +65,30 @@ def builder_sources_hash() -> str:
             h.update(f"{pkg.__name__}/{p.relative_to(root)}".encode())
             h.update(p.read_bytes())
     return h.hexdigest()
+
+
+def _manifest(entry: Path) -> dict:
+    try:
+        m = json.loads((entry / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return m if isinstance(m, dict) else {}
+
+
+def _touch(entry: Path) -> None:
+    """Mark an entry used (its folder's mtime), for the sweep's least-recently-used order; a
+    read-only cache simply keeps its order."""
+    try:
+        os.utime(entry)
+    except OSError:
+        pass
+
+
+def _used(entry: Path) -> float:
+    try:
+        return entry.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def _sha(path: Path) -> str:
@@ -135,6 +168,7 @@ class ArtifactCache:
         refresh = self.refresh_toolchain and self.allow_compile
         if self._valid(path, key) and not (refresh and self._toolchain_changed(path)):
             self.stats.loaded_from_disk += 1
+            _touch(path)
         elif not self.allow_compile:
             raise KernelCacheError(f"{group.name} is not in the kernel cache {self.dir} (or is stale); "
                                    "run `make compile` first")
@@ -179,7 +213,7 @@ class ArtifactCache:
         try:
             files = self.device.compile(group, tmp, self._mlir(group))
             manifest = {"format": FORMAT_VERSION, "key": key, "group": group.name, "target": self.device.kind,
-                        "toolchain": self._toolchain_record(), "created": time.time(),
+                        "declaration": group.fingerprint(), "toolchain": self._toolchain_record(), "created": time.time(),
                         "files": {f: _sha(tmp / f) for f in files}}
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
             if existed:
@@ -188,11 +222,25 @@ class ArtifactCache:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        for stale in self.dir.glob(f"{group.name}-*"):     # older keys of this group
-            if stale != path and stale.is_dir():
-                shutil.rmtree(stale, ignore_errors=True)
+        self._sweep(group, path)
         self.stats.compiled += 1
         self.stats.rebuilt += int(existed)
+
+    def _sweep(self, group: KernelGroup, built: Path) -> None:
+        """After a build of `group` (under its lock): remove the older builds of its declaration,
+        and the other declarations' entries past the `DECLARATIONS_KEPT` most recently used.
+        An entry whose manifest names no declaration counts as another declaration's."""
+        declaration = group.fingerprint()
+        others = []
+        for entry in self.dir.glob(f"{group.name}-*"):
+            if entry == built or not entry.is_dir():
+                continue
+            if _manifest(entry).get("declaration") == declaration:
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                others.append((_used(entry), entry))
+        for _, entry in sorted(others, reverse=True)[DECLARATIONS_KEPT - 1:]:
+            shutil.rmtree(entry, ignore_errors=True)
 
     @staticmethod
     def _mlir(group: KernelGroup) -> str:

@@ -138,10 +138,35 @@ def test_damaged_or_stale_entries_are_rebuilt(tiny_config, tmp_path):
     kc = _cache(tmp_path)
     kc.compile_and_cache(g)
     assert kc.stats.rebuilt == 1
-    changed = build_group("o_gemv_ffn", type(tiny_config)(**{**tiny_config.__dict__, "rms_norm_eps": 1e-6}))
     kc = _cache(tmp_path)
-    new_path = kc.compile_and_cache(changed)                # changed declaration: new entry
+    kc.artifacts._builder_hash = "0" * 64                   # other builder sources: an older build
+    new_path = kc.compile_and_cache(g)
     assert new_path != path and kc.stats.compiled == 1 and not path.exists()
+
+
+def _with_eps(config, eps: float):
+    return type(config)(**{**config.__dict__, "rms_norm_eps": eps})
+
+
+def test_models_sharing_group_names_keep_their_entries(tiny_config, tmp_path):
+    """A group's name does not say its shapes: models alternating in one cache each keep
+    their entries, up to DECLARATIONS_KEPT declarations a group, the least recently used going
+    first."""
+    from npu_runtime.artifacts import DECLARATIONS_KEPT
+
+    models = [build_group("o_gemv_ffn", _with_eps(tiny_config, 1e-6 * (i + 1))) for i in range(DECLARATIONS_KEPT + 1)]
+    paths = [_cache(tmp_path).compile_and_cache(g) for g in models[:2]]
+    kc = _cache(tmp_path)
+    assert kc.compile_and_cache(models[0]) == paths[0] and kc.stats.compiled == 0
+    for g in models[2:DECLARATIONS_KEPT]:
+        _cache(tmp_path).compile_and_cache(g)
+    kc = _cache(tmp_path)            # model 1 is now the least recently used; model 0 was used again
+    kc.compile_and_cache(models[DECLARATIONS_KEPT])
+    assert kc.stats.compiled == 1 and paths[0].exists() and not paths[1].exists()
+    kept = [_cache(tmp_path) for _ in models]
+    for g, c in zip(models, kept):
+        c.compile_and_cache(g)
+    assert [c.stats.compiled for c in kept][:2] == [0, 1]
 
 
 def test_another_toolchain_s_entry_is_reused_unless_a_refresh_is_asked_for(tiny_config, tmp_path):
