@@ -14,11 +14,12 @@ keeps its 4-bit values exactly and only converts its fp16 scales and mins to bf1
 
 The cache: `models/q4nx-<folder>-<key>/weights.safetensors` (U8 tensors holding each matrix's
 Q4NX bytes) with its SHA-256 beside it. The key hashes what decides the bytes: the source
-checkpoint's safetensors headers, sizes and modification times (or the GGUF's), and the code
-of the format and the quantizer. A build runs once, under a lock, into a temporary folder
-renamed into place (`fixtures._ensure`), so a crash leaves nothing half-written; a file whose
-hash no longer matches (damaged on disk) is rebuilt. A new build removes the ones it replaces,
-those of the same checkpoint made by older code.
+checkpoint's safetensors headers, sizes and modification times (and the GGUF's name, size and
+package version), and the code of the format and the quantizer. A build runs once, under a
+lock, into a temporary folder renamed into place (`fixtures._ensure`), so a crash leaves
+nothing half-written; a file whose hash no longer matches (damaged on disk) is rebuilt. A new
+build removes the ones it replaces: those of the same checkpoint made by older code or from
+another install of its GGUF.
 """
 from __future__ import annotations
 
@@ -87,6 +88,16 @@ def _gguf_for(folder: Path) -> Path | None:
     return gguf_import.smollm2_gguf_path()
 
 
+def _gguf_stamp(gguf: Path) -> list:
+    """The embedded model's GGUF as the import of it is keyed (`fixtures.ensure_embedded_model`):
+    the package's version, the file's name and size. Not its modification time: every new
+    environment installs the package afresh, and each would otherwise build, and keep, a copy
+    of the same weights."""
+    from llama_runtime import gguf_import
+
+    return [gguf.name, gguf.stat().st_size, gguf_import.smollm2_version()]
+
+
 def _quantized_tensors(folder: Path, bf16: LlamaWeights, gguf: Path | None, log: Callable[[str], None]):
     """Yield (name, Q4NX bytes) for every layer's linear weights and the LM head."""
     cfg = bf16.config
@@ -147,8 +158,7 @@ def ensure_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = p
               "code": fixtures._code_digest(q4nx, quantize, _quantized_tensors, _gguf_tensors),
               "checkpoint": _source_of(folder)}
     if gguf is not None:
-        st = gguf.stat()
-        source["gguf"] = [gguf.name, st.st_size, st.st_mtime_ns]
+        source["gguf"] = _gguf_stamp(gguf)
     key = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:16]
     name = f"q4nx-{folder.name}-{key}"
     target = models_dir() / name
@@ -171,9 +181,9 @@ def ensure_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = p
 
 def _remove_superseded(folder_name: str, current: Path, source: dict, log: Callable[[str], None]) -> None:
     """Remove the builds this one replaces: the same checkpoint (its files as stamped, and the
-    GGUF) made by another version of the format or the quantizer. Each update of either would
-    otherwise leave a copy of the weights behind (737 MB for Llama-3.2-1B). A build another
-    process holds the lock of is left alone."""
+    GGUF) made by another version of the format or the quantizer, or from another install of
+    the GGUF. Each would otherwise leave a copy of the weights behind (737 MB for
+    Llama-3.2-1B). A build another process holds the lock of is left alone."""
     pattern = re.compile(re.escape(f"q4nx-{folder_name}-") + "[0-9a-f]{16}")
     freed, removed = 0, 0
     for entry in current.parent.iterdir():
@@ -183,7 +193,7 @@ def _remove_superseded(folder_name: str, current: Path, source: dict, log: Calla
             old = json.loads((entry / fixtures.STAMP_FILE).read_text()).get("source", {})
         except (OSError, ValueError, AttributeError):
             continue
-        if old.get("checkpoint") != source["checkpoint"] or old.get("gguf") != source.get("gguf"):
+        if old.get("checkpoint") != source["checkpoint"] or not _same_gguf(old.get("gguf"), source.get("gguf")):
             continue
         try:
             with fixtures.build_lock(entry, timeout=0):
@@ -195,6 +205,15 @@ def _remove_superseded(folder_name: str, current: Path, source: dict, log: Calla
     if removed:
         log(f"[quant] removed {removed} older Q4NX build{'s' if removed > 1 else ''} of {folder_name} "
             f"({freed / 1e9:.2f} GB)")
+
+
+def _same_gguf(old, new) -> bool:
+    """Whether a build's GGUF stamp names the file this one was made from: the same name and
+    size, whatever the third field says (another version of the package, or the file's
+    modification time, which older builds were stamped with)."""
+    if old is None or new is None:
+        return old is new
+    return isinstance(old, list) and old[:2] == new[:2]
 
 
 def load_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = print) -> LlamaWeights:

@@ -111,6 +111,45 @@ def test_an_unknown_format_lists_the_known_ones(tiny_folder):
         load_weights(tiny_folder, "q3")
 
 
+def test_a_reinstalled_gguf_reuses_the_cache_and_builds_from_other_installs_are_replaced(tmp_path, monkeypatch):
+    """Every new environment installs the embedded model's GGUF afresh, with a new modification
+    time: its Q4NX weights stay the same entry. A package upgrade builds a new one, which
+    replaces the builds made from other installs, including those stamped with the file's time."""
+    import json
+    import os
+    import shutil
+
+    from llama_base.paths import models_dir
+    from llama_runtime import gguf_import
+
+    shared = fixtures.ensure_embedded_model()           # imported once for the suite, then copied
+    monkeypatch.setenv(ENV_CACHE, str(tmp_path / "cache"))
+    shutil.copytree(shared, models_dir() / shared.name)
+    packaged = gguf_import.smollm2_gguf_path()
+    installs = []
+    for i, name in enumerate(("a", "b")):
+        (tmp_path / name).mkdir()
+        installs.append(shutil.copy(packaged, tmp_path / name / packaged.name))
+        os.utime(installs[-1], ns=(10**18 + i, 10**18 + i))
+    monkeypatch.setattr(gguf_import, "smollm2_gguf_path", lambda: installs[0])
+    folder = fixtures.ensure_embedded_model()
+    entry = load_weights(folder, "q4nx", _quiet).checkpoint.folder
+    monkeypatch.setattr(gguf_import, "smollm2_gguf_path", lambda: installs[1])
+    lines: list[str] = []
+    assert load_weights(folder, "q4nx", lines.append).checkpoint.folder == entry and lines == []
+
+    other = entry.parent / f"q4nx-{folder.name}-{'0' * 16}"
+    shutil.copytree(entry, other)
+    stamp = json.loads((other / fixtures.STAMP_FILE).read_text())
+    stamp["source"]["gguf"][2] = 10**18 - 7                 # stamped with an install's time
+    stamp["source"]["code"] = "older"
+    (other / fixtures.STAMP_FILE).write_text(json.dumps(stamp))
+    monkeypatch.setattr(gguf_import, "smollm2_version", lambda: "99.0")   # the package upgraded
+    upgraded = load_weights(folder, "q4nx", lines.append).checkpoint.folder
+    assert upgraded != entry and any("removed 2 older Q4NX builds of" in l for l in lines)
+    assert not entry.exists() and not other.exists()
+
+
 @pytest.fixture(scope="module")
 def embedded_q4nx():
     folder = fixtures.ensure_embedded_model()
