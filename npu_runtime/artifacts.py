@@ -68,6 +68,7 @@ def builder_sources_hash() -> str:
 
 
 def _manifest(entry: Path) -> dict:
+    """An entry's manifest; {} when it is missing or unreadable (the entry is then invalid)."""
     try:
         m = json.loads((entry / "manifest.json").read_text())
     except (OSError, ValueError):
@@ -143,19 +144,15 @@ class ArtifactCache:
         return self.device.toolchain_description()
 
     def _toolchain_changed(self, path: Path) -> bool:
-        try:
-            recorded = json.loads((path / "manifest.json").read_text()).get("toolchain")
-        except (OSError, ValueError, AttributeError):
-            return True
-        return recorded != self._toolchain_record()
+        return _manifest(path).get("toolchain") != self._toolchain_record()
 
     def _valid(self, path: Path, key: str) -> bool:
+        m = _manifest(path)
+        if m.get("key") != key or m.get("format") != FORMAT_VERSION:
+            return False
         try:
-            m = json.loads((path / "manifest.json").read_text())
-            if m.get("key") != key or m.get("format") != FORMAT_VERSION:
-                return False
             return all(_sha(path / f) == digest for f, digest in m["files"].items())
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except (OSError, KeyError, TypeError, AttributeError):
             return False
 
     def compile_and_cache(self, group: KernelGroup) -> Path:
