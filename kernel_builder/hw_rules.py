@@ -25,6 +25,16 @@ comes from (read for the fact only):
   several memcpys to one channel (`lib/Conversion/AIRToAIESchedulingUtils.cpp`,
   `DMAAllocator::allocNewDmaChannel` appends an op to an allocated channel), so the number of
   DMA ops is not bounded by the channels; it is bounded by the descriptors they need.
+- Locks: 16 per compute and shim tile, 64 per memory tile (mlir-aie `AIETargetModel.h`,
+  `AIE2TargetModel::getNumLocks`). AIE2 locks are semaphores, and mlir-air's lowering gives
+  every buffer a DMA fills or drains a pair of them, one counting the free slots and one the
+  full ones (`lib/Conversion/AIRToAIESchedulingUtils.cpp`, `DMAAllocator::getLockForDMA`:
+  `rlock` and `wlock`). Later descriptors of the same buffer on the same channel reuse the
+  pair, and so, on a memory tile, does the buffer's other direction. A compute tile's buffer
+  filled and drained on its two channel directions has a pair for each. A ping-ponged
+  buffer's two halves share one pair (mlir-air test
+  `Conversion/AIRToAIE/async_gemm_w_pingpong_to_locks_npu.mlir`: cores holding A and B
+  ping-ponged and C single, five buffers, have six locks).
 - Memory: 64 KiB of data memory per compute tile (`getLocalMemorySize`), 512 KiB per memory
   tile (`getMemTileSize`); `L1_BUDGET` keeps 8 KiB of a core's data memory for its stack
   (mlir-air's default core stack is 1 KiB, `AIRToAIEPass.cpp`; the rest is slack for what the
@@ -64,15 +74,17 @@ class DmaEngine:
     iteration_bits: int     # the outermost dimension's count, when it is an iteration (0: none)
     bds: int
     channels: int           # per direction
+    locks: int
 
     @property
     def max_wrap(self) -> int:
         return (1 << self.wrap_bits) - 1
 
 
-CORE = DmaEngine("compute tile", 3, 8, 13, 14, 0, 16, 2)
-MEMTILE = DmaEngine("memory tile", 4, 10, 17, 17, 0, 48, 6)
-SHIM = DmaEngine("shim tile", 4, 10, 20, 32, 6, 16, 2)
+CORE = DmaEngine("compute tile", 3, 8, 13, 14, 0, 16, 2, 16)
+MEMTILE = DmaEngine("memory tile", 4, 10, 17, 17, 0, 48, 6, 64)
+SHIM = DmaEngine("shim tile", 4, 10, 20, 32, 6, 16, 2, 16)
+LOCKS_PER_BUFFER = 2     # semaphore locks the lowering pairs with a buffer a DMA moves
 ENGINE = {L1: CORE, L2: MEMTILE, L3: SHIM}     # which tile's DMA serves a side in this memory space
 
 
@@ -186,6 +198,16 @@ def bd_problem(n: int, engine: DmaEngine, where: str) -> str | None:
     if n > engine.bds:
         return (f"{where} needs at least {n} buffer descriptors (one per DMA op); "
                 f"a {engine.tile} has {engine.bds}")
+    return None
+
+
+def lock_problem(buffers: int, engine: DmaEngine, where: str) -> str | None:
+    """`buffers`: what a tile's DMAs move, each needing its own pair of locks (on a compute
+    tile a buffer per direction it moves in, on a memory tile a buffer)."""
+    n = LOCKS_PER_BUFFER * buffers
+    if n > engine.locks:
+        return (f"{where} needs at least {n} locks (a pair for each of {buffers} buffers its DMAs move); "
+                f"a {engine.tile} has {engine.locks}")
     return None
 
 

@@ -8,7 +8,9 @@ word-aligned verdict holds for every iteration. Memory is counted per herd core 
 allocations) and per segment (its L2 allocations), a buffer that a DMA fills or drains
 inside a loop counted twice (the compiler ping-pongs it); descriptors are counted per core
 and per segment's memory tile, one per DMA op: a lower bound, since the compiler may give an
-op more (a ping-ponged buffer's second descriptor, an unrolled loop's iterations).
+op more (a ping-ponged buffer's second descriptor, an unrolled loop's iterations). Locks are
+counted in the same places, a pair per buffer the tile's DMAs move (on a core, per direction;
+a ping-ponged buffer's halves share theirs).
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ class _Scope:
     name: str
     allocs: list = field(default_factory=list)          # (value, bytes, space)
     looped: set = field(default_factory=set)            # buffers a DMA moves inside a loop
+    locked: set = field(default_factory=set)            # what needs a pair of locks (`hw.lock_problem`)
     bds: int = 0
 
 
@@ -150,13 +153,16 @@ class StaticRules:
             return sum(n * (hw.DOUBLE_BUFFER if v in scope.looped else 1)
                        for v, n, s in scope.allocs if s == space)
         if scope.kind == "herd":
-            for problem in (hw.l1_problem(held(hw.L1)), hw.bd_problem(scope.bds, hw.CORE, "each core")):
-                if problem:
-                    self.report(op, problem)
+            problems = (hw.l1_problem(held(hw.L1)), hw.bd_problem(scope.bds, hw.CORE, "each core"),
+                        hw.lock_problem(len(scope.locked), hw.CORE, "each core"))
         elif scope.kind == "segment":
-            for problem in (hw.l2_problem(held(hw.L2)), hw.bd_problem(scope.bds, hw.MEMTILE, "the memory tile")):
-                if problem:
-                    self.report(op, problem)
+            problems = (hw.l2_problem(held(hw.L2)), hw.bd_problem(scope.bds, hw.MEMTILE, "the memory tile"),
+                        hw.lock_problem(len(scope.locked), hw.MEMTILE, "the memory tile"))
+        else:
+            problems = ()
+        for problem in problems:
+            if problem:
+                self.report(op, problem)
 
     def _dma(self, op, scopes: list[_Scope], in_loop: bool) -> None:
         segs = _segments(op)
@@ -185,9 +191,11 @@ class StaticRules:
             # Descriptors and double buffers belong to the hierarchy body that owns the buffer's tile.
             owner = next((s for s in reversed(scopes) if s.kind == {hw.L1: "herd", hw.L2: "segment"}.get(space)), None)
             if owner is not None:
+                root = self.root.get(buf, buf)
                 owner.bds += 1
+                owner.locked.add((root, side) if space == hw.L1 else root)
                 if in_loop:
-                    owner.looped.add(self.root.get(buf, buf))
+                    owner.looped.add(root)
 
 
 def _segments(op) -> list[int]:

@@ -60,6 +60,7 @@ def test_wraps_strides_and_dimensions_depend_on_the_tile():
     assert "iterates at most 64" in side(hw_rules.L3, 4, 0, [65, 2, 2, 4], [256, 64, 8, 1], nbytes=1 << 20)[0]
     assert "at most 4" in side(L2, 4, 0, [2, 2, 2, 2, 4], [512, 128, 64, 16, 1])[0]
     assert (CORE.bds, MEMTILE.bds, SHIM.bds) == (16, 48, 16)
+    assert (CORE.locks, MEMTILE.locks, SHIM.locks) == (16, 64, 16)
 
 
 def test_the_emitter_splits_a_run_too_long_for_the_wrap():
@@ -70,13 +71,17 @@ def test_the_emitter_splits_a_run_too_long_for_the_wrap():
     assert _fit_wraps(l1, ([0, 0], [2, 1024], [1024, 1])) == ([0, 0], [2, 1024], [1024, 1])   # contiguous
 
 
-def _herd_module(n: int, dmas: int = 1, loop: bool = False) -> str:
-    """One herd core copying an n-element bf16 buffer into L1 `dmas` times (inside a loop)."""
+def _herd_module(n: int, dmas: int = 1, loop: bool = False, buffers: int = 1) -> str:
+    """One herd core copying an n-element bf16 buffer into each of `buffers` L1 buffers, `dmas`
+    times each (inside a loop)."""
     l3, l1 = f"memref<{n}xbf16>", f"memref<{n}xbf16, 2 : i32>"
-    dma = f'"air.dma_memcpy_nd"(%buf, %h0) {{{SEGS_DMA_WHOLE}}} : ({l1}, {l3}) -> ()'
-    body = "\n".join([dma] * dmas)
+    bufs = [f"%buf{i}" for i in range(buffers)]
+    body = "\n".join(f'"air.dma_memcpy_nd"({b}, %h0) {{{SEGS_DMA_WHOLE}}} : ({l1}, {l3}) -> ()'
+                     for b in bufs for _ in range(dmas))
     if loop:
         body = f"%c0 = arith.constant 0 : index\n%c2 = arith.constant 2 : index\nscf.for %i = %c0 to %c2 step %one {{\n{body}\n}}"
+    allocs = "\n".join(f"{b} = memref.alloc() : {l1}" for b in bufs)
+    deallocs = "\n".join(f"memref.dealloc {b} : {l1}" for b in bufs)
     return f"""module {{
   func.func @f(%arg0: {l3}) {{
     "air.launch"(%arg0) ({{
@@ -87,9 +92,9 @@ def _herd_module(n: int, dmas: int = 1, loop: bool = False) -> str:
         "air.herd"(%c1, %c1, %s0) ({{
         ^bb0(%tx: index, %ty: index, %sx: index, %sy: index, %h0: {l3}):
           %one = arith.constant 1 : index
-          %buf = memref.alloc() : {l1}
+          {allocs}
           {body}
-          memref.dealloc %buf : {l1}
+          {deallocs}
           "air.herd_terminator"() : () -> ()
         }}) {{operandSegmentSizes = array<i32: 0, 2, 1>, sym_name = "herd"}} : (index, index, {l3}) -> ()
         "air.segment_terminator"() : () -> ()
@@ -110,6 +115,16 @@ def test_the_validator_counts_l1_with_double_buffers_and_descriptors():
     validate_module(_herd_module(64, dmas=CORE.bds))
     with pytest.raises(MlirValidationError, match=r"each core needs at least 17 buffer descriptors.*has 16"):
         validate_module(_herd_module(64, dmas=CORE.bds + 1))
+
+
+def test_the_validator_counts_a_pair_of_locks_per_buffer_a_core_moves():
+    """Many descriptors on one buffer share its pair; each further buffer takes a pair of its own."""
+    pairs = CORE.locks // hw_rules.LOCKS_PER_BUFFER
+    validate_module(_herd_module(64, buffers=pairs, dmas=2))
+    with pytest.raises(MlirValidationError, match=rf"launch launch, herd herd, air.herd \(line \d+\): each core needs "
+                                                  rf"at least {CORE.locks + 2} locks \(a pair for each of {pairs + 1} "
+                                                  rf"buffers its DMAs move\); a compute tile has {CORE.locks}"):
+        validate_module(_herd_module(64, buffers=pairs + 1))
 
 
 def _down(cfg, **params):
