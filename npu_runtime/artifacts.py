@@ -77,10 +77,13 @@ def _manifest(entry: Path) -> dict:
 
 
 def _touch(entry: Path) -> None:
-    """Mark an entry used (its folder's mtime), for the sweep's least-recently-used order; a
-    read-only cache simply keeps its order."""
+    """Mark an entry built or used (its folder's mtime), for the sweep's least-recently-used
+    order; a read-only cache simply keeps its order. The time is the clock's own, in ns: the
+    kernel stamps a folder with a coarse clock, whose ticks (milliseconds) two entries made in
+    quick succession can share."""
+    now = time.time_ns()
     try:
-        os.utime(entry)
+        os.utime(entry, ns=(now, now))
     except OSError:
         pass
 
@@ -216,6 +219,7 @@ class ArtifactCache:
             if existed:
                 shutil.rmtree(path)
             os.rename(tmp, path)
+            _touch(path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
