@@ -74,7 +74,7 @@ class DmaEngine:
     iteration_bits: int     # the outermost dimension's count, when it is an iteration (0: none)
     bds: int
     channels: int           # per direction
-    locks: int
+    locks: int              # per tile
 
     @property
     def max_wrap(self) -> int:
