@@ -88,11 +88,11 @@ def _touch(entry: Path) -> None:
         pass
 
 
-def _used(entry: Path) -> float:
+def _used(entry: Path) -> int:
     try:
-        return entry.stat().st_mtime
+        return entry.stat().st_mtime_ns
     except OSError:
-        return 0.0
+        return 0
 
 
 def _sha(path: Path) -> str:
