@@ -1,6 +1,7 @@
 """KernelCache: compile once, persist, rebuild what is damaged, and honour the BO contract."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing as mp
 from pathlib import Path
@@ -144,17 +145,14 @@ def test_damaged_or_stale_entries_are_rebuilt(tiny_config, tmp_path):
     assert new_path != path and kc.stats.compiled == 1 and not path.exists()
 
 
-def _with_eps(config, eps: float):
-    return type(config)(**{**config.__dict__, "rms_norm_eps": eps})
-
-
 def test_models_sharing_group_names_keep_their_entries(tiny_config, tmp_path):
     """A group's name does not say its shapes: models alternating in one cache each keep
     their entries, up to DECLARATIONS_KEPT declarations a group, the least recently used going
     first."""
     from npu_runtime.artifacts import DECLARATIONS_KEPT
 
-    models = [build_group("o_gemv_ffn", _with_eps(tiny_config, 1e-6 * (i + 1))) for i in range(DECLARATIONS_KEPT + 1)]
+    models = [build_group("o_gemv_ffn", dataclasses.replace(tiny_config, rms_norm_eps=1e-6 * (i + 1)))
+              for i in range(DECLARATIONS_KEPT + 1)]
     paths = [_cache(tmp_path).compile_and_cache(g) for g in models[:2]]
     kc = _cache(tmp_path)
     assert kc.compile_and_cache(models[0]) == paths[0] and kc.stats.compiled == 0
