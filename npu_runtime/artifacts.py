@@ -209,11 +209,12 @@ class ArtifactCache:
 
     def _build(self, group: KernelGroup, key: str, path: Path) -> None:
         existed = path.exists()
+        declaration = group.fingerprint()
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{group.name}-", dir=self.dir))
         try:
             files = self.device.compile(group, tmp, self._mlir(group))
             manifest = {"format": FORMAT_VERSION, "key": key, "group": group.name, "target": self.device.kind,
-                        "declaration": group.fingerprint(), "toolchain": self._toolchain_record(), "created": time.time(),
+                        "declaration": declaration, "toolchain": self._toolchain_record(), "created": time.time(),
                         "files": {f: _sha(tmp / f) for f in files}}
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
             if existed:
@@ -223,17 +224,16 @@ class ArtifactCache:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self._sweep(group, path)
+        self._sweep(group.name, declaration, path)
         self.stats.compiled += 1
         self.stats.rebuilt += int(existed)
 
-    def _sweep(self, group: KernelGroup, built: Path) -> None:
-        """After a build of `group` (under its lock): remove the older builds of its declaration,
-        and the other declarations' entries past the `DECLARATIONS_KEPT` most recently used.
-        An entry whose manifest names no declaration counts as another declaration's."""
-        declaration = group.fingerprint()
+    def _sweep(self, name: str, declaration: str, built: Path) -> None:
+        """After a build of group `name` (under its lock): remove the older builds of its
+        `declaration`, and the other declarations' entries past the `DECLARATIONS_KEPT` most
+        recently used. An entry whose manifest names no declaration counts as another's."""
         others = []
-        for entry in self.dir.glob(f"{group.name}-*"):
+        for entry in self.dir.glob(f"{name}-*"):
             if entry == built or not entry.is_dir():
                 continue
             if _manifest(entry).get("declaration") == declaration:
