@@ -23,7 +23,7 @@ def load_weights(source: str | Path, quant: str = "bf16", log: Callable[[str], N
     defaults. With `quant="q4nx"` the linear weights come from the Q4NX cache (made on first use)."""
     if quant not in QUANTS:
         raise UserError(f"unknown weight format QUANT={quant!r}: expected one of {', '.join(QUANTS)}")
-    folder = resolve_checkpoint(source)
+    folder = resolve_checkpoint(source, log, quant)
     weights = _load_bf16(folder)
     return weights if quant == "bf16" else load_q4nx(folder, weights, log)
 

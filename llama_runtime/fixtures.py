@@ -6,6 +6,8 @@
   and the real Llama 3.2 tokenizer, so every size-dependent path (tiling, buckets, 2.5 GB of
   weights, the 128256-entry head, sharded loading) is exercised without the gated weights.
 * `ensure_tiny_checkpoint`: a two-layer random model small enough for the MLIR-AIR interpreter.
+* `ensure_gguf_model`: a user's GGUF file (`MODEL=path/to/file.gguf`) imported the same way as
+  the embedded model, one folder per file, remade when the file or the importer changes.
 
 Each folder is built in a temporary sibling and renamed into place under a file lock, then
 stamped with its format version, its source (package version, a digest of the code that
@@ -22,6 +24,7 @@ import importlib.util
 import inspect
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -34,6 +37,7 @@ from llama_base.paths import models_dir
 
 EMBEDDED_DIR = "smollm2-135m-instruct"
 LLAMA1B_SHAPE_DIR = "llama-3.2-1b-shape"
+GGUF_DIR_PREFIX = "gguf-"
 STAMP_FILE = ".fixture-stamp.json"
 # Bump when the layout or content of a built folder changes, so existing caches are rebuilt.
 FORMAT_VERSION = 1
@@ -120,6 +124,38 @@ def ensure_embedded_model() -> Path:
     source = {"package": gguf_import.SMOLLM2_DIST, "version": gguf_import.smollm2_version(), "file": gguf_path.name,
               "code": _code_digest(gguf_import, checkpoint_writer)}
     return _ensure(EMBEDDED_DIR, source, lambda tmp: gguf_import.import_gguf(gguf_path, tmp))
+
+
+def ensure_gguf_model(gguf_path: Path, log: Callable[[str], None] | None = None,
+                      check: Callable | None = None) -> Path:
+    """The checkpoint folder of a llama GGUF file, imported on first use.
+
+    One folder per file, named by its resolved path: a changed file (size or modification
+    time) or importer is imported again into the same folder, so re-downloads do not pile up
+    copies of the weights (2.5 GB of bf16 for Llama-3.2-1B). The stamp names the file, which
+    is how `QUANT=q4nx` finds its 4-bit values again (`gguf_source`). `check` may refuse the
+    file before its tensors are converted (`gguf_import.import_gguf`).
+    """
+    from llama_runtime import checkpoint_writer, gguf_import
+
+    path = Path(gguf_path).expanduser().resolve()
+    st = path.stat()
+    source = {"gguf": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+              "code": _code_digest(gguf_import, checkpoint_writer)}
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem)[:48]
+    name = f"{GGUF_DIR_PREFIX}{stem}-{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
+    if log is not None and not _is_current(models_dir() / name, source):
+        log(f"[model] importing {path.name} (once; cached in {models_dir() / name})")
+    return _ensure(name, source, lambda tmp: gguf_import.import_gguf(path, tmp, check))
+
+
+def gguf_source(folder: Path) -> Path | None:
+    """The GGUF file `folder` was imported from by `ensure_gguf_model`, while it is still there."""
+    try:
+        src = json.loads((Path(folder) / STAMP_FILE).read_text())["source"]["gguf"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return Path(src) if isinstance(src, str) and Path(src).is_file() else None
 
 
 def llama_tokenizer_dir() -> Path:

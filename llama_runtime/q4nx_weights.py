@@ -8,15 +8,16 @@ token: kept bf16 it would cost nearly as much as every layer's Q4NX weights toge
 4-bit head costs in quality is won back on the host, which recomputes the leading logits from
 the bf16 rows (`head_rescore`; docs/explain.md has the measured perplexities).
 
-Where the weights come from: a GGUF whose linear tensors are Q4_1 (the embedded model) or Q4_0
-keeps its 4-bit values exactly and only converts its fp16 scales and mins to bf16
-(`quantize.q4_1_to_q4nx`); everything else is quantized from bf16 (`quantize.quantize`).
+Where the weights come from: a GGUF (the embedded model's, or a user's `MODEL=x.gguf`) whose
+linear tensors are Q4_1 (the embedded model) or Q4_0 keeps its 4-bit values exactly and only
+converts its fp16 scales and mins to bf16 (`quantize.q4_1_to_q4nx`); everything else is
+quantized from bf16 (`quantize.quantize`).
 
 The cache: `models/q4nx-<folder>-<key>/weights.safetensors` (U8 tensors holding each matrix's
 Q4NX bytes) with its SHA-256 beside it. The key hashes what decides the bytes: the source
 checkpoint's safetensors headers, sizes and modification times (and the GGUF's name, size and
-package version), and the code of the format and the quantizer. A build runs once, under a
-lock, into a temporary folder renamed into place (`fixtures._ensure`), so a crash leaves
+package version or modification time), and the code of the format and the quantizer. A build
+runs once, under a lock, into a temporary folder renamed into place (`fixtures._ensure`), so a crash leaves
 nothing half-written; a file whose hash no longer matches (damaged on disk) is rebuilt. A new
 build removes the ones it replaces: those of the same checkpoint made by older code or from
 another install of its GGUF.
@@ -80,22 +81,25 @@ def _source_of(folder: Path) -> dict:
 
 
 def _gguf_for(folder: Path) -> Path | None:
-    """The GGUF the embedded model was imported from, when `folder` is that import."""
+    """The GGUF `folder` was imported from: the embedded model's, or a user's (`MODEL=x.gguf`)."""
     from llama_runtime import gguf_import
 
-    if folder.resolve().parent != models_dir().resolve() or folder.name != fixtures.EMBEDDED_DIR:
+    if folder.resolve().parent != models_dir().resolve():
         return None
-    return gguf_import.smollm2_gguf_path()
+    if folder.name == fixtures.EMBEDDED_DIR:
+        return gguf_import.smollm2_gguf_path()
+    return fixtures.gguf_source(folder)
 
 
-def _gguf_stamp(gguf: Path) -> list:
-    """The embedded model's GGUF as the import of it is keyed (`fixtures.ensure_embedded_model`):
-    the package's version, the file's name and size. Not its modification time: every new
+def _gguf_stamp(gguf: Path, packaged: bool) -> list:
+    """A GGUF as its import is keyed: name, size, and the embedded package's version (when
+    `packaged`) or a user's file's modification time. Not the packaged file's time: every new
     environment installs the package afresh, and each would otherwise build, and keep, a copy
     of the same weights."""
     from llama_runtime import gguf_import
 
-    return [gguf.name, gguf.stat().st_size, gguf_import.smollm2_version()]
+    st = gguf.stat()
+    return [gguf.name, st.st_size, gguf_import.smollm2_version() if packaged else st.st_mtime_ns]
 
 
 def _quantized_tensors(folder: Path, bf16: LlamaWeights, gguf: Path | None, log: Callable[[str], None]):
@@ -114,26 +118,42 @@ def _quantized_tensors(folder: Path, bf16: LlamaWeights, gguf: Path | None, log:
     yield LM_HEAD, quantize.quantize(quantize.pad_rows(bf16.lm_head))
 
 
-def _gguf_tensors(path: Path, cfg: LlamaConfig) -> dict[str, torch.Tensor]:
-    """The GGUF's 4-bit linear weights as Q4NX bytes, their values kept: Q4_1 (w = d q + m) and
-    Q4_0 (w = d (q - 8), a min of -8 d). Linear weights stored wider (F32, F16, BF16, Q8_0) are
-    quantized from their values like any bf16 checkpoint's; any other type (k-quants, 5- and
-    6-bit types) is refused, naming the tensor: holding it would need a requantization that
-    loses more than the file's own format promised."""
+def _held_gguf_tensors(path: Path, reader, cfg: LlamaConfig):
+    """(tensor, HF name, short name, shape) of each linear weight whose 4-bit values Q4NX keeps
+    (Q4_1: w = d q + m; Q4_0: w = d (q - 8), a min of -8 d). Linear weights stored wider (F32,
+    F16, BF16, Q8_0) are left to be quantized from their values like any bf16 checkpoint's; any
+    other type (k-quants, 5- and 6-bit types) is refused, naming the tensor: holding it would
+    need a requantization that loses more than the file's own format promised."""
     from gguf import GGMLQuantizationType as T
-    from gguf import GGUFReader
 
-    from llama_runtime.gguf_import import gguf_tensor_name, unpermute_rope_rows
+    from llama_runtime.gguf_import import gguf_tensor_name, weight_tensors
 
-    out = {}
-    for t in GGUFReader(path).tensors:
+    for t in weight_tensors(reader):
         name, short, shape = gguf_tensor_name(t.name, cfg)
         if len(shape) != 2 or short == "" or t.tensor_type in (T.F32, T.F16, T.BF16, T.Q8_0):
             continue
         if t.tensor_type not in (T.Q4_0, T.Q4_1):
             raise CheckpointError(f"{path.name}: tensor {t.name!r} is {t.tensor_type.name}, which QUANT=q4nx cannot "
-                                  "hold (it takes Q4_0, Q4_1, or F32/F16/BF16/Q8_0 to quantize)")
-        n, k = shape
+                                  "hold (it takes Q4_0, Q4_1, or F32/F16/BF16/Q8_0 to quantize); QUANT=bf16 runs "
+                                  "the file from its dequantized values")
+        yield t, name, short, shape
+
+
+def check_gguf(path: Path, reader, cfg: LlamaConfig) -> None:
+    """Refuse a GGUF whose linear weights QUANT=q4nx cannot hold (`gguf_import.import_gguf`'s
+    check: before any tensor is converted)."""
+    for _ in _held_gguf_tensors(path, reader, cfg):
+        pass
+
+
+def _gguf_tensors(path: Path, cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+    """The GGUF's 4-bit linear weights as Q4NX bytes, their values kept (`_held_gguf_tensors`)."""
+    from gguf import GGMLQuantizationType as T
+
+    from llama_runtime.gguf_import import open_gguf, unpermute_rope_rows
+
+    out = {}
+    for t, name, short, (n, k) in _held_gguf_tensors(path, open_gguf(path), cfg):
         q, d, m = (quantize.q4_1_fields if t.tensor_type == T.Q4_1 else quantize.q4_0_fields)(t.data, n, k)
         heads = {"wq": cfg.num_attention_heads, "wk": cfg.num_key_value_heads}.get(short)
         if heads:      # rows permuted for llama.cpp's RoPE: every per-row field moves with its row
@@ -155,10 +175,10 @@ def ensure_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = p
     """The cache folder holding `folder`'s weights in Q4NX, built now if missing, stale or damaged."""
     gguf = _gguf_for(folder)
     source = {"format": FORMAT, "q4nx": [q4nx.ROWS, q4nx.COLS, q4nx.GROUP],
-              "code": fixtures._code_digest(q4nx, quantize, _quantized_tensors, _gguf_tensors),
+              "code": fixtures._code_digest(q4nx, quantize, _quantized_tensors, _held_gguf_tensors, _gguf_tensors),
               "checkpoint": _source_of(folder)}
     if gguf is not None:
-        source["gguf"] = _gguf_stamp(gguf)
+        source["gguf"] = _gguf_stamp(gguf, packaged=folder.name == fixtures.EMBEDDED_DIR)
     key = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:16]
     name = f"q4nx-{folder.name}-{key}"
     target = models_dir() / name
@@ -167,7 +187,8 @@ def ensure_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = p
         log(f"[quant] making Q4NX weights of {folder.name} (once; cached in {target})")
     path = fixtures._ensure(name, source, lambda tmp: _build(folder, bf16, gguf, tmp, log))
     if built:
-        _remove_superseded(folder.name, target, source, log)
+        owned = folder.resolve().parent == models_dir().resolve()
+        _remove_superseded(folder.name, target, source, owned, log)
     try:
         intact = (path / HASH_FILE).read_text().strip() == _sha256(path / WEIGHTS_FILE)
     except OSError:
@@ -179,11 +200,15 @@ def ensure_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = p
     return path
 
 
-def _remove_superseded(folder_name: str, current: Path, source: dict, log: Callable[[str], None]) -> None:
+def _remove_superseded(folder_name: str, current: Path, source: dict, owned: bool,
+                       log: Callable[[str], None]) -> None:
     """Remove the builds this one replaces: the same checkpoint (its files as stamped, and the
     GGUF) made by another version of the format or the quantizer, or from another install of
-    the GGUF. Each would otherwise leave a copy of the weights behind (737 MB for
-    Llama-3.2-1B). A build another process holds the lock of is left alone."""
+    the GGUF; and, for a folder the model cache `owned` (an import, remade in place when its
+    source or importer changes), every other build of it, which its older files made. Each
+    would otherwise leave a copy of the weights behind (737 MB for Llama-3.2-1B). A folder of
+    the user's keeps the builds of other checkpoints that share its name. A build another
+    process holds the lock of is left alone."""
     pattern = re.compile(re.escape(f"q4nx-{folder_name}-") + "[0-9a-f]{16}")
     freed, removed = 0, 0
     for entry in current.parent.iterdir():
@@ -193,7 +218,8 @@ def _remove_superseded(folder_name: str, current: Path, source: dict, log: Calla
             old = json.loads((entry / fixtures.STAMP_FILE).read_text()).get("source", {})
         except (OSError, ValueError, AttributeError):
             continue
-        if old.get("checkpoint") != source["checkpoint"] or not _same_gguf(old.get("gguf"), source.get("gguf")):
+        if not owned and (old.get("checkpoint") != source["checkpoint"]
+                          or not _same_gguf(old.get("gguf"), source.get("gguf"))):
             continue
         try:
             with fixtures.build_lock(entry, timeout=0):

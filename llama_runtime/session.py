@@ -222,7 +222,7 @@ def build_session(model: str | None = None, device: str = "auto", max_context: i
     t0 = time.perf_counter()
     # The device first: asking for an NPU that is not there is an error before anything loads.
     dev = open_device(device, verbose=True)
-    resolved = resolve_model(model)
+    resolved = resolve_model(model, log, quant)
     if resolved.fallback_note:
         log(f"[model] {resolved.fallback_note} Get Llama: accept the licence of meta-llama/Llama-3.2-1B-Instruct "
             "on huggingface.co and set HF_TOKEN, or pass MODEL=/path/to/folder.")

@@ -114,7 +114,8 @@ def test_an_unknown_format_lists_the_known_ones(tiny_folder):
 def test_a_reinstalled_gguf_reuses_the_cache_and_builds_from_other_installs_are_replaced(tmp_path, monkeypatch):
     """Every new environment installs the embedded model's GGUF afresh, with a new modification
     time: its Q4NX weights stay the same entry. A package upgrade builds a new one, which
-    replaces the builds made from other installs, including those stamped with the file's time."""
+    replaces the builds made from other installs, including those stamped with the file's time,
+    and those made from the import's older files (the model cache remakes its imports in place)."""
     import json
     import os
     import shutil
@@ -144,10 +145,14 @@ def test_a_reinstalled_gguf_reuses_the_cache_and_builds_from_other_installs_are_
     stamp["source"]["gguf"][2] = 10**18 - 7                 # stamped with an install's time
     stamp["source"]["code"] = "older"
     (other / fixtures.STAMP_FILE).write_text(json.dumps(stamp))
+    reimported = entry.parent / f"q4nx-{folder.name}-{'1' * 16}"     # made from the folder's older files
+    shutil.copytree(entry, reimported)
+    stamp["source"]["checkpoint"]["files"].clear()
+    (reimported / fixtures.STAMP_FILE).write_text(json.dumps(stamp))
     monkeypatch.setattr(gguf_import, "smollm2_version", lambda: "99.0")   # the package upgraded
     upgraded = load_weights(folder, "q4nx", lines.append).checkpoint.folder
-    assert upgraded != entry and any("removed 2 older Q4NX builds of" in l for l in lines)
-    assert not entry.exists() and not other.exists()
+    assert upgraded != entry and any("removed 3 older Q4NX builds of" in l for l in lines)
+    assert not entry.exists() and not other.exists() and not reimported.exists()
 
 
 @pytest.fixture(scope="module")

@@ -58,7 +58,7 @@ def _hf(folder, chunks: list[list[int]]) -> dict:
 def measure(model: str, quants: list[str], device: str = "auto", n_chunks: int = N_CHUNKS,
             chunk_len: int = CHUNK_LEN, hf: bool = False, log=print) -> dict:
     """Each format's scores over the same chunks, with perplexity and agreement with the first format."""
-    resolved = resolve_model(model)
+    resolved = resolve_model(model, log)
     cfg = LlamaConfig.from_json(resolved.folder)
     chunks = eval_chunks(Tokenizer(resolved.folder, cfg), n_chunks, chunk_len)
     runs: dict[str, dict] = {}

@@ -50,7 +50,7 @@ class Prepared:
 
 
 def prepare(model: str, n_prompts: int, log: Callable[[str], None] = print, quant: str = "bf16") -> Prepared:
-    resolved = resolve_model(model)
+    resolved = resolve_model(model, log, quant)
     if resolved.fallback_note:
         log(f"[model] {resolved.fallback_note}")
     cfg = LlamaConfig.from_json(resolved.folder)

@@ -1,0 +1,228 @@
+"""A user's GGUF file as MODEL: imported once into the model cache, its Llama 3 RoPE scaling
+recovered from llama.cpp's divisors, its Q4_0 / Q4_1 values kept by QUANT=q4nx, and a type
+Q4NX cannot hold refused, in one line, before anything is imported.
+
+The tests that write and import a GGUF are `slow`: gguf-py parses a GGUF's 49 152-entry
+vocabulary in seconds per read, and an import reads it twice (ours, transformers' tokenizer)."""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from llama32_1b_inference import main as run_cli
+from llama_base import q4nx
+from llama_base.config import LAYER_TENSORS, LlamaConfig, RopeScaling
+from llama_base.errors import CheckpointError
+from llama_base.paths import ENV_CACHE, models_dir
+from llama_runtime import fixtures, quantize
+from llama_runtime.checkpoint import load_weights
+from llama_runtime.gguf_import import rope_scaling_of, unpermute_rope_rows
+from llama_runtime.models import resolve_checkpoint
+
+# A Llama 3.2 scaling other than the defaults, so the recovered parameters are not a fallback.
+SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=2048)
+GGUF_LAYER = {"wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output", "w_gate": "ffn_gate",
+              "w_up": "ffn_up", "w_down": "ffn_down", "attn_norm": "attn_norm", "ffn_norm": "ffn_norm"}
+
+
+def _gguf_types():
+    from gguf import GGMLQuantizationType as T
+
+    # Every branch of the Q4NX import: 4-bit values kept (Q4_0, Q4_1, rows permuted or not),
+    # wider types quantized from their values (Q8_0, F16).
+    return {"wq": T.Q4_0, "wk": T.Q4_1, "wv": T.Q4_1, "wo": T.Q8_0, "w_gate": T.Q4_1, "w_up": T.Q4_0,
+            "w_down": T.F16}
+
+
+def llama_cpp_divisors(base: float, head_dim: int, rs: RopeScaling) -> np.ndarray:
+    """`rope_freqs.weight` as llama.cpp's converter computes it for a Llama 3 config: the rule
+    written out here from its description, not taken from the importer."""
+    out = []
+    for i in range(0, head_dim, 2):
+        freq = 1.0 / base ** (i / head_dim)
+        wavelen = 2 * math.pi / freq
+        if wavelen < rs.original_max_position_embeddings / rs.high_freq_factor:
+            out.append(1.0)
+        elif wavelen > rs.original_max_position_embeddings / rs.low_freq_factor:
+            out.append(rs.factor)
+        else:
+            smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+                rs.high_freq_factor - rs.low_freq_factor)
+            out.append(1 / ((1 - smooth) / rs.factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's row order for a Q/K weight: the inverse of `unpermute_rope_rows`."""
+    rows, cols = w.shape
+    return w.reshape(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+@pytest.fixture(scope="module")
+def source():
+    """The tiny model's config and weights, and the embedded GGUF's tokenizer metadata."""
+    from gguf import GGUFReader
+
+    from llama_runtime.gguf_import import smollm2_gguf_path
+    from llama_runtime.weights import synthetic_weights
+
+    cfg = replace(fixtures.tiny_config(fixtures.ensure_embedded_model()), rope_scaling=SCALING)
+    reader = GGUFReader(smollm2_gguf_path())
+    tokenizer = [(name, f.contents(), f.types) for name, f in reader.fields.items() if name.startswith("tokenizer.")]
+    return cfg, synthetic_weights(cfg, seed=7), tokenizer
+
+
+def write_gguf(path, source, types=None, raw=None):
+    """A llama GGUF of `source` as llama.cpp lays one out; `types` by short name, `raw`
+    {gguf name: (bytes array, type)} replacing a tensor with bytes of a type gguf cannot write."""
+    from gguf import GGMLQuantizationType as T
+    from gguf import GGUFWriter
+    from gguf.quants import quantize as gguf_quantize
+
+    cfg, weights, tokenizer = source
+    types = {**_gguf_types(), **(types or {})}
+    wr = GGUFWriter(str(path), "llama")
+    wr.add_block_count(cfg.num_hidden_layers)
+    wr.add_context_length(cfg.max_position_embeddings)
+    wr.add_embedding_length(cfg.hidden_size)
+    wr.add_feed_forward_length(cfg.intermediate_size)
+    wr.add_head_count(cfg.num_attention_heads)
+    wr.add_head_count_kv(cfg.num_key_value_heads)
+    wr.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    wr.add_rope_freq_base(cfg.rope_theta)
+    wr.add_rope_dimension_count(cfg.head_dim)
+    wr.add_vocab_size(cfg.vocab_size)
+    for name, value, vtypes in tokenizer:
+        wr.add_key_value(name, value, vtypes[0], sub_type=vtypes[-1] if len(vtypes) > 1 else None)
+
+    def add(name, t: torch.Tensor, kind):
+        if name in (raw or {}):
+            data, kind = raw[name]
+            wr.add_tensor(name, data, raw_dtype=kind)
+        elif kind in (T.F32, T.F16):
+            wr.add_tensor(name, t.float().numpy().astype(np.float32 if kind == T.F32 else np.float16))
+        else:
+            wr.add_tensor(name, gguf_quantize(t.float().numpy(), kind), raw_dtype=kind)
+
+    add("token_embd.weight", weights.embed, T.F16)
+    for i, lw in enumerate(weights.layers):
+        for short, t in lw.by_name().items():
+            heads = {"wq": cfg.num_attention_heads, "wk": cfg.num_key_value_heads}.get(short)
+            add(f"blk.{i}.{GGUF_LAYER[short]}.weight", _permute(t, heads) if heads else t,
+                types.get(short, T.F32))
+    add("output_norm.weight", weights.final_norm, T.F32)
+    wr.add_tensor("rope_freqs.weight", llama_cpp_divisors(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling))
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def imported(source, tmp_path_factory):
+    """The tiny model's GGUF, imported once into a cache of the module's own: (path, folder,
+    the import's log lines)."""
+    root = tmp_path_factory.mktemp("gguf")
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv(ENV_CACHE, str(root / "cache"))
+        path = write_gguf(root / "my model.gguf", source)
+        lines: list[str] = []
+        yield path, resolve_checkpoint(str(path), lines.append), lines
+
+
+def _imports():
+    return sorted(p.name for p in models_dir().glob(f"{fixtures.GGUF_DIR_PREFIX}*"))
+
+
+@pytest.mark.slow
+def test_a_gguf_file_is_imported_once_with_its_config_and_dequantized_values(source, imported):
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    cfg = source[0]
+    path, folder, lines = imported
+    assert _imports() == [folder.name] and lines == [f"[model] importing my model.gguf (once; cached in {folder})"]
+    w = load_weights(str(path))
+    assert w.config == cfg                      # RoPE scaling recovered from the divisors, eos, shapes
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    for short in ("wq", "wk", "w_gate", "w_down"):
+        t = tensors[f"blk.1.{GGUF_LAYER[short]}.weight"]
+        want = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+        heads = {"wq": cfg.num_attention_heads, "wk": cfg.num_key_value_heads}.get(short)
+        want = unpermute_rope_rows(want, heads) if heads else want
+        assert torch.equal(getattr(w.layers[1], short), want.to(torch.bfloat16)), short
+    again: list[str] = []
+    assert resolve_checkpoint(str(path), again.append) == folder and again == []     # cached
+
+
+@pytest.mark.slow
+def test_q4nx_keeps_the_files_4_bit_values(source, imported):
+    from gguf import GGMLQuantizationType as T
+    from gguf import GGUFReader
+
+    cfg = source[0]
+    path = imported[0]
+    w = load_weights(str(path), "q4nx", lambda _: None)
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    for short, kind in _gguf_types().items():
+        n, k = w.backing.layers[0].by_name()[short].shape
+        q2, s2, _ = q4nx.unpack(getattr(w.layers[0], short), n, k)
+        if kind not in (T.Q4_0, T.Q4_1):          # wider types: quantized from their values
+            ref = getattr(w.backing.layers[0], short).float()
+            got = q4nx.dequantize(getattr(w.layers[0], short), n, k).float()
+            assert (got - ref).abs().max() <= ref.abs().max() / 8, short
+            continue
+        t = tensors[f"blk.0.{GGUF_LAYER[short]}.weight"]
+        q, d, _ = (quantize.q4_1_fields if kind == T.Q4_1 else quantize.q4_0_fields)(t.data, n, k)
+        heads = {"wq": cfg.num_attention_heads, "wk": cfg.num_key_value_heads}.get(short)
+        if heads:
+            q, d = unpermute_rope_rows(q, heads), unpermute_rope_rows(d, heads)
+        assert torch.equal(q2, q), short
+        assert torch.equal(s2, d.to(torch.bfloat16)), short
+
+
+@pytest.mark.slow
+def test_a_changed_file_is_imported_again_into_the_same_folder(imported):
+    path, folder, _ = imported
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))        # the file replaced
+    lines: list[str] = []
+    assert resolve_checkpoint(str(path), lines.append) == folder and len(lines) == 1
+    assert _imports() == [folder.name]
+
+
+@pytest.mark.slow
+def test_a_type_q4nx_cannot_hold_is_refused_before_the_import(source, tmp_path, monkeypatch, capsys):
+    """A Q4_K layer (as in llama.cpp's Q4_K_M files): QUANT=q4nx names it in one line, exit 2,
+    and imports nothing; QUANT=bf16 runs the file from its dequantized values."""
+    from gguf import GGMLQuantizationType as T
+
+    monkeypatch.setenv(ENV_CACHE, str(tmp_path / "cache"))
+    cfg = source[0]
+    q4_k_block = 144                                  # bytes per 256 weights: d, dmin, 12 of scales, 128 of nibbles
+    zeros = np.zeros((cfg.intermediate_size, cfg.hidden_size // 256 * q4_k_block), np.uint8)
+    path = write_gguf(tmp_path / "k.gguf", source, raw={"blk.1.ffn_up.weight": (zeros, T.Q4_K)})
+    code = run_cli(["--prompt", "hi", "--model", str(path), "--quant", "q4nx", "--device", "sim", "--n-tokens", "1"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert "tensor 'blk.1.ffn_up.weight' is Q4_K, which QUANT=q4nx cannot hold" in err[0]
+    assert _imports() == []
+    w = load_weights(str(path), "bf16")
+    assert not w.layers[1].w_up.any() and LAYER_TENSORS["w_up"] == "mlp.up_proj.weight"
+
+
+def test_only_llama_3_scaling_is_recovered_from_rope_divisors():
+    cfg = replace(LlamaConfig(), rope_scaling=None)
+    llama32 = RopeScaling()                           # Llama 3.2's: 32, 1, 4, 8192
+    assert rope_scaling_of(llama_cpp_divisors(cfg.rope_theta, cfg.head_dim, llama32), cfg) == llama32
+    assert rope_scaling_of(np.ones(cfg.head_dim // 2, np.float32), cfg) is None
+    with pytest.raises(CheckpointError, match="not Llama 3's scaling rule"):
+        rope_scaling_of(np.full(cfg.head_dim // 2, 4.0, np.float32), cfg)      # linear scaling
+    with pytest.raises(CheckpointError, match="rotates 32 pairs"):
+        rope_scaling_of(np.ones(8, np.float32), cfg)
