@@ -49,7 +49,7 @@ help:
 	@echo "make test         the test suite"
 	@echo "make test-fast    the suite without its slow, QEMU and browser tests"
 	@echo "make clean        remove caches, reports and build files"
-	@echo "variables: PROMPT MODEL=instruct|base|embedded|llama1b-shape|tiny|<folder> N_TOKENS DEVICE=auto|npu|sim|interp"
+	@echo "variables: PROMPT MODEL=instruct|base|embedded|llama1b-shape|tiny|<folder>|<file.gguf> N_TOKENS DEVICE=auto|npu|sim|interp"
 	@echo "           QUANT=bf16|q4nx (4-bit weights) MAX_CONTEXT TEMPERATURE TOP_K TOP_P REPETITION_PENALTY SEED"
 	@echo "           make serve: HOST (127.0.0.1) PORT (8000) QUEUE_SIZE (16) MODEL DEVICE MAX_CONTEXT"
 	@echo "                       CORS_ORIGINS (none; e.g. \"http://localhost:5173\")"

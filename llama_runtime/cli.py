@@ -38,7 +38,8 @@ def parser() -> argparse.ArgumentParser:
                                 description="Llama-3.2-1B on the AMD NPU2 (or the simulated NPU) through MLIR-AIR.")
     p.add_argument("--prompt", "-p", help="prompt text; '-' reads it from standard input")
     p.add_argument("--model", "-m", default="instruct",
-                   help="instruct | base | embedded | llama1b-shape | tiny | a local folder | a HF repo id (default: instruct)")
+                   help="instruct | base | embedded | llama1b-shape | tiny | a local folder | a .gguf file | a HF repo id "
+                        "(default: instruct)")
     p.add_argument("--n-tokens", "-n", type=positive_int, default=32, help="tokens to generate (default 32)")
     p.add_argument("--device", choices=DEVICE_KINDS, default="auto")
     p.add_argument("--quant", choices=QUANTS, default="bf16",

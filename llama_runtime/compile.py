@@ -27,7 +27,7 @@ def _config(args: argparse.Namespace) -> LlamaConfig:
     if args.model_config:
         return LlamaConfig.from_json(args.model_config)
     if args.model:
-        resolved = resolve_model(args.model)
+        resolved = resolve_model(args.model, print)
         if resolved.fallback_note:
             print(f"[model] {resolved.fallback_note}")
         return LlamaConfig.from_json(resolved.folder)
@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m llama_runtime.compile",
         description="Build, stitch and validate every kernel group into the kernel cache; ELFs where aircc exists.")
     ap.add_argument("--model-config", help="config.json (or its folder) giving the shapes")
-    ap.add_argument("--model", help="checkpoint (folder, repo id or alias) whose config gives the shapes")
+    ap.add_argument("--model", help="checkpoint (folder, .gguf file, repo id or alias) whose config gives the shapes")
     ap.add_argument("--max-seq", type=int, help="largest prefill bucket to build")
     ap.add_argument("--device", default="auto", choices=DEVICE_KINDS)
     ap.add_argument("--quant", default="bf16", choices=groups.QUANTS, help="the weight format the groups read")
