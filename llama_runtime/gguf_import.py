@@ -205,8 +205,8 @@ def open_gguf(path: Path):
 
     try:
         return GGUFReader(path)
-    except (ValueError, OSError) as e:
-        raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
+    except Exception as e:    # gguf-py reports a cut or foreign file as whatever its parse hits first
+        raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
 
 
 def import_gguf(gguf_path: Path, out_dir: Path, check: Callable | None = None) -> LlamaConfig:

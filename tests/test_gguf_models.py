@@ -217,6 +217,22 @@ def test_a_type_q4nx_cannot_hold_is_refused_before_the_import(source, tmp_path, 
     assert not w.layers[1].w_up.any() and LAYER_TENSORS["w_up"] == "mlp.up_proj.weight"
 
 
+def test_a_file_that_is_not_a_whole_gguf_is_one_line(tmp_path, capsys):
+    """Not a GGUF, or one cut inside its header: exit 2 with one line, nothing imported."""
+    from llama_runtime.gguf_import import smollm2_gguf_path
+
+    junk, cut = tmp_path / "junk.gguf", tmp_path / "cut.gguf"
+    junk.write_text("not a model\n")
+    with open(smollm2_gguf_path(), "rb") as f:
+        cut.write_bytes(f.read(1000))
+    for path, why in ((junk, "magic"), (cut, "Error")):
+        with pytest.raises(CheckpointError, match=f"not a readable GGUF file .*{why}"):
+            resolve_checkpoint(str(path))
+        code = run_cli(["--prompt", "hi", "--model", str(path), "--device", "sim", "--n-tokens", "1"])
+        err = [line for line in capsys.readouterr().err.splitlines() if line]
+        assert code == 2 and len(err) == 1 and "not a readable GGUF file" in err[0], err
+
+
 def test_only_llama_3_scaling_is_recovered_from_rope_divisors():
     cfg = replace(LlamaConfig(), rope_scaling=None)
     llama32 = RopeScaling()                           # Llama 3.2's: 32, 1, 4, 8192
