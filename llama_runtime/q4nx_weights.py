@@ -9,8 +9,8 @@ token: kept bf16 it would cost nearly as much as every layer's Q4NX weights toge
 the bf16 rows (`head_rescore`; docs/explain.md has the measured perplexities).
 
 Where the weights come from: a GGUF (the embedded model's, or a user's `MODEL=x.gguf`) whose
-linear tensors are Q4_1 (the embedded model) or Q4_0 keeps its 4-bit values exactly and only
-converts its fp16 scales and mins to bf16 (`quantize.q4_1_to_q4nx`); everything else is
+linear tensors are Q4_1 (the embedded model), Q4_0 or Q4_K keeps its 4-bit values exactly and
+only rounds its scales and mins to bf16 (`quantize.q4_1_to_q4nx`); everything else is
 quantized from bf16 (`quantize.quantize`).
 
 The cache: `models/q4nx-<folder>-<key>/weights.safetensors` (U8 tensors holding each matrix's
@@ -118,25 +118,35 @@ def _quantized_tensors(folder: Path, bf16: LlamaWeights, gguf: Path | None, log:
     yield LM_HEAD, quantize.quantize(quantize.pad_rows(bf16.lm_head))
 
 
-def _held_gguf_tensors(path: Path, reader, cfg: LlamaConfig):
-    """(tensor, HF name, short name, shape) of each linear weight whose 4-bit values Q4NX keeps
-    (Q4_1: w = d q + m; Q4_0: w = d (q - 8), a min of -8 d). Linear weights stored wider (F32,
-    F16, BF16, Q8_0) are left to be quantized from their values like any bf16 checkpoint's; any
-    other type (k-quants, 5- and 6-bit types) is refused, naming the tensor: holding it would
-    need a requantization that loses more than the file's own format promised."""
+def _gguf_kinds():
+    """GGUF tensor types by what Q4NX does with them: 4-bit affine types with 32-weight groups
+    whose values it keeps (their fields as Q4_1's, `quantize.q*_fields`), and wider types it
+    quantizes from their values like a bf16 checkpoint's."""
     from gguf import GGMLQuantizationType as T
 
+    held = {T.Q4_0: quantize.q4_0_fields, T.Q4_1: quantize.q4_1_fields, T.Q4_K: quantize.q4_k_fields}
+    wider = {T.F32, T.F16, T.BF16, T.Q8_0, T.Q6_K, T.Q5_0, T.Q5_1, T.Q5_K}
+    return held, wider
+
+
+def _held_gguf_tensors(path: Path, reader, cfg: LlamaConfig):
+    """(tensor, HF name, short name, shape, fields reader) of each linear weight whose 4-bit
+    values Q4NX keeps. Linear weights of a wider type are left to be quantized from their values
+    like any bf16 checkpoint's (a Q4_K_M file keeps some in Q6_K). Any other type (2- and 3-bit
+    k-quants, the non-linear IQ types) is refused, naming the tensor: holding it would put a
+    second rounding on values coarser than Q4NX's own."""
     from llama_runtime.gguf_import import gguf_tensor_name, weight_tensors
 
+    held, wider = _gguf_kinds()
     for t in weight_tensors(reader):
         name, short, shape = gguf_tensor_name(t.name, cfg)
-        if len(shape) != 2 or short == "" or t.tensor_type in (T.F32, T.F16, T.BF16, T.Q8_0):
+        if len(shape) != 2 or short == "" or t.tensor_type in wider:
             continue
-        if t.tensor_type not in (T.Q4_0, T.Q4_1):
+        if t.tensor_type not in held:
             raise CheckpointError(f"{path.name}: tensor {t.name!r} is {t.tensor_type.name}, which QUANT=q4nx cannot "
-                                  "hold (it takes Q4_0, Q4_1, or F32/F16/BF16/Q8_0 to quantize); QUANT=bf16 runs "
-                                  "the file from its dequantized values")
-        yield t, name, short, shape
+                                  "hold (it keeps Q4_0, Q4_1 and Q4_K values and quantizes wider types); QUANT=bf16 "
+                                  "runs the file from its dequantized values")
+        yield t, name, short, shape, held[t.tensor_type]
 
 
 def check_gguf(path: Path, reader, cfg: LlamaConfig) -> None:
@@ -148,13 +158,11 @@ def check_gguf(path: Path, reader, cfg: LlamaConfig) -> None:
 
 def _gguf_tensors(path: Path, cfg: LlamaConfig) -> dict[str, torch.Tensor]:
     """The GGUF's 4-bit linear weights as Q4NX bytes, their values kept (`_held_gguf_tensors`)."""
-    from gguf import GGMLQuantizationType as T
-
     from llama_runtime.gguf_import import open_gguf, unpermute_rope_rows
 
     out = {}
-    for t, name, short, (n, k) in _held_gguf_tensors(path, open_gguf(path), cfg):
-        q, d, m = (quantize.q4_1_fields if t.tensor_type == T.Q4_1 else quantize.q4_0_fields)(t.data, n, k)
+    for t, name, short, (n, k), fields in _held_gguf_tensors(path, open_gguf(path), cfg):
+        q, d, m = fields(t.data, n, k)
         heads = {"wq": cfg.num_attention_heads, "wk": cfg.num_key_value_heads}.get(short)
         if heads:      # rows permuted for llama.cpp's RoPE: every per-row field moves with its row
             q, d, m = (unpermute_rope_rows(x, heads) for x in (q, d, m))
@@ -175,7 +183,8 @@ def ensure_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = p
     """The cache folder holding `folder`'s weights in Q4NX, built now if missing, stale or damaged."""
     gguf = _gguf_for(folder)
     source = {"format": FORMAT, "q4nx": [q4nx.ROWS, q4nx.COLS, q4nx.GROUP],
-              "code": fixtures._code_digest(q4nx, quantize, _quantized_tensors, _held_gguf_tensors, _gguf_tensors),
+              "code": fixtures._code_digest(q4nx, quantize, _quantized_tensors, _gguf_kinds, _held_gguf_tensors,
+                                            _gguf_tensors),
               "checkpoint": _source_of(folder)}
     if gguf is not None:
         source["gguf"] = _gguf_stamp(gguf, packaged=folder.name == fixtures.EMBEDDED_DIR)

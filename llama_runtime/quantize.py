@@ -114,6 +114,31 @@ def q4_0_fields(raw: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Te
     return torch.cat([nib & 15, nib >> 4], dim=-1).reshape(n, k), d, -8 * d
 
 
+Q4_K_WEIGHTS = 256              # a super-block: fp16 d and dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles
+Q4_K_BYTES = 144
+
+
+def q4_k_fields(raw: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K as Q4_1's fields. Each 32-weight sub-block j of a super-block holds w = d sc_j q -
+    dmin m_j with 6-bit sc_j and m_j: a scale d sc_j and a min -dmin m_j per group of 32, both
+    exact in f32 (an fp16 times a 6-bit integer). Within each 64 weights, the low nibbles of 32
+    bytes are the first sub-block and the high nibbles the second (llama.cpp's
+    `dequantize_row_q4_K`); sc and m of sub-blocks 0-3 are the low 6 bits of bytes 0-3 and 4-7,
+    those of 4-7 take their low 4 bits from bytes 8-11 and their top 2 from the top bits of
+    bytes 0-3 (sc) and 4-7 (m)."""
+    if Q4_K_WEIGHTS % (2 * q4nx.GROUP) or 2 * Q4_1_BLOCK != 64:
+        raise ValueError("Q4_K sub-blocks and Q4NX groups must cover the same columns")
+    b = torch.from_numpy(np.array(raw, dtype=np.uint8)).view(n, k // Q4_K_WEIGHTS, Q4_K_BYTES)
+    d = b[..., 0:2].contiguous().view(torch.float16).float()           # [n, blocks, 1]
+    dmin = b[..., 2:4].contiguous().view(torch.float16).float()
+    sm = b[..., 4:16].to(torch.int32)
+    low = torch.cat([sm[..., 0:4] & 63, sm[..., 8:12] & 15 | (sm[..., 0:4] >> 6) << 4], dim=-1)
+    mins = torch.cat([sm[..., 4:8] & 63, sm[..., 8:12] >> 4 | (sm[..., 4:8] >> 6) << 4], dim=-1)
+    nib = b[..., 16:].reshape(n, k // Q4_K_WEIGHTS, 4, 32)              # 4 chunks of 64 weights
+    q = torch.stack([nib & 15, nib >> 4], dim=3).reshape(n, k)
+    return q, (d * low.float()).reshape(n, -1), (-dmin * mins.float()).reshape(n, -1)
+
+
 def q4_1_to_q4nx(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """bf16 (scale, min) for Q4_1's fp16 (d, m) with the same 4-bit values (see the module doc)."""
     n, g = d.shape

@@ -1,6 +1,6 @@
 """A user's GGUF file as MODEL: imported once into the model cache, its Llama 3 RoPE scaling
-recovered from llama.cpp's divisors, its Q4_0 / Q4_1 values kept by QUANT=q4nx, and a type
-Q4NX cannot hold refused, in one line, before anything is imported.
+recovered from llama.cpp's divisors, its Q4_0 / Q4_1 / Q4_K values kept by QUANT=q4nx, and a
+type Q4NX cannot hold refused, in one line, before anything is imported.
 
 The tests that write and import a GGUF are `slow`: gguf-py parses a GGUF's 49 152-entry
 vocabulary in seconds per read, and an import reads it twice (ours, transformers' tokenizer)."""
@@ -33,10 +33,22 @@ GGUF_LAYER = {"wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output
 def _gguf_types():
     from gguf import GGMLQuantizationType as T
 
-    # Every branch of the Q4NX import: 4-bit values kept (Q4_0, Q4_1, rows permuted or not),
+    # Every branch of the Q4NX import: 4-bit values kept (Q4_0, Q4_1, Q4_K; rows permuted or not),
     # wider types quantized from their values (Q8_0, F16).
-    return {"wq": T.Q4_0, "wk": T.Q4_1, "wv": T.Q4_1, "wo": T.Q8_0, "w_gate": T.Q4_1, "w_up": T.Q4_0,
+    return {"wq": T.Q4_0, "wk": T.Q4_1, "wv": T.Q4_K, "wo": T.Q8_0, "w_gate": T.Q4_1, "w_up": T.Q4_K,
             "w_down": T.F16}
+
+
+def q4_k_bytes(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Q4_K super-blocks of random nibbles and 6-bit scales and mins under small fp16 d and
+    dmin (gguf-py has no Q4_K quantizer; any such bytes are a valid tensor)."""
+    from llama_runtime.quantize import Q4_K_BYTES, Q4_K_WEIGHTS
+
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (rows, cols // Q4_K_WEIGHTS, Q4_K_BYTES), dtype=np.uint8)
+    for lo, scale in ((0, 2e-3), (2, 1e-2)):          # d, then dmin
+        b[..., lo:lo + 2] = (rng.random(b.shape[:2]) * scale).astype(np.float16)[..., None].view(np.uint8)
+    return b.reshape(rows, -1)
 
 
 def llama_cpp_divisors(base: float, head_dim: int, rs: RopeScaling) -> np.ndarray:
@@ -104,6 +116,8 @@ def write_gguf(path, source, types=None, raw=None):
         if name in (raw or {}):
             data, kind = raw[name]
             wr.add_tensor(name, data, raw_dtype=kind)
+        elif kind == T.Q4_K:
+            wr.add_tensor(name, q4_k_bytes(*t.shape, seed=len(name)), raw_dtype=kind)
         elif kind in (T.F32, T.F16):
             wr.add_tensor(name, t.float().numpy().astype(np.float32 if kind == T.F32 else np.float16))
         else:
@@ -173,13 +187,14 @@ def test_q4nx_keeps_the_files_4_bit_values(source, imported):
     for short, kind in _gguf_types().items():
         n, k = w.backing.layers[0].by_name()[short].shape
         q2, s2, _ = q4nx.unpack(getattr(w.layers[0], short), n, k)
-        if kind not in (T.Q4_0, T.Q4_1):          # wider types: quantized from their values
+        if kind not in (T.Q4_0, T.Q4_1, T.Q4_K):   # wider types: quantized from their values
             ref = getattr(w.backing.layers[0], short).float()
             got = q4nx.dequantize(getattr(w.layers[0], short), n, k).float()
             assert (got - ref).abs().max() <= ref.abs().max() / 8, short
             continue
         t = tensors[f"blk.0.{GGUF_LAYER[short]}.weight"]
-        q, d, _ = (quantize.q4_1_fields if kind == T.Q4_1 else quantize.q4_0_fields)(t.data, n, k)
+        fields = {T.Q4_0: quantize.q4_0_fields, T.Q4_1: quantize.q4_1_fields, T.Q4_K: quantize.q4_k_fields}[kind]
+        q, d, _ = fields(t.data, n, k)
         heads = {"wq": cfg.num_attention_heads, "wk": cfg.num_key_value_heads}.get(short)
         if heads:
             q, d = unpermute_rope_rows(q, heads), unpermute_rope_rows(d, heads)
@@ -199,19 +214,19 @@ def test_a_changed_file_is_imported_again_into_the_same_folder(imported):
 
 @pytest.mark.slow
 def test_a_type_q4nx_cannot_hold_is_refused_before_the_import(source, tmp_path, monkeypatch, capsys):
-    """A Q4_K layer (as in llama.cpp's Q4_K_M files): QUANT=q4nx names it in one line, exit 2,
+    """A Q3_K layer (as in llama.cpp's Q3_K_M files): QUANT=q4nx names it in one line, exit 2,
     and imports nothing; QUANT=bf16 runs the file from its dequantized values."""
     from gguf import GGMLQuantizationType as T
 
     monkeypatch.setenv(ENV_CACHE, str(tmp_path / "cache"))
     cfg = source[0]
-    q4_k_block = 144                                  # bytes per 256 weights: d, dmin, 12 of scales, 128 of nibbles
-    zeros = np.zeros((cfg.intermediate_size, cfg.hidden_size // 256 * q4_k_block), np.uint8)
-    path = write_gguf(tmp_path / "k.gguf", source, raw={"blk.1.ffn_up.weight": (zeros, T.Q4_K)})
+    q3_k_block = 110                                  # bytes per 256 weights: 32 of high bits, 64 of 2-bit values, 12 of scales, d
+    zeros = np.zeros((cfg.intermediate_size, cfg.hidden_size // 256 * q3_k_block), np.uint8)
+    path = write_gguf(tmp_path / "k.gguf", source, raw={"blk.1.ffn_up.weight": (zeros, T.Q3_K)})
     code = run_cli(["--prompt", "hi", "--model", str(path), "--quant", "q4nx", "--device", "sim", "--n-tokens", "1"])
     err = [line for line in capsys.readouterr().err.splitlines() if line]
     assert code == 2 and len(err) == 1 and err[0].startswith("error: "), err
-    assert "tensor 'blk.1.ffn_up.weight' is Q4_K, which QUANT=q4nx cannot hold" in err[0]
+    assert "tensor 'blk.1.ffn_up.weight' is Q3_K, which QUANT=q4nx cannot hold" in err[0]
     assert _imports() == []
     w = load_weights(str(path), "bf16")
     assert not w.layers[1].w_up.any() and LAYER_TENSORS["w_up"] == "mlp.up_proj.weight"

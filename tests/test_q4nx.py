@@ -123,6 +123,31 @@ def test_q4_1_blocks_keep_their_values_and_lose_only_the_scale_rounding():
     assert 0 < loss["rms_change_over_step_rms"] < 0.2 and loss["max_change_in_steps"] < 0.2
 
 
+def test_q4_k_super_blocks_read_as_gguf_dequantizes_them():
+    """Q4_K's fields (scale d sc_j and min -dmin m_j per 32 weights, 6-bit sc and m packed in
+    12 bytes, nibbles low-then-high per 64 weights) give exactly gguf-py's dequantized values,
+    and their Q4NX conversion loses only the bf16 rounding of scales and mins."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize
+
+    n, k = 32, 512
+    rng = np.random.default_rng(4)
+    b = rng.integers(0, 256, (n, k // quantize.Q4_K_WEIGHTS, quantize.Q4_K_BYTES), dtype=np.uint8)
+    b[..., 0:2] = (rng.random(b.shape[:2]) * 2e-3).astype(np.float16)[..., None].view(np.uint8)
+    b[..., 2:4] = (rng.random(b.shape[:2]) * 1e-2).astype(np.float16)[..., None].view(np.uint8)
+    raw = b.reshape(n, -1)
+    want = torch.from_numpy(np.array(dequantize(raw, T.Q4_K), dtype=np.float32))
+    q, d, m = quantize.q4_k_fields(raw, n, k)
+    assert int(q.max()) == 15 and int(q.min()) == 0
+    assert torch.equal((q.view(n, -1, 32).float() * d[..., None] + m[..., None]).view(n, k), want)
+    s, mn = quantize.q4_1_to_q4nx(q, d, m)
+    got = q4nx.dequantize(q4nx.pack(q, s, mn), n, k).float()
+    step, low = d.repeat_interleave(32, dim=1), m.abs().repeat_interleave(32, dim=1)
+    # These random bytes put mins up to hundreds of steps from 0, so the min's own bf16 rounding
+    # shows here; a quantizer's mins lie within a group's 15 steps.
+    assert bool(((got - want).abs() <= 0.1 * step + (want.abs() + low) * 2 ** -8).all())
+
+
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_the_device_form_round_trips(n, k):
     buf = torch.randint(0, 256, (q4nx.nbytes(n, k),), generator=torch.Generator().manual_seed(k), dtype=torch.uint8)

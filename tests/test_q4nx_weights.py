@@ -196,19 +196,20 @@ def test_the_embedded_q4nx_weights_equal_its_bf16_import_up_to_the_scale_roundin
 
 
 def test_a_gguf_type_q4nx_cannot_hold_is_named(tmp_path, monkeypatch, tiny_config):
-    """A GGUF whose linear weight is Q5_0: one error naming the tensor and its type."""
+    """A GGUF whose linear weight is IQ4_NL (4 bits, but indices into a non-linear table of
+    levels, not an affine q * scale + min): one error naming the tensor and its type."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     path = tmp_path / "bad.gguf"
     wr = GGUFWriter(str(path), "llama")
     h = tiny_config.hidden_size
-    q5_0_bytes = 22                                        # per block of 32: fp16 d, 4 bytes of high bits, 16 of nibbles
-    wr.add_tensor("blk.0.ffn_up.weight", np.zeros((tiny_config.intermediate_size, h // 32 * q5_0_bytes), np.uint8),
-                  raw_dtype=GGMLQuantizationType.Q5_0)
+    iq4_nl_bytes = 18                                      # per block of 32: fp16 d, 16 bytes of 4-bit indices
+    wr.add_tensor("blk.0.ffn_up.weight", np.zeros((tiny_config.intermediate_size, h // 32 * iq4_nl_bytes), np.uint8),
+                  raw_dtype=GGMLQuantizationType.IQ4_NL)
     wr.write_header_to_file()
     wr.write_kv_data_to_file()
     wr.write_tensors_to_file()
     wr.close()
-    with pytest.raises(CheckpointError, match="'blk.0.ffn_up.weight' is Q5_0"):
+    with pytest.raises(CheckpointError, match="'blk.0.ffn_up.weight' is IQ4_NL"):
         q4nx_weights._gguf_tensors(path, tiny_config)
     assert LAYER_TENSORS["w_up"] == "mlp.up_proj.weight"
