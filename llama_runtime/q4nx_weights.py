@@ -17,10 +17,11 @@ The cache: `models/q4nx-<folder>-<key>/weights.safetensors` (U8 tensors holding 
 Q4NX bytes) with its SHA-256 beside it. The key hashes what decides the bytes: the source
 checkpoint's safetensors headers, sizes and modification times (and the GGUF's name, size and
 package version or modification time), and the code of the format and the quantizer. A build
-runs once, under a lock, into a temporary folder renamed into place (`fixtures._ensure`), so a crash leaves
-nothing half-written; a file whose hash no longer matches (damaged on disk) is rebuilt. A new
-build removes the ones it replaces: those of the same checkpoint made by older code or from
-another install of its GGUF.
+runs once, under a lock, into a temporary folder renamed into place (`fixtures._ensure`), so a
+crash leaves nothing half-written; a file whose hash no longer matches (damaged on disk) is
+rebuilt. A new build removes the ones it replaces: those of the same checkpoint made by older
+code or from another install of its GGUF, and those the model cache's own imports made from
+their older files.
 """
 from __future__ import annotations
 
@@ -130,8 +131,8 @@ def _gguf_kinds():
 
 
 def _held_gguf_tensors(path: Path, reader, cfg: LlamaConfig):
-    """(tensor, HF name, short name, shape, fields reader) of each linear weight whose 4-bit
-    values Q4NX keeps. Linear weights of a wider type are left to be quantized from their values
+    """(tensor, HF name, short name, shape, the function reading its fields) of each linear
+    weight whose 4-bit values Q4NX keeps. Linear weights of a wider type are left to be quantized from their values
     like any bf16 checkpoint's (a Q4_K_M file keeps some in Q6_K). Any other type (2- and 3-bit
     k-quants, the non-linear IQ types) is refused, naming the tensor: holding it would put a
     second rounding on values coarser than Q4NX's own."""

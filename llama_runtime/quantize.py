@@ -116,6 +116,7 @@ def q4_0_fields(raw: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Te
 
 Q4_K_WEIGHTS = 256              # a super-block: fp16 d and dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles
 Q4_K_BYTES = 144
+Q4_K_SUB = 32                   # weights per sub-block: one scale and one min
 
 
 def q4_k_fields(raw: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -126,7 +127,7 @@ def q4_k_fields(raw: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Te
     `dequantize_row_q4_K`); sc and m of sub-blocks 0-3 are the low 6 bits of bytes 0-3 and 4-7,
     those of 4-7 take their low 4 bits from bytes 8-11 and their top 2 from the top bits of
     bytes 0-3 (sc) and 4-7 (m)."""
-    if Q4_K_WEIGHTS % (2 * q4nx.GROUP) or 2 * Q4_1_BLOCK != 64:
+    if q4nx.GROUP != Q4_K_SUB:
         raise ValueError("Q4_K sub-blocks and Q4NX groups must cover the same columns")
     b = torch.from_numpy(np.array(raw, dtype=np.uint8)).view(n, k // Q4_K_WEIGHTS, Q4_K_BYTES)
     d = b[..., 0:2].contiguous().view(torch.float16).float()           # [n, blocks, 1]
