@@ -85,6 +85,12 @@ def smollm2_version() -> str:
     return importlib.metadata.version(SMOLLM2_DIST)
 
 
+def rope_heads(short: str, cfg: LlamaConfig) -> int | None:
+    """The heads over which llama.cpp's converter interleaves a weight's rows for its RoPE: Q's
+    attention heads, K's KV heads; None for every other weight."""
+    return {"wq": cfg.num_attention_heads, "wk": cfg.num_key_value_heads}.get(short)
+
+
 def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's pair-interleaving of a Q or K weight's rows (one head at a time).
 
@@ -192,10 +198,9 @@ def gguf_tensors(reader, cfg: LlamaConfig):
         w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # owned, writable copy
         if tuple(w.shape) != shape:
             raise CheckpointError(f"GGUF tensor {t.name!r} has shape {list(w.shape)}, expected {list(shape)}")
-        if short == "wq":
-            w = unpermute_rope_rows(w, cfg.num_attention_heads)
-        elif short == "wk":
-            w = unpermute_rope_rows(w, cfg.num_key_value_heads)
+        heads = rope_heads(short, cfg)
+        if heads:
+            w = unpermute_rope_rows(w, heads)
         yield name, w.to(torch.bfloat16).contiguous()
 
 

@@ -81,11 +81,17 @@ def _source_of(folder: Path) -> dict:
     return {"files": files}
 
 
+def _imported(folder: Path) -> bool:
+    """Whether `folder` is one of the model cache's own checkpoints (an import, remade in place
+    when its source or the importer changes), not a folder of the user's."""
+    return folder.resolve().parent == models_dir().resolve()
+
+
 def _gguf_for(folder: Path) -> Path | None:
     """The GGUF `folder` was imported from: the embedded model's, or a user's (`MODEL=x.gguf`)."""
     from llama_runtime import gguf_import
 
-    if folder.resolve().parent != models_dir().resolve():
+    if not _imported(folder):
         return None
     if folder.name == fixtures.EMBEDDED_DIR:
         return gguf_import.smollm2_gguf_path()
@@ -159,12 +165,12 @@ def check_gguf(path: Path, reader, cfg: LlamaConfig) -> None:
 
 def _gguf_tensors(path: Path, cfg: LlamaConfig) -> dict[str, torch.Tensor]:
     """The GGUF's 4-bit linear weights as Q4NX bytes, their values kept (`_held_gguf_tensors`)."""
-    from llama_runtime.gguf_import import open_gguf, unpermute_rope_rows
+    from llama_runtime.gguf_import import open_gguf, rope_heads, unpermute_rope_rows
 
     out = {}
     for t, name, short, (n, k), fields in _held_gguf_tensors(path, open_gguf(path), cfg):
         q, d, m = fields(t.data, n, k)
-        heads = {"wq": cfg.num_attention_heads, "wk": cfg.num_key_value_heads}.get(short)
+        heads = rope_heads(short, cfg)
         if heads:      # rows permuted for llama.cpp's RoPE: every per-row field moves with its row
             q, d, m = (unpermute_rope_rows(x, heads) for x in (q, d, m))
         s, mn = quantize.q4_1_to_q4nx(q, d, m)
@@ -197,8 +203,7 @@ def ensure_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = p
         log(f"[quant] making Q4NX weights of {folder.name} (once; cached in {target})")
     path = fixtures._ensure(name, source, lambda tmp: _build(folder, bf16, gguf, tmp, log))
     if built:
-        owned = folder.resolve().parent == models_dir().resolve()
-        _remove_superseded(folder.name, target, source, owned, log)
+        _remove_superseded(folder.name, target, source, _imported(folder), log)
     try:
         intact = (path / HASH_FILE).read_text().strip() == _sha256(path / WEIGHTS_FILE)
     except OSError:

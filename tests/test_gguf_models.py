@@ -21,7 +21,7 @@ from llama_base.errors import CheckpointError
 from llama_base.paths import ENV_CACHE, models_dir
 from llama_runtime import fixtures, quantize
 from llama_runtime.checkpoint import load_weights
-from llama_runtime.gguf_import import rope_scaling_of, unpermute_rope_rows
+from llama_runtime.gguf_import import rope_heads, rope_scaling_of, unpermute_rope_rows
 from llama_runtime.models import resolve_checkpoint
 
 # A Llama 3.2 scaling other than the defaults, so the recovered parameters are not a fallback.
@@ -126,7 +126,7 @@ def write_gguf(path, source, types=None, raw=None):
     add("token_embd.weight", weights.embed, T.F16)
     for i, lw in enumerate(weights.layers):
         for short, t in lw.by_name().items():
-            heads = {"wq": cfg.num_attention_heads, "wk": cfg.num_key_value_heads}.get(short)
+            heads = rope_heads(short, cfg)
             add(f"blk.{i}.{GGUF_LAYER[short]}.weight", _permute(t, heads) if heads else t,
                 types.get(short, T.F32))
     add("output_norm.weight", weights.final_norm, T.F32)
@@ -168,7 +168,7 @@ def test_a_gguf_file_is_imported_once_with_its_config_and_dequantized_values(sou
     for short in ("wq", "wk", "w_gate", "w_down"):
         t = tensors[f"blk.1.{GGUF_LAYER[short]}.weight"]
         want = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
-        heads = {"wq": cfg.num_attention_heads, "wk": cfg.num_key_value_heads}.get(short)
+        heads = rope_heads(short, cfg)
         want = unpermute_rope_rows(want, heads) if heads else want
         assert torch.equal(getattr(w.layers[1], short), want.to(torch.bfloat16)), short
     again: list[str] = []
@@ -195,7 +195,7 @@ def test_q4nx_keeps_the_files_4_bit_values(source, imported):
         t = tensors[f"blk.0.{GGUF_LAYER[short]}.weight"]
         fields = {T.Q4_0: quantize.q4_0_fields, T.Q4_1: quantize.q4_1_fields, T.Q4_K: quantize.q4_k_fields}[kind]
         q, d, _ = fields(t.data, n, k)
-        heads = {"wq": cfg.num_attention_heads, "wk": cfg.num_key_value_heads}.get(short)
+        heads = rope_heads(short, cfg)
         if heads:
             q, d = unpermute_rope_rows(q, heads), unpermute_rope_rows(d, heads)
         assert torch.equal(q2, q), short
