@@ -118,11 +118,11 @@ def _ensure(name: str, source: dict, build: Callable[[Path], None]) -> Path:
 
 def ensure_embedded_model() -> Path:
     """The SmolLM2-135M-Instruct checkpoint folder, imported from its GGUF on first use."""
-    from llama_runtime import checkpoint_writer, gguf_import
+    from llama_runtime import checkpoint_writer, gguf_file, gguf_import
 
     gguf_path = gguf_import.smollm2_gguf_path()
     source = {"package": gguf_import.SMOLLM2_DIST, "version": gguf_import.smollm2_version(), "file": gguf_path.name,
-              "code": _code_digest(gguf_import, checkpoint_writer)}
+              "code": _code_digest(gguf_import, gguf_file, checkpoint_writer)}
     return _ensure(EMBEDDED_DIR, source, lambda tmp: gguf_import.import_gguf(gguf_path, tmp))
 
 
@@ -136,12 +136,12 @@ def ensure_gguf_model(gguf_path: Path, log: Callable[[str], None] | None = None,
     is how `QUANT=q4nx` finds its 4-bit values again (`gguf_source`). `check` may refuse the
     file before its tensors are converted (`gguf_import.import_gguf`).
     """
-    from llama_runtime import checkpoint_writer, gguf_import
+    from llama_runtime import checkpoint_writer, gguf_file, gguf_import
 
     path = Path(gguf_path).expanduser().resolve()
     st = path.stat()
     source = {"gguf": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-              "code": _code_digest(gguf_import, checkpoint_writer)}
+              "code": _code_digest(gguf_import, gguf_file, checkpoint_writer)}
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem)[:48]
     name = f"{GGUF_DIR_PREFIX}{stem}-{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
     if log is not None and not _is_current(models_dir() / name, source):

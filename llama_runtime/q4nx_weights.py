@@ -40,7 +40,7 @@ from llama_base import q4nx
 from llama_base.config import LAYER_TENSORS, LlamaConfig, layer_shapes
 from llama_base.errors import CheckpointError
 from llama_base.paths import models_dir
-from llama_runtime import fixtures, quantize
+from llama_runtime import fixtures, gguf_file, quantize
 from llama_runtime.safetensors_io import Checkpoint
 from llama_runtime.weights import LayerWeights, LlamaWeights
 
@@ -190,8 +190,8 @@ def ensure_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = p
     """The cache folder holding `folder`'s weights in Q4NX, built now if missing, stale or damaged."""
     gguf = _gguf_for(folder)
     source = {"format": FORMAT, "q4nx": [q4nx.ROWS, q4nx.COLS, q4nx.GROUP],
-              "code": fixtures._code_digest(q4nx, quantize, _quantized_tensors, _gguf_kinds, _held_gguf_tensors,
-                                            _gguf_tensors),
+              "code": fixtures._code_digest(q4nx, quantize, gguf_file, _quantized_tensors, _gguf_kinds,
+                                            _held_gguf_tensors, _gguf_tensors),
               "checkpoint": _source_of(folder)}
     if gguf is not None:
         source["gguf"] = _gguf_stamp(gguf, packaged=folder.name == fixtures.EMBEDDED_DIR)

@@ -1,9 +1,6 @@
 """A user's GGUF file as MODEL: imported once into the model cache, its Llama 3 RoPE scaling
 recovered from llama.cpp's divisors, its Q4_0 / Q4_1 / Q4_K values kept by QUANT=q4nx, and a
-type Q4NX cannot hold refused, in one line, before anything is imported.
-
-The tests that write and import a GGUF are `slow`: gguf-py parses a GGUF's 49 152-entry
-vocabulary in seconds per read, and an import reads it twice (ours, transformers' tokenizer)."""
+type Q4NX cannot hold refused, in one line, before anything is imported."""
 from __future__ import annotations
 
 import math
@@ -154,7 +151,6 @@ def _imports():
     return sorted(p.name for p in models_dir().glob(f"{fixtures.GGUF_DIR_PREFIX}*"))
 
 
-@pytest.mark.slow
 def test_a_gguf_file_is_imported_once_with_its_config_and_dequantized_values(source, imported):
     from gguf import GGUFReader
     from gguf.quants import dequantize
@@ -175,7 +171,6 @@ def test_a_gguf_file_is_imported_once_with_its_config_and_dequantized_values(sou
     assert resolve_checkpoint(str(path), again.append) == folder and again == []     # cached
 
 
-@pytest.mark.slow
 def test_q4nx_keeps_the_files_4_bit_values(source, imported):
     from gguf import GGMLQuantizationType as T
     from gguf import GGUFReader
@@ -202,7 +197,6 @@ def test_q4nx_keeps_the_files_4_bit_values(source, imported):
         assert torch.equal(s2, d.to(torch.bfloat16)), short
 
 
-@pytest.mark.slow
 def test_a_changed_file_is_imported_again_into_the_same_folder(imported):
     path, folder, _ = imported
     st = path.stat()
@@ -212,7 +206,6 @@ def test_a_changed_file_is_imported_again_into_the_same_folder(imported):
     assert _imports() == [folder.name]
 
 
-@pytest.mark.slow
 def test_a_type_q4nx_cannot_hold_is_refused_before_the_import(source, tmp_path, monkeypatch, capsys):
     """A Q3_K layer (as in llama.cpp's Q3_K_M files): QUANT=q4nx names it in one line, exit 2,
     and imports nothing; QUANT=bf16 runs the file from its dequantized values."""
@@ -240,7 +233,7 @@ def test_a_file_that_is_not_a_whole_gguf_is_one_line(tmp_path, capsys):
     junk.write_text("not a model\n")
     with open(smollm2_gguf_path(), "rb") as f:
         cut.write_bytes(f.read(1000))
-    for path, why in ((junk, "magic"), (cut, "Error")):
+    for path, why in ((junk, "magic"), (cut, "cut short")):
         with pytest.raises(CheckpointError, match=f"not a readable GGUF file .*{why}"):
             resolve_checkpoint(str(path))
         code = run_cli(["--prompt", "hi", "--model", str(path), "--device", "sim", "--n-tokens", "1"])
