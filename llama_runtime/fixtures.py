@@ -134,7 +134,8 @@ def ensure_gguf_model(gguf_path: Path, log: Callable[[str], None] | None = None,
     time) or importer is imported again into the same folder, so re-downloads do not pile up
     copies of the weights (2.5 GB of bf16 for Llama-3.2-1B). The stamp names the file, which
     is how `QUANT=q4nx` finds its 4-bit values again (`gguf_source`). `check` may refuse the
-    file before its tensors are converted (`gguf_import.import_gguf`).
+    file (`gguf_import.read_gguf`), as a damaged or foreign one is refused, before anything is
+    written or locked.
     """
     from llama_runtime import checkpoint_writer, gguf_file, gguf_import
 
@@ -144,9 +145,12 @@ def ensure_gguf_model(gguf_path: Path, log: Callable[[str], None] | None = None,
               "code": _code_digest(gguf_import, gguf_file, checkpoint_writer)}
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem)[:48]
     name = f"{GGUF_DIR_PREFIX}{stem}-{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
-    if log is not None and not _is_current(models_dir() / name, source):
-        log(f"[model] importing {path.name} (once; cached in {models_dir() / name})")
-    return _ensure(name, source, lambda tmp: gguf_import.import_gguf(path, tmp, check))
+    opened = None
+    if not _is_current(models_dir() / name, source):
+        opened = gguf_import.read_gguf(path, check)   # a file it refuses leaves the cache untouched
+        if log is not None:
+            log(f"[model] importing {path.name} (once; cached in {models_dir() / name})")
+    return _ensure(name, source, lambda tmp: gguf_import.import_gguf(path, tmp, check, opened))
 
 
 def gguf_source(folder: Path) -> Path | None:

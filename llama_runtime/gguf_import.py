@@ -181,14 +181,13 @@ def weight_tensors(reader: GGUFFile) -> list:
 
 
 def gguf_tensors(reader: GGUFFile, cfg: LlamaConfig):
-    """Yield (HF name, bf16 tensor) for every tensor, dequantized, re-laid-out and shape-checked."""
+    """Yield (HF name, bf16 tensor) for every weight, dequantized and re-laid-out (its shape
+    checked by `read_gguf`)."""
     from gguf.quants import dequantize
 
     for t in weight_tensors(reader):
-        name, short, shape = gguf_tensor_name(t.name, cfg)
+        name, short, _ = gguf_tensor_name(t.name, cfg)
         w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # owned, writable copy
-        if tuple(w.shape) != shape:
-            raise CheckpointError(f"GGUF tensor {t.name!r} has shape {list(w.shape)}, expected {list(shape)}")
         heads = rope_heads(short, cfg)
         if heads:
             w = unpermute_rope_rows(w, heads)
@@ -200,25 +199,39 @@ def open_gguf(path: Path) -> GGUFFile:
     return GGUFFile(path)
 
 
-def import_gguf(gguf_path: Path, out_dir: Path, check: Callable | None = None) -> LlamaConfig:
+def read_gguf(path: Path, check: Callable | None = None) -> tuple[GGUFFile, LlamaConfig]:
+    """The file and its config, once everything that can refuse it has looked: the header, the
+    config, every weight's name and shape, and `check(path, reader, config)`. All of it reads
+    metadata only, so a refused file costs a fraction of a second and, refused before its
+    import begins (`fixtures.ensure_gguf_model`), leaves nothing in the model cache."""
+    reader = open_gguf(path)
+    cfg = gguf_config(reader)
+    names = set()
+    for t in weight_tensors(reader):
+        name, _, shape = gguf_tensor_name(t.name, cfg)
+        if t.shape != shape:
+            raise CheckpointError(f"GGUF tensor {t.name!r} has shape {list(t.shape)}, expected {list(shape)}")
+        names.add(name)
+    expected = 2 + len(LAYER_TENSORS) * cfg.num_hidden_layers + (0 if cfg.tie_word_embeddings else 1)
+    if len(names) != expected:
+        raise CheckpointError(f"{path}: {len(names)} weights, a {cfg.num_hidden_layers}-layer Llama has {expected}")
+    if check is not None:
+        check(path, reader, cfg)
+    return reader, cfg
+
+
+def import_gguf(gguf_path: Path, out_dir: Path, check: Callable | None = None,
+                opened: tuple[GGUFFile, LlamaConfig] | None = None) -> LlamaConfig:
     """Write config.json, generation_config.json, model.safetensors and tokenizer files into
-    `out_dir`. `check(path, reader, config)` may refuse the file before any tensor is converted."""
+    `out_dir`, from `opened` (`read_gguf`'s result) or the file read and checked now."""
     from safetensors.torch import save_file
     from transformers import PreTrainedTokenizerFast
 
     from llama_runtime.checkpoint_writer import write_configs
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    reader = open_gguf(gguf_path)
-    cfg = gguf_config(reader)
-    if check is not None:
-        check(gguf_path, reader, cfg)
+    reader, cfg = opened if opened is not None else read_gguf(gguf_path, check)
     tensors = dict(gguf_tensors(reader, cfg))
-    expected = 2 + len(LAYER_TENSORS) * cfg.num_hidden_layers + (0 if cfg.tie_word_embeddings else 1)
-    if len(tensors) != expected:
-        raise CheckpointError(
-            f"{gguf_path}: {len(tensors)} tensors, a {cfg.num_hidden_layers}-layer Llama has {expected}"
-        )
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del tensors

@@ -223,9 +223,14 @@ def _remove_superseded(folder_name: str, current: Path, source: dict, owned: boo
     source or importer changes), every other build of it, which its older files made. Each
     would otherwise leave a copy of the weights behind (737 MB for Llama-3.2-1B). A folder of
     the user's keeps the builds of other checkpoints that share its name. A build another
-    process holds the lock of is left alone."""
+    process holds the lock of is left alone. The lock files of removed builds go with them, as
+    do those of builds that no longer exist."""
     pattern = re.compile(re.escape(f"q4nx-{folder_name}-") + "[0-9a-f]{16}")
     freed, removed = 0, 0
+    for lock_file in current.parent.glob(f".q4nx-{folder_name}-*.lock"):
+        entry = current.parent / lock_file.name[1:-len(".lock")]
+        if entry != current and pattern.fullmatch(entry.name) and not entry.exists():
+            _remove_locked(entry)
     for entry in current.parent.iterdir():
         if entry == current or not pattern.fullmatch(entry.name):
             continue
@@ -236,16 +241,27 @@ def _remove_superseded(folder_name: str, current: Path, source: dict, owned: boo
         if not owned and (old.get("checkpoint") != source["checkpoint"]
                           or not _same_gguf(old.get("gguf"), source.get("gguf"))):
             continue
-        try:
-            with fixtures.build_lock(entry, timeout=0):
-                size = sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
-                shutil.rmtree(entry)
-        except (Timeout, OSError):
-            continue
-        freed, removed = freed + size, removed + 1
+        size = _remove_locked(entry)
+        if size is not None:
+            freed, removed = freed + size, removed + 1
     if removed:
         log(f"[quant] removed {removed} older Q4NX build{'s' if removed > 1 else ''} of {folder_name} "
             f"({freed / 1e9:.2f} GB)")
+
+
+def _remove_locked(entry: Path) -> int | None:
+    """Remove a cache entry (if it still exists) and then its lock file, holding the lock: the
+    bytes freed, or None, with nothing removed, while another process holds the lock."""
+    try:
+        with fixtures.build_lock(entry, timeout=0) as lock:
+            size = 0
+            if entry.exists():
+                size = sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
+                shutil.rmtree(entry)
+            Path(lock.lock_file).unlink(missing_ok=True)
+    except (Timeout, OSError):
+        return None
+    return size
 
 
 def _same_gguf(old, new) -> bool:

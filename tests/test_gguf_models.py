@@ -151,6 +151,11 @@ def _imports():
     return sorted(p.name for p in models_dir().glob(f"{fixtures.GGUF_DIR_PREFIX}*"))
 
 
+def _model_cache():
+    """Everything in the model cache, hidden lock files included."""
+    return sorted(p.name for p in models_dir().iterdir()) if models_dir().exists() else []
+
+
 def test_a_gguf_file_is_imported_once_with_its_config_and_dequantized_values(source, imported):
     from gguf import GGUFReader
     from gguf.quants import dequantize
@@ -220,25 +225,36 @@ def test_a_type_q4nx_cannot_hold_is_refused_before_the_import(source, tmp_path, 
     err = [line for line in capsys.readouterr().err.splitlines() if line]
     assert code == 2 and len(err) == 1 and err[0].startswith("error: "), err
     assert "tensor 'blk.1.ffn_up.weight' is Q3_K, which QUANT=q4nx cannot hold" in err[0]
-    assert _imports() == []
+    assert _model_cache() == []
     w = load_weights(str(path), "bf16")
     assert not w.layers[1].w_up.any() and LAYER_TENSORS["w_up"] == "mlp.up_proj.weight"
 
 
-def test_a_file_that_is_not_a_whole_gguf_is_one_line(tmp_path, capsys):
-    """Not a GGUF, or one cut inside its header: exit 2 with one line, nothing imported."""
+def test_a_file_that_is_not_a_whole_gguf_is_one_line(source, tmp_path, monkeypatch, capsys):
+    """Not a GGUF, one cut inside its header or its tensors, or a weight of the wrong shape:
+    exit 2 with one line, and nothing in the model cache, not even a lock file."""
     from llama_runtime.gguf_import import smollm2_gguf_path
 
-    junk, cut = tmp_path / "junk.gguf", tmp_path / "cut.gguf"
+    monkeypatch.setenv(ENV_CACHE, str(tmp_path / "cache"))
+    cfg = source[0]
+    junk, cut, short = tmp_path / "junk.gguf", tmp_path / "cut.gguf", tmp_path / "short.gguf"
     junk.write_text("not a model\n")
     with open(smollm2_gguf_path(), "rb") as f:
         cut.write_bytes(f.read(1000))
-    for path, why in ((junk, "magic"), (cut, "cut short")):
-        with pytest.raises(CheckpointError, match=f"not a readable GGUF file .*{why}"):
+    whole = write_gguf(tmp_path / "whole.gguf", source).read_bytes()
+    short.write_bytes(whole[:len(whole) - 4096])
+    transposed = np.zeros((cfg.hidden_size, cfg.intermediate_size), np.float32)   # [in, out], not HF's [out, in]
+    wrong = write_gguf(tmp_path / "wrong.gguf", source, raw={"blk.0.ffn_gate.weight": (transposed, None)})
+    cases = ((junk, "not a readable GGUF file .*magic"), (cut, "not a readable GGUF file .*cut short"),
+             (short, "not a readable GGUF file .*cut short inside tensor"),
+             (wrong, "'blk.0.ffn_gate.weight' has shape \\[256, 1024\\], expected \\[1024, 256\\]"))
+    for path, why in cases:
+        with pytest.raises(CheckpointError, match=why):
             resolve_checkpoint(str(path))
         code = run_cli(["--prompt", "hi", "--model", str(path), "--device", "sim", "--n-tokens", "1"])
         err = [line for line in capsys.readouterr().err.splitlines() if line]
-        assert code == 2 and len(err) == 1 and "not a readable GGUF file" in err[0], err
+        assert code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert _model_cache() == []
 
 
 def test_only_llama_3_scaling_is_recovered_from_rope_divisors():

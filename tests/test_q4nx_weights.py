@@ -94,10 +94,14 @@ def test_a_new_build_removes_the_builds_of_older_code_for_the_same_checkpoint(ti
     copy(prefix + "1" * 16, lambda src: src["checkpoint"]["files"].clear())       # another checkpoint
     copy(f"q4nx-{tiny_folder.name}-extra-" + "2" * 16, lambda src: src.update(code="older"))  # another name
     shutil.rmtree(entry)                                   # as if the current code had never run
+    for key in "014":                                      # "4": a build that no longer exists
+        (root / f".{prefix}{key * 16}.lock").touch()
     lines: list[str] = []
     with fixtures.build_lock(root / (prefix + "3" * 16)):
         again = load_weights(tiny_folder, "q4nx", lines.append).checkpoint.folder
     assert again == entry and any("removed 1 older Q4NX build of" in l for l in lines)
+    locks = {p.name for p in root.glob(f".{prefix}*.lock")}
+    assert locks == {f".{prefix}{key * 16}.lock" for key in "13"} | {f".{entry.name}.lock"}
     left = sorted(p.name for p in root.iterdir() if p.name.startswith("q4nx-"))
     assert left == sorted([entry.name, prefix + "1" * 16, prefix + "3" * 16,
                            f"q4nx-{tiny_folder.name}-extra-" + "2" * 16])
