@@ -26,7 +26,7 @@ import importlib.util
 import itertools
 import re
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -199,12 +199,42 @@ def open_gguf(path: Path) -> GGUFFile:
     return GGUFFile(path)
 
 
-def read_gguf(path: Path, check: Callable | None = None) -> tuple[GGUFFile, LlamaConfig]:
-    """The file and its config, once everything that can refuse it has looked: the header, the
-    config, every weight's name and shape, and `check(path, reader, config)`. All of it reads
-    metadata only, so a refused file costs a fraction of a second and, refused before its
-    import begins (`fixtures.ensure_gguf_model`), leaves nothing in the model cache."""
+@dataclass(frozen=True)
+class OpenedGGUF:
+    """A GGUF everything that can refuse it has looked at (`read_gguf`)."""
+    reader: GGUFFile
+    config: LlamaConfig
+    tokenizer: object            # transformers' fast tokenizer, rebuilt from the file's vocabulary
+
+
+def _tokenizer(path: Path, cfg: LlamaConfig):
+    """transformers' fast tokenizer (vocabulary, merges, pre-tokenizer, chat template) rebuilt
+    from the GGUF's metadata, or a one-line error for a vocabulary it cannot rebuild. The class
+    itself, not AutoTokenizer: that would first load the GGUF's model config through gguf-py,
+    13 s for a Llama 3 vocabulary, to learn a class whose files come out the same."""
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        tok = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    except Exception as e:     # transformers reports an unknown vocabulary as whatever its converter hits
+        why = (str(e).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"{path}: its tokenizer cannot be rebuilt ({type(e).__name__}: {why})") from None
+    tok.model_max_length = cfg.max_position_embeddings  # the GGUF path leaves it unbounded
+    return tok
+
+
+def read_gguf(path: Path, check: Callable | None = None) -> OpenedGGUF:
+    """The file, its config and its tokenizer, once everything that can refuse it has looked:
+    the header, the config, every weight's name and shape, `check(path, reader, config)`, and
+    the tokenizer's rebuild. None of it converts a tensor (about 2 s for a Llama 3 file, most of
+    it the tokenizer), and refused before its import begins (`fixtures.ensure_gguf_model`), a
+    file leaves nothing in the model cache."""
+    path = Path(path)
     reader = open_gguf(path)
+    shards = int(reader.fields.get("split.count", 1))
+    if shards > 1:
+        raise CheckpointError(f"{path}: one of {shards} parts of a split GGUF; merge them into one file first "
+                              "(llama.cpp's llama-gguf-split --merge)")
     cfg = gguf_config(reader)
     names = set()
     for t in weight_tensors(reader):
@@ -217,32 +247,26 @@ def read_gguf(path: Path, check: Callable | None = None) -> tuple[GGUFFile, Llam
         raise CheckpointError(f"{path}: {len(names)} weights, a {cfg.num_hidden_layers}-layer Llama has {expected}")
     if check is not None:
         check(path, reader, cfg)
-    return reader, cfg
+    return OpenedGGUF(reader, cfg, _tokenizer(path, cfg))
 
 
 def import_gguf(gguf_path: Path, out_dir: Path, check: Callable | None = None,
-                opened: tuple[GGUFFile, LlamaConfig] | None = None) -> LlamaConfig:
+                opened: OpenedGGUF | None = None) -> LlamaConfig:
     """Write config.json, generation_config.json, model.safetensors and tokenizer files into
-    `out_dir`, from `opened` (`read_gguf`'s result) or the file read and checked now."""
+    `out_dir`, from `opened` or the file read and checked now. The saved tokenizer is a folder's
+    like any other: nothing reads the GGUF for it again."""
     from safetensors.torch import save_file
-    from transformers import PreTrainedTokenizerFast
 
     from llama_runtime.checkpoint_writer import write_configs
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    reader, cfg = opened if opened is not None else read_gguf(gguf_path, check)
+    opened = opened if opened is not None else read_gguf(gguf_path, check)
+    reader, cfg = opened.reader, opened.config
     tensors = dict(gguf_tensors(reader, cfg))
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del tensors
     pad = reader.fields.get("tokenizer.ggml.padding_token_id")
     write_configs(out_dir, cfg, pad_token_id=int(pad) if pad is not None else None)
-    # transformers rebuilds a fast tokenizer (vocab, merges, pre-tokenizer, chat template) from the
-    # GGUF metadata; saving it gives a folder any tokenizer loader reads without the GGUF. The
-    # class itself, not AutoTokenizer: that would first load the GGUF's model config through
-    # gguf-py, 13 s for a Llama 3 vocabulary, to learn a class whose files come out the same.
-    tok = PreTrainedTokenizerFast.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                  local_files_only=True)
-    tok.model_max_length = cfg.max_position_embeddings  # the GGUF path leaves it unbounded
-    tok.save_pretrained(str(out_dir))
+    opened.tokenizer.save_pretrained(str(out_dir))
     return cfg

@@ -257,6 +257,24 @@ def test_a_file_that_is_not_a_whole_gguf_is_one_line(source, tmp_path, monkeypat
     assert _model_cache() == []
 
 
+def test_a_split_part_or_a_vocabulary_transformers_cannot_rebuild_is_one_line(source, tmp_path, monkeypatch,
+                                                                             capsys):
+    """Both are refused before the import begins: exit 2, one line, an empty model cache."""
+    from gguf import GGUFValueType
+
+    monkeypatch.setenv(ENV_CACHE, str(tmp_path / "cache"))
+    cfg, weights, tokenizer = source
+    split = [*tokenizer, ("split.count", 2, [GGUFValueType.UINT16])]
+    unknown = [(n, "nonsense" if n == "tokenizer.ggml.model" else v, t) for n, v, t in tokenizer]
+    cases = ((write_gguf(tmp_path / "part.gguf", (cfg, weights, split)), "one of 2 parts of a split GGUF"),
+             (write_gguf(tmp_path / "vocab.gguf", (cfg, weights, unknown)), "its tokenizer cannot be rebuilt"))
+    for path, why in cases:
+        code = run_cli(["--prompt", "hi", "--model", str(path), "--device", "sim", "--n-tokens", "1"])
+        err = [line for line in capsys.readouterr().err.splitlines() if line]
+        assert code == 2 and len(err) == 1 and why in err[0], err
+    assert _model_cache() == []
+
+
 def test_only_llama_3_scaling_is_recovered_from_rope_divisors():
     cfg = replace(LlamaConfig(), rope_scaling=None)
     llama32 = RopeScaling()                           # Llama 3.2's: 32, 1, 4, 8192
