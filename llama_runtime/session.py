@@ -224,8 +224,7 @@ def build_session(model: str | None = None, device: str = "auto", max_context: i
     dev = open_device(device, verbose=True)
     resolved = resolve_model(model, log, quant)
     if resolved.fallback_note:
-        log(f"[model] {resolved.fallback_note} Get Llama: accept the licence of meta-llama/Llama-3.2-1B-Instruct "
-            "on huggingface.co and set HF_TOKEN, or pass MODEL=/path/to/folder.")
+        log(f"[model] {resolved.fallback_note}")   # the reason says how to get the weights
     weights = load_weights(resolved.folder, quant, log)
     cfg = weights.config
     log(f"[model] {resolved.name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "

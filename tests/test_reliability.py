@@ -156,6 +156,20 @@ def test_gated_repo_without_token_says_how_to_authenticate(tmp_path, monkeypatch
     _one_line_error(code, err, "HF_TOKEN", "meta-llama/Llama-3.2-1B")
 
 
+def test_without_llama_weights_the_default_model_is_the_embedded_one_with_one_line_saying_why(tmp_path, monkeypatch,
+                                                                                             capsys):
+    """A fresh machine's `make run`: an answer from the embedded model, and one `[model]` line
+    that names the missing repository and how to get it, once."""
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    code, out, err = _cli(capsys, "--prompt", "hi", "--n-tokens", "2")
+    assert code == 0 and "[stats]" in out, err
+    why = [line for line in out.splitlines() if "not available" in line]
+    assert len(why) == 1 and why[0].startswith("[model] Llama-3.2-1B weights not available"), out
+    assert "meta-llama/Llama-3.2-1B-Instruct" in why[0] and why[0].count("HF_TOKEN") == 1, why[0]
+    assert "running the embedded default model SmolLM2-135M-Instruct" in why[0]
+
+
 # ---- kernel cache -------------------------------------------------------------------------
 def test_unwritable_cache_folder_is_a_clear_error(tmp_path, tiny_config):
     blocker = tmp_path / "file"
