@@ -60,7 +60,10 @@ def build_shared(srcs: Path | list[Path], flags: list[str], headers: list[Path] 
     """The sources compiled into one shared library under the cache, or None without a working compiler.
 
     Keyed by the sources, the headers they include and the flags, so an edit rebuilds it, and
-    renamed into place so that a concurrent process never loads a half-written file.
+    renamed into place so that a concurrent process never loads a half-written file. Each use
+    marks the library as used (its time), and a new build removes the least recently used
+    builds of the same sources beyond `KEEP_BUILDS`: every source version and class would
+    otherwise stay (about 250 KB each).
     """
     srcs = [srcs] if isinstance(srcs, Path) else srcs
     cxx = shutil.which(os.environ.get("CXX", "g++"))
@@ -68,14 +71,40 @@ def build_shared(srcs: Path | list[Path], flags: list[str], headers: list[Path] 
         return None
     digest = hashlib.sha256(b"".join(s.read_bytes() for s in [*srcs, *headers]) + " ".join(flags).encode()).hexdigest()[:16]
     out = native_dir() / f"{srcs[0].stem}-{digest}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        r = subprocess.run([cxx, *flags, *map(str, srcs), "-o", str(tmp)], capture_output=True, text=True)
-        if r.returncode != 0:
-            return None
-        os.replace(tmp, out)
+    try:
+        os.utime(out)
+        return out
+    except FileNotFoundError:
+        pass
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    r = subprocess.run([cxx, *flags, *map(str, srcs), "-o", str(tmp)], capture_output=True, text=True)
+    if r.returncode != 0:
+        return None
+    os.replace(tmp, out)
+    _remove_unused_builds(out, srcs[0].stem)
     return out
+
+
+# Builds of one set of sources kept: the classes a machine runs (up to four, tests force each
+# lower one) for two versions of the sources, so switching between two checkouts rebuilds nothing.
+KEEP_BUILDS = 8
+
+
+def _remove_unused_builds(new: Path, stem: str) -> None:
+    """Remove all but the `KEEP_BUILDS` most recently used builds of `stem`'s sources. A process
+    that has one of them loaded keeps its mapping."""
+    builds = sorted(new.parent.glob(f"{stem}-" + "[0-9a-f]" * 16 + ".so"), key=_used, reverse=True)
+    for old in builds[KEEP_BUILDS:]:
+        if old != new:
+            old.unlink(missing_ok=True)
+
+
+def _used(path: Path) -> int:
+    try:
+        return path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return 0
 
 
 def library_path(isa: str) -> Path | None:

@@ -91,6 +91,35 @@ def test_the_avx2_libraries_hold_no_avx512_instruction():
     assert "tdpbf16ps" in text["amx"] and "ldtilecfg" in text["amx"] and "tdpbf16ps" not in text["avx512bf16"]
 
 
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
+def test_a_new_build_removes_the_least_recently_used_builds_beyond_the_kept_number(tmp_path, monkeypatch):
+    """Each source version and class is a build of its own; a new one removes the builds used
+    least recently beyond `KEEP_BUILDS`, and loading a build counts as using it."""
+    import os
+
+    from llama_base.paths import ENV_CACHE, native_dir
+
+    monkeypatch.setenv(ENV_CACHE, str(tmp_path / "cache"))
+    src = tmp_path / "probe_lib.cc"
+    src.write_text('extern "C" int probe_lib() { return 1; }\n')
+    native_dir().mkdir(parents=True)
+    old = [native_dir() / f"probe_lib-{i:016x}.so" for i in range(native_build.KEEP_BUILDS + 2)]
+    for i, path in enumerate(old):
+        path.write_bytes(b"")
+        os.utime(path, ns=(10**18 + i, 10**18 + i))      # old[0] least recently used
+    other = native_dir() / f"other-{0:016x}.so"            # another library's builds are not counted
+    other.write_bytes(b"")
+    os.utime(other, ns=(10**18, 10**18))
+    flags = ["-shared", "-fPIC"]
+    os.utime(old[0])                                       # old[0]: loaded just now
+    new = native_build.build_shared(src, flags)
+    left = sorted(p.name for p in native_dir().glob("probe_lib-*.so"))
+    assert len(left) == native_build.KEEP_BUILDS and new.name in left and old[0].name in left
+    assert not any(p.exists() for p in old[1:4]) and all(p.exists() for p in old[4:]) and other.exists()
+    os.utime(new, ns=(10**18, 10**18))
+    assert native_build.build_shared(src, flags) == new and new.stat().st_mtime_ns > 10**18 + 10**9
+
+
 def _k2048() -> tuple[torch.Tensor, torch.Tensor]:
     """W and A of the GEMM with K = 2048, which the tiled classes sum in their own order."""
     return rand_bf16(96, 2048, seed=11, scale=0.02), rand_bf16(45, 2048, seed=12)
