@@ -155,15 +155,17 @@ class GGUFFile:
             dims = [cur.take("Q") for _ in range(n_dims)]
             infos.append((name, dims, cur.take("I"), cur.take("Q")))
         align = int(self.fields.get("general.alignment", DEFAULT_ALIGNMENT))
+        if align <= 0:
+            raise ValueError(f"general.alignment is {align}")
         start = -(-cur.pos // align) * align
         self.tensors = [self._tensor(start, *info) for info in infos]
 
     def _tensor(self, start: int, name: str, dims: list[int], type_id: int, offset: int) -> Tensor:
         try:
             kind = GGMLQuantizationType(type_id)
-        except ValueError:
+            block, block_bytes = GGML_QUANT_SIZES[kind]
+        except (ValueError, KeyError):
             raise ValueError(f"tensor {name!r} has unknown type {type_id}") from None
-        block, block_bytes = GGML_QUANT_SIZES[kind]
         if not dims or dims[0] % block:
             raise ValueError(f"tensor {name!r} of type {kind.name} has {dims[:1]} columns, not whole blocks of {block}")
         nbytes = math.prod(dims) // block * block_bytes

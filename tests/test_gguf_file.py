@@ -89,7 +89,7 @@ def test_reads_every_value_and_tensor_type_as_gguf_py_does(tmp_path, alignment):
 
 
 def test_every_broken_file_is_one_line(tmp_path):
-    good = _write(tmp_path / "good.gguf").read_bytes()
+    good = _write(tmp_path / "good.gguf", alignment=64).read_bytes()
     cases = {
         "empty": (b"", "cannot be mapped"),
         "junk": (b"not a model\n" * 4, "no GGUF magic"),
@@ -97,7 +97,9 @@ def test_every_broken_file_is_one_line(tmp_path):
         "big-endian": (good[:4] + struct.pack(">I", 3) + good[8:], "GGUF version 50331648"),
         "cut in a string array": (good[:good.index(b"\xc3\xa7")], "cut short inside its header"),
         "cut in the tensor infos": (good[:good.index(b"q8_0.weight")], "cut short inside its header"),
-        "cut in the data": (good[:len(good) - 32], "cut short inside tensor 'vec.weight'"),   # 20 bytes, padded to 32
+        "alignment 0": (good.replace(b"general.alignment" + struct.pack("<II", 4, 64),
+                                     b"general.alignment" + struct.pack("<II", 4, 0)), "general.alignment is 0"),
+        "cut in the data": (good[:len(good) - 60], "cut short inside tensor 'vec.weight'"),   # 20 bytes, padded to 64
         "unknown tensor type": (good.replace(b"vec.weight" + struct.pack("<IQ", 1, 5) + struct.pack("<I", 0),
                                              b"vec.weight" + struct.pack("<IQ", 1, 5) + struct.pack("<I", 99)),
                                 "unknown type 99"),
