@@ -8,6 +8,8 @@ import hashlib
 import os
 import shutil
 import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from llama_base import q4nx
@@ -52,8 +54,13 @@ INTEGER_Q4NX_GEMM = frozenset({"avx2"})
 # (docs/profile.md, "4-bit weights"); AVX-512 keeps the wide width, the closer to the NPU's
 # bf16 products.
 Q4NX_NARROW_ACTIVATIONS = frozenset({"avx2"})
-# /proc/cpuinfo flags without which a class is not even built (its probe decides where they are).
-CPU_FLAGS = {"amx": {"amx_tile", "amx_bf16"}}
+# The /proc/cpuinfo flag of each compiler flag above. A class whose flags the CPU lacks is not
+# even built (on an AVX2-only CPU that saves compiling the AVX-512 library, about 15 s of a first
+# run, only for its probe to refuse it); where the flags are listed, the probe decides.
+_CPUINFO = {"-mavx512f": "avx512f", "-mavx512bw": "avx512bw", "-mavx512vl": "avx512vl", "-mavx512bf16": "avx512_bf16",
+            "-mavx512vnni": "avx512_vnni", "-mamx-tile": "amx_tile", "-mamx-bf16": "amx_bf16", "-mavx2": "avx2",
+            "-mfma": "fma", "-mf16c": "f16c"}
+CPU_FLAGS = {isa: {_CPUINFO[f] for f in flags if f.startswith("-m")} for isa, flags in ALL_CLASSES.items()}
 
 
 def build_shared(srcs: Path | list[Path], flags: list[str], headers: list[Path] = ()) -> Path | None:
@@ -78,12 +85,27 @@ def build_shared(srcs: Path | list[Path], flags: list[str], headers: list[Path] 
         pass
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    r = subprocess.run([cxx, *flags, *map(str, srcs), "-o", str(tmp)], capture_output=True, text=True)
-    if r.returncode != 0:
-        return None
+    with tempfile.TemporaryDirectory(dir=out.parent) as objs:
+        if not _compile([cxx, *flags], srcs, Path(objs), tmp):
+            tmp.unlink(missing_ok=True)
+            return None
     os.replace(tmp, out)
     _remove_unused_builds(out, srcs[0].stem)
     return out
+
+
+def _compile(command: list[str], srcs: list[Path], objs: Path, lib: Path) -> bool:
+    """Each source to an object, as many at once as there are cores, then one link: a first run
+    on a 2-core CPU waits about half as long (the native library: 19 s one after another)."""
+    if len(srcs) == 1:
+        return subprocess.run([*command, str(srcs[0]), "-o", str(lib)], capture_output=True).returncode == 0
+    outs = [objs / f"{i}-{src.stem}.o" for i, src in enumerate(srcs)]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        done = pool.map(lambda so: subprocess.run([*command, "-c", str(so[0]), "-o", str(so[1])], capture_output=True),
+                        zip(srcs, outs))
+        if any(r.returncode != 0 for r in list(done)):
+            return False
+    return subprocess.run([*command, *map(str, outs), "-o", str(lib)], capture_output=True).returncode == 0
 
 
 # Builds of one set of sources kept: the classes a machine runs (up to four, tests force each

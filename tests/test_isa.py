@@ -120,6 +120,40 @@ def test_a_new_build_removes_the_least_recently_used_builds_beyond_the_kept_numb
     assert native_build.build_shared(src, flags) == new and new.stat().st_mtime_ns > 10**18 + 10**9
 
 
+def test_a_class_whose_flags_the_cpu_lacks_is_not_even_built(monkeypatch):
+    """On an AVX2-only CPU the AVX-512 library would be compiled only for its probe to refuse
+    it: /proc/cpuinfo's flags rule it out first. Where cpuinfo cannot say, the probe decides."""
+    built = []
+    monkeypatch.setattr(native_cpu, "library_path", lambda isa: built.append(isa))
+    monkeypatch.setattr(native_cpu, "_probed", {})
+    monkeypatch.setattr(native_cpu, "cpu_flags", lambda: {"avx2", "fma", "f16c", "sse4_2"})
+    assert native_cpu._open("avx512bf16") is None and native_cpu._open("amx") is None and built == []
+    assert native_cpu._open("avx2") is None and built == ["avx2"]          # built, then loaded (here: nothing)
+    monkeypatch.setattr(native_cpu, "_probed", {})
+    monkeypatch.setattr(native_cpu, "cpu_flags", lambda: None)
+    native_cpu._open("avx512bf16")
+    assert built == ["avx2", "avx512bf16"]
+    assert native_build.CPU_FLAGS["avx512bf16"] >= {"avx512f", "avx512_bf16"} and "amx_tile" in native_build.CPU_FLAGS["amx"]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
+def test_sources_compile_side_by_side_into_one_library_and_a_broken_one_builds_nothing(tmp_path, monkeypatch):
+    import ctypes
+
+    from llama_base.paths import ENV_CACHE, native_dir
+
+    monkeypatch.setenv(ENV_CACHE, str(tmp_path / "cache"))
+    a, b, bad = tmp_path / "two_a.cc", tmp_path / "two_b.cc", tmp_path / "two_bad.cc"
+    a.write_text('extern "C" int two_b();\nextern "C" int two_a() { return 40 + two_b(); }\n')
+    b.write_text('extern "C" int two_b() { return 2; }\n')
+    bad.write_text("this is not C++\n")
+    flags = ["-O2", "-shared", "-fPIC"]
+    lib = native_build.build_shared([a, b], flags)
+    assert ctypes.CDLL(str(lib)).two_a() == 42
+    assert native_build.build_shared([a, bad], flags) is None
+    assert sorted(p.name for p in native_dir().iterdir()) == [lib.name]      # no objects, no half-written file
+
+
 def _k2048() -> tuple[torch.Tensor, torch.Tensor]:
     """W and A of the GEMM with K = 2048, which the tiled classes sum in their own order."""
     return rand_bf16(96, 2048, seed=11, scale=0.02), rand_bf16(45, 2048, seed=12)
