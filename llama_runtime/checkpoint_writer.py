@@ -7,7 +7,8 @@ fixture folders follow the same conventions, the ones `from_pretrained` and the 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import struct
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -60,3 +61,33 @@ def write_sharded(folder: Path, tensors: Mapping[str, torch.Tensor], shards: Seq
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return paths
+
+
+_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.uint8: "U8"}
+
+
+def write_streaming(path: Path, specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
+                    tensors: Iterable[tuple[str, torch.Tensor]], metadata: Mapping[str, str]) -> None:
+    """A safetensors file written one tensor at a time, as `tensors` yields them, in the order
+    and with the dtypes and shapes `specs` announces: an import or a Q4NX build then holds one
+    weight at a time, not the whole model (2.5 GB for Llama-3.2-1B in bf16) until a final
+    `save_file`. Any other tensor, order, dtype or shape is a ValueError."""
+    header: dict = {"__metadata__": dict(metadata)}
+    offset = 0
+    for name, dtype, shape in specs:
+        nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)                     # the data starts 8-byte aligned
+    it = iter(tensors)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for want, dtype, shape in specs:
+            name, t = next(it, (None, None))
+            if name != want or t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                got = "nothing" if name is None else f"{name} {t.dtype} {list(t.shape)}"
+                raise ValueError(f"{path}: expected {want} {dtype} {list(shape)}, got {got}")
+            f.write(memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy()))
+    if next(it, None) is not None:
+        raise ValueError(f"{path}: more tensors than announced")

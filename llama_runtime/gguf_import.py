@@ -240,6 +240,8 @@ def read_gguf(path: Path, check: Callable | None = None) -> OpenedGGUF:
         name, _, shape = gguf_tensor_name(t.name, cfg)
         if t.shape != shape:
             raise CheckpointError(f"GGUF tensor {t.name!r} has shape {list(t.shape)}, expected {list(shape)}")
+        if name in names:
+            raise CheckpointError(f"{path}: tensor {t.name!r} appears twice")
         names.add(name)
     expected = 2 + len(LAYER_TENSORS) * cfg.num_hidden_layers + (0 if cfg.tie_word_embeddings else 1)
     if len(names) != expected:
@@ -254,17 +256,15 @@ def import_gguf(gguf_path: Path, out_dir: Path, check: Callable | None = None,
     """Write config.json, generation_config.json, model.safetensors and tokenizer files into
     `out_dir`, from `opened` or the file read and checked now. The saved tokenizer is a folder's
     like any other: nothing reads the GGUF for it again."""
-    from safetensors.torch import save_file
-
-    from llama_runtime.checkpoint_writer import write_configs
+    from llama_runtime.checkpoint_writer import write_configs, write_streaming
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     opened = opened if opened is not None else read_gguf(gguf_path, check)
     reader, cfg = opened.reader, opened.config
-    tensors = dict(gguf_tensors(reader, cfg))
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    del tensors
+    specs = [(name, torch.bfloat16, shape)
+             for name, _, shape in (gguf_tensor_name(t.name, cfg) for t in weight_tensors(reader))]
+    write_streaming(out_dir / "model.safetensors", specs, gguf_tensors(reader, cfg), {"format": "pt"})
     pad = reader.fields.get("tokenizer.ggml.padding_token_id")
     write_configs(out_dir, cfg, pad_token_id=int(pad) if pad is not None else None)
     opened.tokenizer.save_pretrained(str(out_dir))

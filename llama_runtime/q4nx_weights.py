@@ -25,6 +25,7 @@ their older files.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -118,7 +119,7 @@ def _quantized_tensors(folder: Path, bf16: LlamaWeights, gguf: Path | None, log:
     for i, lw in enumerate(bf16.layers):
         for short in linear_names(cfg):
             name = f"model.layers.{i}.{LAYER_TENSORS[short]}"
-            yield name, from_gguf.pop(name) if name in from_gguf else quantize.quantize(getattr(lw, short))
+            yield name, from_gguf.pop(name)() if name in from_gguf else quantize.quantize(getattr(lw, short))
         bf16.release_pages()
         if (i + 1) % max(1, n_layers // 4) == 0 or i + 1 == n_layers:
             log(f"[quant] q4nx: {i + 1}/{n_layers} layers ({time.perf_counter() - t0:.0f} s)")
@@ -163,26 +164,34 @@ def check_gguf(path: Path, reader, cfg: LlamaConfig) -> None:
         pass
 
 
-def _gguf_tensors(path: Path, cfg: LlamaConfig) -> dict[str, torch.Tensor]:
-    """The GGUF's 4-bit linear weights as Q4NX bytes, their values kept (`_held_gguf_tensors`)."""
+def _gguf_tensors(path: Path, cfg: LlamaConfig) -> dict[str, Callable[[], torch.Tensor]]:
+    """The GGUF's 4-bit linear weights, each as a function making its Q4NX bytes with their
+    values kept (`_held_gguf_tensors`): made when written, so a build holds one at a time."""
     from llama_runtime.gguf_import import open_gguf, rope_heads, unpermute_rope_rows
 
-    out = {}
-    for t, name, short, (n, k), fields in _held_gguf_tensors(path, open_gguf(path), cfg):
+    def make(t, short: str, n: int, k: int, fields) -> torch.Tensor:
         q, d, m = fields(t.data, n, k)
         heads = rope_heads(short, cfg)
         if heads:      # rows permuted for llama.cpp's RoPE: every per-row field moves with its row
             q, d, m = (unpermute_rope_rows(x, heads) for x in (q, d, m))
         s, mn = quantize.q4_1_to_q4nx(q, d, m)
-        out[name] = q4nx.pack(q, s, mn)
-    return out
+        return q4nx.pack(q, s, mn)
+
+    return {name: functools.partial(make, t, short, n, k, fields)
+            for t, name, short, (n, k), fields in _held_gguf_tensors(path, open_gguf(path), cfg)}
 
 
 def _build(folder: Path, bf16: LlamaWeights, gguf: Path | None, out: Path, log: Callable[[str], None]) -> None:
-    from safetensors.torch import save_file
+    """The Q4NX weights written as they are made (`checkpoint_writer.write_streaming`)."""
+    from llama_runtime.checkpoint_writer import write_streaming
 
-    tensors = dict(_quantized_tensors(folder, bf16, gguf, log))
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": f"q4nx-{FORMAT}"})
+    cfg = bf16.config
+    shapes = layer_shapes(cfg)
+    specs = [(f"model.layers.{i}.{LAYER_TENSORS[short]}", torch.uint8, (q4nx.nbytes(*shapes[short]),))
+             for i in range(cfg.num_hidden_layers) for short in linear_names(cfg)]
+    specs.append((LM_HEAD, torch.uint8, (q4nx.nbytes(lm_head_rows(cfg), cfg.hidden_size),)))
+    write_streaming(out / WEIGHTS_FILE, specs, _quantized_tensors(folder, bf16, gguf, log),
+                    {"format": f"q4nx-{FORMAT}"})
     (out / HASH_FILE).write_text(_sha256(out / WEIGHTS_FILE) + "\n")
 
 
@@ -191,7 +200,7 @@ def ensure_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = p
     gguf = _gguf_for(folder)
     source = {"format": FORMAT, "q4nx": [q4nx.ROWS, q4nx.COLS, q4nx.GROUP],
               "code": fixtures._code_digest(q4nx, quantize, gguf_file, _quantized_tensors, _gguf_kinds,
-                                            _held_gguf_tensors, _gguf_tensors),
+                                            _held_gguf_tensors, _gguf_tensors, _build),
               "checkpoint": _source_of(folder)}
     if gguf is not None:
         source["gguf"] = _gguf_stamp(gguf, packaged=folder.name == fixtures.EMBEDDED_DIR)

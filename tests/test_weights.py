@@ -70,3 +70,31 @@ def test_rope_table_matches_transformers(cfg_dict):
     if cfg.rope_scaling == RopeScaling():         # the scaling really changed the low frequencies
         unscaled = generate_rope_lut(LlamaConfig(rope_scaling=None), 8192)[positions[0]]
         assert not torch.equal(unscaled, lut)
+
+
+def test_a_safetensors_file_written_one_tensor_at_a_time_reads_back_in_every_reader(tmp_path):
+    """`write_streaming` (the GGUF import's and the Q4NX build's writer) against safetensors' own
+    reader and ours; a tensor other than the one announced next is refused."""
+    from safetensors import safe_open
+
+    from llama_runtime.checkpoint_writer import write_streaming
+    from llama_runtime.safetensors_io import SafetensorsFile
+
+    tensors = {"b.weight": torch.randn(3, 5).to(torch.bfloat16), "a.bytes": torch.arange(7, dtype=torch.uint8),
+               "c.f32": torch.randn(2, 2, 3)}
+    specs = [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+    path = tmp_path / "x.safetensors"
+    write_streaming(path, specs, iter(tensors.items()), {"format": "pt"})
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata() == {"format": "pt"} and set(f.keys()) == set(tensors)
+        for n, t in tensors.items():
+            assert torch.equal(f.get_tensor(n), t)
+    ours = SafetensorsFile(path)
+    assert all(torch.equal(ours.tensor(n), t) for n, t in tensors.items())
+    items = list(tensors.items())
+    wrong = {"order": items[::-1], "shape": [("b.weight", torch.zeros(5, 3, dtype=torch.bfloat16)), *items[1:]],
+             "dtype": [("b.weight", tensors["b.weight"].float()), *items[1:]], "missing": items[:2],
+             "extra": [*items, ("d", torch.zeros(1))]}
+    for why, given in wrong.items():
+        with pytest.raises(ValueError, match="expected|more tensors"):
+            write_streaming(tmp_path / f"{why}.safetensors", specs, iter(given), {})
