@@ -231,7 +231,8 @@ def test_a_type_q4nx_cannot_hold_is_refused_before_the_import(source, tmp_path, 
 
 
 def test_a_file_that_is_not_a_whole_gguf_is_one_line(source, tmp_path, monkeypatch, capsys):
-    """Not a GGUF, one cut inside its header or its tensors, or a weight of the wrong shape:
+    """Not a GGUF, one cut inside its header or its tensors, a weight of the wrong shape or one
+    named twice:
     exit 2 with one line, and nothing in the model cache, not even a lock file."""
     from llama_runtime.gguf_import import smollm2_gguf_path
 
@@ -245,9 +246,12 @@ def test_a_file_that_is_not_a_whole_gguf_is_one_line(source, tmp_path, monkeypat
     short.write_bytes(whole[:len(whole) - 4096])
     transposed = np.zeros((cfg.hidden_size, cfg.intermediate_size), np.float32)   # [in, out], not HF's [out, in]
     wrong = write_gguf(tmp_path / "wrong.gguf", source, raw={"blk.0.ffn_gate.weight": (transposed, None)})
+    twice = tmp_path / "twice.gguf"
+    twice.write_bytes(whole.replace(b"blk.0.attn_q.weight", b"blk.1.attn_q.weight", 1))
     cases = ((junk, "not a readable GGUF file .*magic"), (cut, "not a readable GGUF file .*cut short"),
              (short, "not a readable GGUF file .*cut short inside tensor"),
-             (wrong, "'blk.0.ffn_gate.weight' has shape \\[256, 1024\\], expected \\[1024, 256\\]"))
+             (wrong, "'blk.0.ffn_gate.weight' has shape \\[256, 1024\\], expected \\[1024, 256\\]"),
+             (twice, "tensor 'blk.1.attn_q.weight' appears twice"))
     for path, why in cases:
         with pytest.raises(CheckpointError, match=why):
             resolve_checkpoint(str(path))
