@@ -232,8 +232,7 @@ def test_a_type_q4nx_cannot_hold_is_refused_before_the_import(source, tmp_path, 
 
 def test_a_file_that_is_not_a_whole_gguf_is_one_line(source, tmp_path, monkeypatch, capsys):
     """Not a GGUF, one cut inside its header or its tensors, a weight of the wrong shape or one
-    named twice:
-    exit 2 with one line, and nothing in the model cache, not even a lock file."""
+    named twice: exit 2 with one line, and nothing in the model cache, not even a lock file."""
     from llama_runtime.gguf_import import smollm2_gguf_path
 
     monkeypatch.setenv(ENV_CACHE, str(tmp_path / "cache"))
