@@ -4,8 +4,9 @@ gguf-py's `dequantize` works through numpy a group of rows at a time on one core
 first run of a Q4_K_M file of Llama-3.2-1B's shape on a 2-core Zen 3. The types llama.cpp's
 4-bit files are made of (Q4_0, Q4_1, Q4_K, with Q6_K and Q8_0 for the tensors they keep wider)
 are read here with torch, a few thousand rows at a time so the temporaries stay in the caches;
-any other type goes to gguf-py. Every product is exact in f32 (an fp16 scale times integers of
-at most 14 bits), so the values equal gguf-py's bit for bit, and so do their bf16 roundings.
+any other type goes to gguf-py. Every product is exact in f32 (an fp16 scale times an integer
+below 2^12) and every sum is gguf-py's own, in its order, so the values equal gguf-py's bit for
+bit, and so do their bf16 roundings.
 """
 from __future__ import annotations
 
