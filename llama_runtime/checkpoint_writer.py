@@ -75,7 +75,7 @@ def write_streaming(path: Path, specs: Sequence[tuple[str, torch.dtype, tuple[in
     header: dict = {"__metadata__": dict(metadata)}
     offset = 0
     for name, dtype, shape in specs:
-        nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
         header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()

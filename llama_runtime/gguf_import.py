@@ -203,6 +203,7 @@ class OpenedGGUF:
     """A GGUF everything that can refuse it has looked at (`read_gguf`)."""
     reader: GGUFFile
     config: LlamaConfig
+    weights: list[tuple[str, tuple[int, ...]]]   # HF name and shape of each weight, in the file's order
     tokenizer: object            # transformers' fast tokenizer, rebuilt from the file's vocabulary
 
 
@@ -235,20 +236,20 @@ def read_gguf(path: Path, check: Callable | None = None) -> OpenedGGUF:
         raise CheckpointError(f"{path}: one of {shards} parts of a split GGUF; merge them into one file first "
                               "(llama.cpp's llama-gguf-split --merge)")
     cfg = gguf_config(reader)
-    names = set()
+    weights: dict[str, tuple[int, ...]] = {}
     for t in weight_tensors(reader):
         name, _, shape = gguf_tensor_name(t.name, cfg)
         if t.shape != shape:
             raise CheckpointError(f"GGUF tensor {t.name!r} has shape {list(t.shape)}, expected {list(shape)}")
-        if name in names:
+        if name in weights:
             raise CheckpointError(f"{path}: tensor {t.name!r} appears twice")
-        names.add(name)
+        weights[name] = shape
     expected = 2 + len(LAYER_TENSORS) * cfg.num_hidden_layers + (0 if cfg.tie_word_embeddings else 1)
-    if len(names) != expected:
-        raise CheckpointError(f"{path}: {len(names)} weights, a {cfg.num_hidden_layers}-layer Llama has {expected}")
+    if len(weights) != expected:
+        raise CheckpointError(f"{path}: {len(weights)} weights, a {cfg.num_hidden_layers}-layer Llama has {expected}")
     if check is not None:
         check(path, reader, cfg)
-    return OpenedGGUF(reader, cfg, _tokenizer(path, cfg))
+    return OpenedGGUF(reader, cfg, list(weights.items()), _tokenizer(path, cfg))
 
 
 def import_gguf(gguf_path: Path, out_dir: Path, check: Callable | None = None,
@@ -262,8 +263,7 @@ def import_gguf(gguf_path: Path, out_dir: Path, check: Callable | None = None,
     opened = opened if opened is not None else read_gguf(gguf_path, check)
     reader, cfg = opened.reader, opened.config
     out_dir.mkdir(parents=True, exist_ok=True)
-    specs = [(name, torch.bfloat16, shape)
-             for name, _, shape in (gguf_tensor_name(t.name, cfg) for t in weight_tensors(reader))]
+    specs = [(name, torch.bfloat16, shape) for name, shape in opened.weights]
     write_streaming(out_dir / "model.safetensors", specs, gguf_tensors(reader, cfg), {"format": "pt"})
     pad = reader.fields.get("tokenizer.ggml.padding_token_id")
     write_configs(out_dir, cfg, pad_token_id=int(pad) if pad is not None else None)
