@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -119,12 +120,14 @@ class KernelGroup:
     options: tuple[tuple[str, Any], ...] = field(default=())
     ctx_len: int = 0           # attention only: positions of K/V it reads (>= seq_len)
     quant: str = "bf16"        # the format of its weight slots (QUANTS)
+    wide: tuple[str, ...] = ()  # weight slots a quantized group holds in bf16 all the same (`build_group`)
 
     @property
     def name(self) -> str:
         """Unique per compiled shape and weight format: prefill groups exist once per sequence
-        bucket (and context)."""
+        bucket (and context), and a quantized kind once per set of weights it keeps in bf16."""
         fmt = "" if self.quant == "bf16" else f"_{self.quant}"
+        fmt += "".join(f"_bf16_{w}" for w in self.wide)
         if self.kind not in PREFILL_KINDS:
             return self.kind + fmt
         ctx = f"_c{self.ctx_len}" if self.ctx_len and self.ctx_len != self.seq_len else ""
@@ -163,6 +166,7 @@ class KernelGroup:
             ],
             "options": {k: v for k, v in self.options},
             "quant": self.quant,
+            **({"wide": list(self.wide)} if self.wide else {}),
         }
 
     def fingerprint(self) -> str:
@@ -196,6 +200,12 @@ PREFILL_KINDS = ("rms_gemms_rope", "flash_attn", "o_ffn")
 DECODE_KINDS = ("rms_gemv_rope", "o_gemv_ffn")
 ALL_KINDS = PREFILL_KINDS + DECODE_KINDS + ("lm_head_gemv",)
 LM_HEAD_PARTITIONS = 8
+# The layer weights each kind reads: what a layer's bf16-held weights (`build_group`'s `wide`)
+# can change in it.
+KIND_WEIGHTS: dict[str, frozenset[str]] = {
+    **dict.fromkeys(("rms_gemms_rope", "rms_gemv_rope"), frozenset({"wq", "wk", "wv"})),
+    **dict.fromkeys(("o_ffn", "o_gemv_ffn"), frozenset({"wo", "w_gate", "w_up", "w_down"})),
+}
 
 
 def _launch(name: str, op: str, reads, writes, **params) -> Launch:
@@ -207,20 +217,28 @@ def _slot(name: str, shape, role: Role, dtype: str = "bf16") -> Slot:
 
 
 def _weight(name: str, shape, quant: str) -> Slot:
-    """A linear layer's weight [out, in], held in the group's weight format."""
+    """A linear layer's weight [out, in], held in `quant` (the group's format, or bf16 for a
+    weight it keeps wide)."""
     if quant not in QUANTS:
         raise ValueError(f"unknown weight format {quant!r}: expected one of {', '.join(QUANTS)}")
     return _slot(name, shape, Role.STATIC, quant)
+
+
+def _formats(quant: str, wide) -> Callable[[str], str]:
+    """Each weight's format in a group of `quant` that keeps the weights named in `wide` in bf16
+    (a GGUF whose author gave those more bits than 4, `q4nx_weights`)."""
+    wide = frozenset(wide)
+    if quant not in QUANTS:
+        raise ValueError(f"unknown weight format {quant!r}: expected one of {', '.join(QUANTS)}")
+    if wide and quant == "bf16":
+        raise ValueError("only a quantized group keeps weights wide")
+    return lambda name: "bf16" if name in wide else quant
 
 
 def matmul_op(op: str, quant: str) -> str:
     """The launch op of a GEMM or GEMV on weights in `quant`: quantized weights have kernels of
     their own (dequantization fused into the product), so they are other ops."""
     return op if quant == "bf16" else f"{op}_{quant}"
-
-
-def _gemm(seq: int, n: int, k: int, quant: str) -> dict:
-    return presets.gemm_tiling(seq, n, k) if quant == "bf16" else presets.gemm_q4nx_tiling(seq, n, k)
 
 
 def _gemv(n: int, k: int, quant: str) -> dict:
@@ -231,29 +249,41 @@ def _group(kind: str, seq: int, slots, launches, ctx: int = 0, quant: str = "bf1
     if kind in PREFILL_KINDS:
         slots = [Slot(s.name, s.shape, s.dtype, s.role,
                       s.role is not Role.STATIC and len(s.shape) == 2 and s.shape[0] == seq) for s in slots]
+    wide = tuple(s.name for s in slots if s.role is Role.STATIC and len(s.shape) == 2 and s.dtype != quant)
     g = KernelGroup(kind, seq, tuple(slots), tuple(launches), tuple(sorted(presets.group_options(kind).items())), ctx,
-                    quant)
+                    quant, tuple(sorted(wide)) if quant != "bf16" else ())
     g.validate()
     return g
 
 
-def rms_gemms_rope(cfg: LlamaConfig, seq: int, quant: str = "bf16") -> KernelGroup:
+def _projection(name: str, base: str, x: str, w: str, y: str, n: int, k: int, fmt, rows: int) -> Launch:
+    """A GEMM (`base` "gemm", on `rows` rows) or GEMV launch `y = x · w^T` on the weight `w`
+    [n, k], with the op and tiling of the format `fmt(w)` holds it in."""
+    f = fmt(w)
+    if base == "gemm":
+        params = presets.gemm_tiling(rows, n, k) if f == "bf16" else presets.gemm_q4nx_tiling(rows, n, k)
+    else:
+        params = _gemv(n, k, f)
+    return _launch(name, matmul_op(base, f), [x, w], [y], **params)
+
+
+def rms_gemms_rope(cfg: LlamaConfig, seq: int, quant: str = "bf16", wide=()) -> KernelGroup:
     h, q, kv, d = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.head_dim
     I, S, M, O = Role.INPUT, Role.STATIC, Role.INTERMEDIATE, Role.OUTPUT
+    fmt = _formats(quant, wide)
     slots = [
         _slot("x", (seq, h), I), _slot("rope_lut", (seq, d), I),
-        _slot("attn_norm", (h,), S), _weight("wq", (q, h), quant), _weight("wk", (kv, h), quant),
-        _weight("wv", (kv, h), quant),
+        _slot("attn_norm", (h,), S), _weight("wq", (q, h), fmt("wq")), _weight("wk", (kv, h), fmt("wk")),
+        _weight("wv", (kv, h), fmt("wv")),
         _slot("normed", (seq, h), M), _slot("q_raw", (seq, q), M), _slot("k_raw", (seq, kv), M),
         _slot("q", (seq, q), O), _slot("k", (seq, kv), O), _slot("v", (seq, kv), O),
     ]
-    gemm = matmul_op("gemm", quant)
     launches = [
         _launch("rmsnorm", "rmsnorm", ["x", "attn_norm"], ["normed"], rows=seq, dim=h, eps=cfg.rms_norm_eps,
                 **presets.elementwise_tiling(seq, h)),
-        _launch("q_gemm", gemm, ["normed", "wq"], ["q_raw"], **_gemm(seq, q, h, quant)),
-        _launch("k_gemm", gemm, ["normed", "wk"], ["k_raw"], **_gemm(seq, kv, h, quant)),
-        _launch("v_gemm", gemm, ["normed", "wv"], ["v"], **_gemm(seq, kv, h, quant)),
+        _projection("q_gemm", "gemm", "normed", "wq", "q_raw", q, h, fmt, seq),
+        _projection("k_gemm", "gemm", "normed", "wk", "k_raw", kv, h, fmt, seq),
+        _projection("v_gemm", "gemm", "normed", "wv", "v", kv, h, fmt, seq),
         _launch("rope_q", "rope", ["q_raw", "rope_lut"], ["q"], rows=seq, heads=cfg.num_attention_heads,
                 head_dim=d, herd=presets.ROPE_HERD_PREFILL),
         _launch("rope_k", "rope", ["k_raw", "rope_lut"], ["k"], rows=seq, heads=cfg.num_key_value_heads,
@@ -287,56 +317,56 @@ def flash_attn(cfg: LlamaConfig, seq: int, ctx: int | None = None) -> KernelGrou
     return _group("flash_attn", seq, slots, launches, ctx)
 
 
-def _ffn_tail(cfg: LlamaConfig, rows: int, base: str, tiling, quant: str) -> tuple[list[Slot], list[Launch]]:
+def _ffn_tail(cfg: LlamaConfig, rows: int, base: str, fmt) -> tuple[list[Slot], list[Launch]]:
     """O projection, residual, RMSNorm, SwiGLU MLP, residual: shared by o_ffn and o_gemv_ffn."""
     h, q, f = cfg.hidden_size, cfg.q_dim, cfg.intermediate_size
     I, S, M, O = Role.INPUT, Role.STATIC, Role.INTERMEDIATE, Role.OUTPUT
     shp = (lambda n: (rows, n)) if base == "gemm" else (lambda n: (n,))
-    op = matmul_op(base, quant)
     slots = [
         _slot("attn", shp(q), I), _slot("x_res", shp(h), I),
-        _weight("wo", (h, q), quant), _slot("ffn_norm", (h,), S),
-        _weight("w_gate", (f, h), quant), _weight("w_up", (f, h), quant), _weight("w_down", (h, f), quant),
+        _weight("wo", (h, q), fmt("wo")), _slot("ffn_norm", (h,), S),
+        _weight("w_gate", (f, h), fmt("w_gate")), _weight("w_up", (f, h), fmt("w_up")),
+        _weight("w_down", (h, f), fmt("w_down")),
         _slot("o", shp(h), M), _slot("h1", shp(h), M), _slot("normed", shp(h), M),
         _slot("gate", shp(f), M), _slot("up", shp(f), M), _slot("act", shp(f), M), _slot("down", shp(h), M),
         _slot("out", shp(h), O),
     ]
     launches = [
-        _launch("o_proj", op, ["attn", "wo"], ["o"], **tiling(h, q)),
+        _projection("o_proj", base, "attn", "wo", "o", h, q, fmt, rows),
         _launch("add_attn", "add", ["x_res", "o"], ["h1"], n=rows * h, **presets.elementwise_tiling(rows, h)),
         _launch("rmsnorm", "rmsnorm", ["h1", "ffn_norm"], ["normed"], rows=rows, dim=h, eps=cfg.rms_norm_eps,
                 **presets.elementwise_tiling(rows, h)),
-        _launch("gate_proj", op, ["normed", "w_gate"], ["gate"], **tiling(f, h)),
-        _launch("up_proj", op, ["normed", "w_up"], ["up"], **tiling(f, h)),
+        _projection("gate_proj", base, "normed", "w_gate", "gate", f, h, fmt, rows),
+        _projection("up_proj", base, "normed", "w_up", "up", f, h, fmt, rows),
         _launch("swiglu", "swiglu", ["gate", "up"], ["act"], n=rows * f, **presets.elementwise_tiling(rows, f)),
-        _launch("down_proj", op, ["act", "w_down"], ["down"], **tiling(h, f)),
+        _projection("down_proj", base, "act", "w_down", "down", h, f, fmt, rows),
         _launch("add_ffn", "add", ["h1", "down"], ["out"], n=rows * h, **presets.elementwise_tiling(rows, h)),
     ]
     return slots, launches
 
 
-def o_ffn(cfg: LlamaConfig, seq: int, quant: str = "bf16") -> KernelGroup:
-    slots, launches = _ffn_tail(cfg, seq, "gemm", lambda n, k: _gemm(seq, n, k, quant), quant)
+def o_ffn(cfg: LlamaConfig, seq: int, quant: str = "bf16", wide=()) -> KernelGroup:
+    slots, launches = _ffn_tail(cfg, seq, "gemm", _formats(quant, wide))
     return _group("o_ffn", seq, slots, launches, quant=quant)
 
 
-def rms_gemv_rope(cfg: LlamaConfig, quant: str = "bf16") -> KernelGroup:
+def rms_gemv_rope(cfg: LlamaConfig, quant: str = "bf16", wide=()) -> KernelGroup:
     h, q, kv, d = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.head_dim
     I, S, M, O = Role.INPUT, Role.STATIC, Role.INTERMEDIATE, Role.OUTPUT
+    fmt = _formats(quant, wide)
     slots = [
         _slot("x", (h,), I), _slot("rope_lut", (d,), I),
-        _slot("attn_norm", (h,), S), _weight("wq", (q, h), quant), _weight("wk", (kv, h), quant),
-        _weight("wv", (kv, h), quant),
+        _slot("attn_norm", (h,), S), _weight("wq", (q, h), fmt("wq")), _weight("wk", (kv, h), fmt("wk")),
+        _weight("wv", (kv, h), fmt("wv")),
         _slot("normed", (h,), M), _slot("q_raw", (q,), M), _slot("k_raw", (kv,), M),
         _slot("q", (q,), O), _slot("k", (kv,), O), _slot("v", (kv,), O),
     ]
-    gemv = matmul_op("gemv", quant)
     launches = [
         _launch("rmsnorm", "rmsnorm", ["x", "attn_norm"], ["normed"], rows=1, dim=h, eps=cfg.rms_norm_eps,
                 **presets.elementwise_tiling(1, h)),
-        _launch("q_gemv", gemv, ["normed", "wq"], ["q_raw"], **_gemv(q, h, quant)),
-        _launch("k_gemv", gemv, ["normed", "wk"], ["k_raw"], **_gemv(kv, h, quant)),
-        _launch("v_gemv", gemv, ["normed", "wv"], ["v"], **_gemv(kv, h, quant)),
+        _projection("q_gemv", "gemv", "normed", "wq", "q_raw", q, h, fmt, 1),
+        _projection("k_gemv", "gemv", "normed", "wk", "k_raw", kv, h, fmt, 1),
+        _projection("v_gemv", "gemv", "normed", "wv", "v", kv, h, fmt, 1),
         _launch("rope_q", "rope", ["q_raw", "rope_lut"], ["q"], rows=1, heads=cfg.num_attention_heads,
                 head_dim=d, herd=presets.ROPE_HERD_DECODE),
         _launch("rope_k", "rope", ["k_raw", "rope_lut"], ["k"], rows=1, heads=cfg.num_key_value_heads,
@@ -345,8 +375,8 @@ def rms_gemv_rope(cfg: LlamaConfig, quant: str = "bf16") -> KernelGroup:
     return _group("rms_gemv_rope", 1, slots, launches, quant=quant)
 
 
-def o_gemv_ffn(cfg: LlamaConfig, quant: str = "bf16") -> KernelGroup:
-    slots, launches = _ffn_tail(cfg, 1, "gemv", lambda n, k: _gemv(n, k, quant), quant)
+def o_gemv_ffn(cfg: LlamaConfig, quant: str = "bf16", wide=()) -> KernelGroup:
+    slots, launches = _ffn_tail(cfg, 1, "gemv", _formats(quant, wide))
     return _group("o_gemv_ffn", 1, slots, launches, quant=quant)
 
 
@@ -371,20 +401,34 @@ def lm_head_gemv(cfg: LlamaConfig, quant: str = "bf16") -> KernelGroup:
 
 
 def build_group(kind: str, cfg: LlamaConfig, seq_len: int = 1, ctx_len: int | None = None,
-                quant: str = "bf16") -> KernelGroup:
-    """The declaration of one group; attention has no weights, so it is the same in every format."""
+                quant: str = "bf16", wide=()) -> KernelGroup:
+    """The declaration of one group; attention has no weights, so it is the same in every format.
+
+    `wide`: the layer weights a quantized model holds in bf16 in the layer this group runs
+    (`LlamaWeights.wide`); a kind keeps those of them it reads, so a layer's prefill and decode
+    groups agree on each weight's format and share its BO. The LM head is one, not per layer."""
     if kind == "flash_attn":
         return flash_attn(cfg, seq_len, ctx_len)
+    if kind == "lm_head_gemv":
+        return lm_head_gemv(cfg, quant)
+    wide = frozenset(wide) & KIND_WEIGHTS[kind]
     builders = {"rms_gemms_rope": rms_gemms_rope, "o_ffn": o_ffn}
     if kind in builders:
-        return builders[kind](cfg, seq_len, quant)
-    return {"rms_gemv_rope": rms_gemv_rope, "o_gemv_ffn": o_gemv_ffn, "lm_head_gemv": lm_head_gemv}[kind](cfg, quant)
+        return builders[kind](cfg, seq_len, quant, wide)
+    return {"rms_gemv_rope": rms_gemv_rope, "o_gemv_ffn": o_gemv_ffn}[kind](cfg, quant, wide)
 
 
-def all_groups(cfg: LlamaConfig, buckets: tuple[int, ...], quant: str = "bf16") -> list[KernelGroup]:
-    """Every group a session can call: the prefill kinds once per bucket, decode and LM head once."""
-    out = [build_group(k, cfg, s, quant=quant) for s in buckets for k in PREFILL_KINDS]
-    return out + [build_group(k, cfg, quant=quant) for k in DECODE_KINDS + ("lm_head_gemv",)]
+def all_groups(cfg: LlamaConfig, buckets: tuple[int, ...], quant: str = "bf16",
+               wide_sets=(frozenset(),)) -> list[KernelGroup]:
+    """Every group a session can call: the prefill kinds once per bucket, decode and LM head
+    once, and a kind with weights once more for each set of weights `wide_sets` holds in bf16
+    (those of a model's layers, `LlamaWeights.wide_sets`; one empty set for a uniform model)."""
+    out: dict[str, KernelGroup] = {}
+    for wide in wide_sets:
+        for g in [build_group(k, cfg, s, quant=quant, wide=wide) for s in buckets for k in PREFILL_KINDS] + \
+                 [build_group(k, cfg, quant=quant, wide=wide) for k in DECODE_KINDS + ("lm_head_gemv",)]:
+            out.setdefault(g.name, g)
+    return list(out.values())
 
 
 def prefill_buckets(cfg: LlamaConfig, max_seq: int | None = None) -> tuple[int, ...]:

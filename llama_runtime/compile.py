@@ -17,21 +17,26 @@ from kernel_builder.external_kernels import build_group_objects
 from llama_base.config import LlamaConfig
 from llama_base.errors import UserError
 from llama_runtime.models import resolve_model
+from llama_runtime.q4nx_weights import wide_sets
 from multi_launch_builder.compile import ToolchainError, default_objects_dir, toolchain
 from npu_runtime.cache import KernelCache
 from npu_runtime.devices import DEVICE_KINDS, open_device
 from npu_runtime.xrt.device import NpuTarget
 
 
-def _config(args: argparse.Namespace) -> LlamaConfig:
+def _config(args: argparse.Namespace) -> tuple[LlamaConfig, tuple[frozenset[str], ...]]:
+    """The shapes, and the sets of weights the model's layers keep in bf16 under a quantized
+    format (a GGUF's wider tensors, `q4nx_weights.wide_sets`): each is a variant of its groups."""
+    uniform = (frozenset(),)
     if args.model_config:
-        return LlamaConfig.from_json(args.model_config)
+        return LlamaConfig.from_json(args.model_config), uniform
     if args.model:
         resolved = resolve_model(args.model, print)
         if resolved.fallback_note:
             print(f"[model] {resolved.fallback_note}")
-        return LlamaConfig.from_json(resolved.folder)
-    return LlamaConfig()
+        cfg = LlamaConfig.from_json(resolved.folder)
+        return cfg, uniform if args.quant == "bf16" else wide_sets(resolved.folder, cfg)
+    return LlamaConfig(), uniform
 
 
 def _targets(device: str):
@@ -61,8 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", help="also copy each stitched .mlir here, for reading")
     args = ap.parse_args(argv)
     try:
-        cfg = _config(args)
-        all_groups = groups.all_groups(cfg, groups.prefill_buckets(cfg, args.max_seq), args.quant)
+        cfg, wide = _config(args)
+        all_groups = groups.all_groups(cfg, groups.prefill_buckets(cfg, args.max_seq), args.quant, wide)
         for target in _targets(args.device):
             kc = KernelCache(target, refresh_toolchain=True)   # a new aircc/Peano rebuilds here, never in a run
             built = cached = 0

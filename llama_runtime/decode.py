@@ -16,7 +16,7 @@ from llama_runtime.host_ops import decode_attention_cpu
 
 def decode_layer(model: DeviceModel, layer: int, x: torch.Tensor, pos: int,
                  capture: Capture | None = None) -> torch.Tensor:
-    g1 = model.decode_groups["rms_gemv_rope"]
+    g1 = model.decode_groups[layer]["rms_gemv_rope"]
     qkv = model.kc.load_and_run(g1.name, {"x": x, "rope_lut": model.rope_lut[pos]}, bo_key(g1, layer))
     with model.profiler.host_op("kv_write"):
         model.kv.write(layer, pos, qkv["k"].view(1, -1), qkv["v"].view(1, -1))
@@ -32,7 +32,7 @@ def attend_and_ffn(model: DeviceModel, layer: int, q: torch.Tensor, x: torch.Ten
         attn = decode_attention_cpu(q, model.kv, layer, pos, model.config.num_attention_heads)
     if capture:
         capture(layer, "attn", attn)
-    g2 = model.decode_groups["o_gemv_ffn"]
+    g2 = model.decode_groups[layer]["o_gemv_ffn"]
     out = model.kc.load_and_run(g2.name, {"attn": attn, "x_res": x}, bo_key(g2, layer))["out"]
     if capture:
         capture(layer, "out", out)

@@ -70,10 +70,16 @@ class DeviceModel:
         self.max_context = max_context
         self.buckets = tuple(buckets) if buckets else prefill_buckets(cfg, max_context)
         self.quant = weights.quant
-        self.prefill_groups = {
-            s: PrefillGroups(*(build_group(k, cfg, s, quant=self.quant) for k in PREFILL_KINDS)) for s in self.buckets
-        }
-        self.decode_groups = {k: build_group(k, cfg, quant=self.quant) for k in DECODE_KINDS}
+        # Each layer's groups, by bucket (prefill) or kind (decode): one object per variant, the
+        # same for every layer unless some hold weights in bf16 (`LlamaWeights.wide`).
+        prefill = {w: {s: PrefillGroups(*(build_group(k, cfg, s, quant=self.quant, wide=w) for k in PREFILL_KINDS))
+                       for s in self.buckets} for w in weights.wide_sets()}
+        decode = {w: {k: build_group(k, cfg, quant=self.quant, wide=w) for k in DECODE_KINDS}
+                  for w in weights.wide_sets()}
+        self.layer_wide = [weights.wide(i) for i in range(cfg.num_hidden_layers)]
+        self.prefill_groups: dict[int, list[PrefillGroups]] = {
+            s: [prefill[w][s] for w in self.layer_wide] for s in self.buckets}
+        self.decode_groups: list[dict[str, KernelGroup]] = [decode[w] for w in self.layer_wide]
         self.lm_head = lm_head_gemv(cfg, self.quant)
         self._extra: dict[str, KernelGroup] = {}
         for g in self.all_groups():
@@ -96,9 +102,16 @@ class DeviceModel:
         self.kv = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, positions, cfg.head_dim)
         self.rope_lut = generate_rope_lut(cfg, positions)
 
+    def layer_groups(self, layer: int) -> list[KernelGroup]:
+        """The groups `layer` runs: every bucket's prefill kinds and the decode kinds."""
+        out = [g for pg in self.prefill_groups.values() for g in (pg[layer].rms_gemms_rope, pg[layer].flash_attn,
+                                                                   pg[layer].o_ffn)]
+        return out + list(self.decode_groups[layer].values())
+
     def all_groups(self) -> list[KernelGroup]:
-        out = [g for pg in self.prefill_groups.values() for g in (pg.rms_gemms_rope, pg.flash_attn, pg.o_ffn)]
-        return out + list(self.decode_groups.values()) + [self.lm_head]
+        """Every distinct group, each once (layers of one variant share its objects)."""
+        out = {g.name: g for layer in range(self.config.num_hidden_layers) for g in self.layer_groups(layer)}
+        return list(out.values()) + [self.lm_head]
 
     def _preload(self, weights: LlamaWeights) -> None:
         """Every layer's weights into its own BO sets, once; the phases share each weight's BO.
@@ -108,9 +121,8 @@ class DeviceModel:
         one layer's."""
         self.kc.preload(self.lm_head.name, bo_key(self.lm_head, None), static_tensors(self.lm_head, weights, None))
         weights.release_pages()
-        layer_groups = [g for g in self.all_groups() if g is not self.lm_head]
         for layer in range(self.config.num_hidden_layers):
-            for g in layer_groups:
+            for g in self.layer_groups(layer):
                 self.kc.preload(g.name, bo_key(g, layer), static_tensors(g, weights, layer), share_key=f"L{layer}")
             weights.release_pages()
 
@@ -127,7 +139,7 @@ class DeviceModel:
         longer context, compiled on first use (once per power-of-two context length).
         """
         if start == 0:
-            return self.prefill_groups[seq].flash_attn
+            return self.prefill_groups[seq][0].flash_attn
         ctx = max(seq, context_bucket(start + n, self.buckets[0], self.max_context))
         g = build_group("flash_attn", self.config, seq, ctx)
         if g.name not in self._extra:

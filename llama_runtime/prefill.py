@@ -26,7 +26,7 @@ from llama_runtime.device_model import Capture, DeviceModel, bo_key
 def qkv_to_cache(model: DeviceModel, layer: int, x: torch.Tensor, start: int, n: int,
                  bucket: int) -> dict[str, torch.Tensor]:
     """`rms_gemms_rope` on rows [0, n), their K/V written to the cache at start..; returns Q/K/V."""
-    g = model.prefill_groups[bucket].rms_gemms_rope
+    g = model.prefill_groups[bucket][layer].rms_gemms_rope
     lut = model.rope_lut[start:start + n]
     qkv = model.kc.load_and_run(g.name, {"x": x, "rope_lut": lut}, bo_key(g, layer), rows=n)
     with model.profiler.host_op("kv_write"):
@@ -37,7 +37,7 @@ def qkv_to_cache(model: DeviceModel, layer: int, x: torch.Tensor, start: int, n:
 def prefill_layer(model: DeviceModel, layer: int, x: torch.Tensor, start: int, n: int, bucket: int,
                   capture: Capture | None = None) -> torch.Tensor:
     """One transformer block on rows [0, n) of the bucket at positions start..; returns its output rows."""
-    kc, g = model.kc, model.prefill_groups[bucket]
+    kc, g = model.kc, model.prefill_groups[bucket][layer]
     qkv = qkv_to_cache(model, layer, x, start, n, bucket)
     ga = model.attention_group(bucket, start, n)
     ctx = ga.ctx_len

@@ -51,7 +51,7 @@ def npu_estimate(session, result) -> str:
     from npu_runtime.cost.hardware import FITTED
     from npu_runtime.cost.model import estimate_phases, format_group
 
-    est = estimate_phases(session.config, FITTED, result.prompt_tokens, session.model.quant)
+    est = estimate_phases(session.config, FITTED, result.prompt_tokens, session.model.quant, session.model.layer_wide)
     lines = ["== NPU2 estimate (cost model, not a measurement) =="]
     lines += [format_group(e) for kind, e in est.groups.items() if kind in session.profiler.groups]
     lines.append(f"estimated on NPU2: TTFT {est.ttft_s * 1e3:.1f} ms at this prompt's bucket, "

@@ -10,11 +10,15 @@ the bf16 rows (`head_rescore`; docs/explain.md has the measured perplexities).
 
 Where the weights come from: a GGUF (the embedded model's, or a user's `MODEL=x.gguf`) whose
 linear tensors are Q4_1 (the embedded model), Q4_0 or Q4_K keeps its 4-bit values exactly and
-only rounds its scales and mins to bf16 (`quantize.q4_1_to_q4nx`); everything else is
-quantized from bf16 (`quantize.quantize`).
+only rounds its scales and mins to bf16 (`quantize.q4_1_to_q4nx`). Such a file's linear tensors
+of a wider type stay wide, in bf16 (`_gguf_plan`): llama.cpp's Q4_K_M gives the V and down
+projections of a third to a half of the layers 6 bits, and taking them to 4 would lose what
+the file's maker paid for. Those layers then run group variants with a bf16 GEMV or GEMM for
+those weights (`KernelGroup.wide`). Everything else (a bf16 checkpoint, a GGUF with no 4-bit
+linear tensor) is quantized from bf16 (`quantize.quantize`).
 
 The cache: `models/q4nx-<folder>-<key>/weights.safetensors` (U8 tensors holding each matrix's
-Q4NX bytes) with its SHA-256 beside it. The key hashes what decides the bytes: the source
+Q4NX bytes, BF16 ones for the weights kept wide) with its SHA-256 beside it. The key hashes what decides the bytes: the source
 checkpoint's safetensors headers, sizes and modification times (and the GGUF's name, size and
 package version or modification time), and the code of the format and the quantizer. A build
 runs once, under a lock, into a temporary folder renamed into place (`fixtures._ensure`), so a
@@ -45,7 +49,7 @@ from llama_runtime import fixtures, gguf_file, quantize
 from llama_runtime.safetensors_io import Checkpoint
 from llama_runtime.weights import LayerWeights, LlamaWeights
 
-FORMAT = 1
+FORMAT = 2          # 2: a linear weight may be stored in bf16 (kept wide)
 WEIGHTS_FILE = "weights.safetensors"
 HASH_FILE = "weights.sha256"
 LM_HEAD = "lm_head.weight"
@@ -110,16 +114,18 @@ def _gguf_stamp(gguf: Path, packaged: bool) -> list:
     return [gguf.name, st.st_size, gguf_import.smollm2_version() if packaged else st.st_mtime_ns]
 
 
-def _quantized_tensors(folder: Path, bf16: LlamaWeights, gguf: Path | None, log: Callable[[str], None]):
-    """Yield (name, Q4NX bytes) for every layer's linear weights and the LM head."""
+def _quantized_tensors(bf16: LlamaWeights, from_gguf: dict[str, Callable[[], torch.Tensor]], wide: set[str],
+                       log: Callable[[str], None]):
+    """Yield (name, tensor) for every layer's linear weights and the LM head: Q4NX bytes, or the
+    bf16 values of a weight kept `wide`."""
     cfg = bf16.config
-    from_gguf = _gguf_tensors(gguf, cfg) if gguf is not None else {}
     n_layers = cfg.num_hidden_layers
     t0 = time.perf_counter()
     for i, lw in enumerate(bf16.layers):
         for short in linear_names(cfg):
             name = f"model.layers.{i}.{LAYER_TENSORS[short]}"
-            yield name, from_gguf.pop(name)() if name in from_gguf else quantize.quantize(getattr(lw, short))
+            w = getattr(lw, short)
+            yield name, w if name in wide else from_gguf.pop(name)() if name in from_gguf else quantize.quantize(w)
         bf16.release_pages()
         if (i + 1) % max(1, n_layers // 4) == 0 or i + 1 == n_layers:
             log(f"[quant] q4nx: {i + 1}/{n_layers} layers ({time.perf_counter() - t0:.0f} s)")
@@ -137,36 +143,58 @@ def _gguf_kinds():
     return held, wider
 
 
-def _held_gguf_tensors(path: Path, reader, cfg: LlamaConfig):
-    """(tensor, HF name, short name, shape, the function reading its fields) of each linear
-    weight whose 4-bit values Q4NX keeps. Linear weights of a wider type are left to be quantized from their values
-    like any bf16 checkpoint's (a Q4_K_M file keeps some in Q6_K). Any other type (2- and 3-bit
-    k-quants, the non-linear IQ types) is refused, naming the tensor: holding it would put a
-    second rounding on values coarser than Q4NX's own."""
+def _gguf_plan(path: Path, reader, cfg: LlamaConfig) -> tuple[list, set[str]]:
+    """What Q4NX does with a GGUF's linear weights: (held, wide).
+
+    held: (tensor, HF name, short name, shape, the function reading its fields) of each weight
+    whose 4-bit values Q4NX keeps. wide: the HF names of the weights of a wider type kept in
+    bf16, in a file that holds 4-bit ones too (a Q4_K_M file keeps some in Q6_K); in a file
+    with none (F16, Q8_0 throughout), every weight is quantized from its values like a bf16
+    checkpoint's, since QUANT=q4nx asks for 4 bits. Any other type (2- and 3-bit k-quants, the
+    non-linear IQ types) is refused, naming the tensor: holding it would put a second rounding
+    on values coarser than Q4NX's own."""
     from llama_runtime.gguf_import import gguf_tensor_name, weight_tensors
 
-    held, wider = _gguf_kinds()
+    kinds, wider = _gguf_kinds()
+    held, wide = [], set()
     for t in weight_tensors(reader):
         name, short, shape = gguf_tensor_name(t.name, cfg)
-        if len(shape) != 2 or short == "" or t.tensor_type in wider:
+        if len(shape) != 2 or short == "":
             continue
-        if t.tensor_type not in held:
+        if t.tensor_type in wider:
+            wide.add(name)
+        elif t.tensor_type in kinds:
+            held.append((t, name, short, shape, kinds[t.tensor_type]))
+        else:
             raise CheckpointError(f"{path.name}: tensor {t.name!r} is {t.tensor_type.name}, which QUANT=q4nx cannot "
-                                  "hold (it keeps Q4_0, Q4_1 and Q4_K values and quantizes wider types); QUANT=bf16 "
-                                  "runs the file from its dequantized values")
-        yield t, name, short, shape, held[t.tensor_type]
+                                  "hold (it keeps Q4_0, Q4_1 and Q4_K values, and wider types in bf16 or quantized); "
+                                  "QUANT=bf16 runs the file from its dequantized values")
+    return held, wide if held else set()
 
 
 def check_gguf(path: Path, reader, cfg: LlamaConfig) -> None:
     """Refuse a GGUF whose linear weights QUANT=q4nx cannot hold (`gguf_import.import_gguf`'s
     check: before any tensor is converted)."""
-    for _ in _held_gguf_tensors(path, reader, cfg):
-        pass
+    _gguf_plan(path, reader, cfg)
 
 
-def _gguf_tensors(path: Path, cfg: LlamaConfig) -> dict[str, Callable[[], torch.Tensor]]:
+def wide_sets(folder: Path, cfg: LlamaConfig) -> tuple[frozenset[str], ...]:
+    """The distinct sets of linear weights a layer of `folder`'s Q4NX build keeps in bf16, in
+    layer order (`_gguf_plan`; `LlamaWeights.wide_sets` of the loaded build), read from the
+    GGUF's header without building anything: the group variants `make compile` compiles."""
+    from llama_runtime.gguf_import import open_gguf
+
+    gguf = _gguf_for(folder)
+    wide = _gguf_plan(gguf, open_gguf(gguf), cfg)[1] if gguf is not None else set()
+    layers = [frozenset(s for s in linear_names(cfg) if f"model.layers.{i}.{LAYER_TENSORS[s]}" in wide)
+              for i in range(cfg.num_hidden_layers)]
+    return tuple(dict.fromkeys(layers))
+
+
+def _gguf_tensors(path: Path, cfg: LlamaConfig) -> tuple[dict[str, Callable[[], torch.Tensor]], set[str]]:
     """The GGUF's 4-bit linear weights, each as a function making its Q4NX bytes with their
-    values kept (`_held_gguf_tensors`): made when written, so a build holds one at a time."""
+    values kept, and the names of those kept wide (`_gguf_plan`). The bytes are made when
+    written, so a build holds one at a time."""
     from llama_runtime.gguf_import import open_gguf, rope_heads, unpermute_rope_rows
 
     def make(t, short: str, n: int, k: int, fields) -> torch.Tensor:
@@ -177,20 +205,27 @@ def _gguf_tensors(path: Path, cfg: LlamaConfig) -> dict[str, Callable[[], torch.
         s, mn = quantize.q4_1_to_q4nx(q, d, m)
         return q4nx.pack(q, s, mn)
 
-    return {name: functools.partial(make, t, short, n, k, fields)
-            for t, name, short, (n, k), fields in _held_gguf_tensors(path, open_gguf(path), cfg)}
+    held, wide = _gguf_plan(path, open_gguf(path), cfg)
+    return {name: functools.partial(make, t, short, n, k, fields) for t, name, short, (n, k), fields in held}, wide
 
 
-def _build(folder: Path, bf16: LlamaWeights, gguf: Path | None, out: Path, log: Callable[[str], None]) -> None:
+def _build(bf16: LlamaWeights, gguf: Path | None, out: Path, log: Callable[[str], None]) -> None:
     """The Q4NX weights written as they are made (`checkpoint_writer.write_streaming`)."""
     from llama_runtime.checkpoint_writer import write_streaming
 
     cfg = bf16.config
     shapes = layer_shapes(cfg)
-    specs = [(f"model.layers.{i}.{LAYER_TENSORS[short]}", torch.uint8, (q4nx.nbytes(*shapes[short]),))
-             for i in range(cfg.num_hidden_layers) for short in linear_names(cfg)]
+    from_gguf, wide = _gguf_tensors(gguf, cfg) if gguf is not None else ({}, set())
+    specs = []
+    for i in range(cfg.num_hidden_layers):
+        for short in linear_names(cfg):
+            name = f"model.layers.{i}.{LAYER_TENSORS[short]}"
+            specs.append((name, torch.bfloat16, shapes[short]) if name in wide
+                         else (name, torch.uint8, (q4nx.nbytes(*shapes[short]),)))
     specs.append((LM_HEAD, torch.uint8, (q4nx.nbytes(lm_head_rows(cfg), cfg.hidden_size),)))
-    write_streaming(out / WEIGHTS_FILE, specs, _quantized_tensors(folder, bf16, gguf, log),
+    if wide:
+        log(f"[quant] q4nx: {len(wide)} linear weights of a wider type in {gguf.name} kept in bf16")
+    write_streaming(out / WEIGHTS_FILE, specs, _quantized_tensors(bf16, from_gguf, wide, log),
                     {"format": f"q4nx-{FORMAT}"})
     (out / HASH_FILE).write_text(_sha256(out / WEIGHTS_FILE) + "\n")
 
@@ -200,7 +235,7 @@ def ensure_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = p
     gguf = _gguf_for(folder)
     source = {"format": FORMAT, "q4nx": [q4nx.ROWS, q4nx.COLS, q4nx.GROUP],
               "code": fixtures._code_digest(q4nx, quantize, gguf_file, _quantized_tensors, _gguf_kinds,
-                                            _held_gguf_tensors, _gguf_tensors, _build),
+                                            _gguf_plan, _gguf_tensors, _build),
               "checkpoint": _source_of(folder)}
     if gguf is not None:
         source["gguf"] = _gguf_stamp(gguf, packaged=folder.name == fixtures.EMBEDDED_DIR)
@@ -210,7 +245,7 @@ def ensure_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = p
     built = not (target / WEIGHTS_FILE).is_file()
     if built:
         log(f"[quant] making Q4NX weights of {folder.name} (once; cached in {target})")
-    path = fixtures._ensure(name, source, lambda tmp: _build(folder, bf16, gguf, tmp, log))
+    path = fixtures._ensure(name, source, lambda tmp: _build(bf16, gguf, tmp, log))
     if built:
         _remove_superseded(folder.name, target, source, _imported(folder), log)
     try:
@@ -220,7 +255,7 @@ def ensure_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = p
     if not intact:
         log(f"[quant] {path / WEIGHTS_FILE} does not match its hash: rebuilding it")
         shutil.rmtree(path, ignore_errors=True)
-        path = fixtures._ensure(name, source, lambda tmp: _build(folder, bf16, gguf, tmp, log))
+        path = fixtures._ensure(name, source, lambda tmp: _build(bf16, gguf, tmp, log))
     return path
 
 
@@ -283,7 +318,8 @@ def _same_gguf(old, new) -> bool:
 
 
 def load_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = print) -> LlamaWeights:
-    """`bf16`'s model with its linear weights and LM head in Q4NX (uint8 tensors of their bytes)."""
+    """`bf16`'s model with its linear weights and LM head in Q4NX (uint8 tensors of their
+    bytes), but for the weights the build kept wide (bf16 [out, in], `LlamaWeights.wide`)."""
     cfg = bf16.config
     ckpt = Checkpoint(ensure_q4nx(folder, bf16, log))
     shapes = layer_shapes(cfg)
@@ -291,10 +327,13 @@ def load_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = pri
     for i, lw in enumerate(bf16.layers):
         fields = lw.by_name()
         for short in linear_names(cfg):
-            fields[short] = ckpt.get_raw(f"model.layers.{i}.{LAYER_TENSORS[short]}", (q4nx.nbytes(*shapes[short]),))
+            name = f"model.layers.{i}.{LAYER_TENSORS[short]}"
+            wide = ckpt.dtype_of(name) == "BF16"
+            fields[short] = ckpt.get_raw(name, shapes[short] if wide else (q4nx.nbytes(*shapes[short]),))
         layers.append(LayerWeights(**fields))
     head = ckpt.get_raw(LM_HEAD, (q4nx.nbytes(lm_head_rows(cfg), cfg.hidden_size),))
-    if any(t.dtype != torch.uint8 for t in [head, *(getattr(l, s) for l in layers for s in linear_names(cfg))]):
-        raise CheckpointError(f"{ckpt.folder}: Q4NX tensors must be U8")
+    linear = [getattr(l, s) for l in layers for s in linear_names(cfg)]
+    if head.dtype != torch.uint8 or any(t.dtype not in (torch.uint8, torch.bfloat16) for t in linear):
+        raise CheckpointError(f"{ckpt.folder}: Q4NX tensors must be U8 (or BF16 for a weight kept wide)")
     return LlamaWeights(cfg, bf16.embed, bf16.final_norm, head, layers, f"{bf16.source} (q4nx)", ckpt, quant=q4nx.NAME,
                         backing=bf16)

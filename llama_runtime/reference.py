@@ -159,7 +159,9 @@ def group_outputs(cfg, group, data, integer_prefill: bool = False, act_bytes: in
     lw = SimpleNamespace(**data)
     decode_form = group.seq_len == 1 or integer_prefill
     decode = lambda x, buf: gemv_q4nx(x, buf, act_bytes)     # noqa: E731
-    proj = lin if group.quant != q4nx.NAME else decode if decode_form else lin_q4nx
+    quantized = decode if decode_form else lin_q4nx
+    # Each weight by its own format: a quantized group may hold some in bf16 (`KernelGroup.wide`).
+    proj = lambda x, w: quantized(x, w) if w.dtype == torch.uint8 else lin(x, w)    # noqa: E731
     if group.kind in ("rms_gemms_rope", "rms_gemv_rope"):
         return rms_gemms_rope(cfg, lw, data["x"], data["rope_lut"], proj)
     if group.kind in ("o_ffn", "o_gemv_ffn"):

@@ -233,6 +233,12 @@ class Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def dtype_of(self, name: str) -> str:
+        """The named tensor's dtype as the file spells it ("BF16", "U8", ...), or a one-line error."""
+        if name not in self._where:
+            raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
+        return self._where[name].info(name)[0]
+
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The tensor as bf16 with the expected shape, or a one-line error naming it."""
         t = self.get_raw(name, shape)

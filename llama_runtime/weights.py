@@ -48,6 +48,18 @@ class LlamaWeights:
         if self.backing is not None:
             self.backing.release_pages()
 
+    def wide(self, layer: int) -> frozenset[str]:
+        """The linear weights of `layer` a quantized model holds in bf16 all the same (a GGUF's
+        wider tensors, `q4nx_weights`): the groups of that layer keep them wide too. Empty in a
+        bf16 model, whose weights are all that format."""
+        if self.quant == "bf16":
+            return frozenset()
+        return frozenset(n for n, t in self.layers[layer].by_name().items() if t.dim() == 2)
+
+    def wide_sets(self) -> tuple[frozenset[str], ...]:
+        """The distinct `wide` sets of the layers, in layer order: one group variant each."""
+        return tuple(dict.fromkeys(self.wide(i) for i in range(len(self.layers))))
+
     def nbytes(self) -> int:
         """Bytes of distinct tensors as held (a tied LM head counts once)."""
         tensors = [self.embed, self.final_norm] + [t for lw in self.layers for t in lw.by_name().values()]

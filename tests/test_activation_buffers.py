@@ -40,8 +40,7 @@ def test_buckets_share_one_set_of_activation_buffers_sized_for_the_largest(tiny_
     decode_step(one, 5, 100)
     shared = many.kc.resident_bytes()["activations"]
     assert shared == one.kc.resident_bytes()["activations"]          # the largest bucket's, not the sum
-    used = [g for pg in many.prefill_groups.values() for g in (pg.rms_gemms_rope, pg.flash_attn, pg.o_ffn)]
-    used += list(many.decode_groups.values()) + [many.lm_head]
+    used = many.all_groups()
     assert shared < _activation_bytes_per_group(used) * 2 // 3
     # every byte the device allocated is a weight or a pool buffer: sub-buffers allocate nothing
     dev = many.kc.device.counters
@@ -60,7 +59,7 @@ def test_every_kernel_gets_a_bo_of_its_declared_size(tiny_weights, tmp_path):
             bound += 1
     assert bound > 0
     # the smaller buckets' buffers are sub-buffers of the largest bucket's
-    small, large = m.prefill_groups[32].o_ffn, m.prefill_groups[128].o_ffn
+    small, large = m.prefill_groups[32][0].o_ffn, m.prefill_groups[128][0].o_ffn
     for slot in small.slots:
         if slot.role is Role.STATIC:
             continue

@@ -188,7 +188,7 @@ def test_the_interp_profile_ends_with_the_estimate_of_the_groups_it_called():
 
     from llama_runtime.profile_report import npu_estimate
 
-    session = SimpleNamespace(config=TINY, model=SimpleNamespace(quant="bf16"),
+    session = SimpleNamespace(config=TINY, model=SimpleNamespace(quant="bf16", layer_wide=None),
                               profiler=SimpleNamespace(groups={"o_ffn": None, "o_gemv_ffn": None}))
     text = npu_estimate(session, SimpleNamespace(prompt_tokens=40))
     assert text.startswith("== NPU2 estimate (cost model, not a measurement) ==")

@@ -1,6 +1,7 @@
 """A user's GGUF file as MODEL: imported once into the model cache, its Llama 3 RoPE scaling
-recovered from llama.cpp's divisors, its Q4_0 / Q4_1 / Q4_K values kept by QUANT=q4nx, and a
-type Q4NX cannot hold refused, in one line, before anything is imported."""
+recovered from llama.cpp's divisors, its Q4_0 / Q4_1 / Q4_K values kept by QUANT=q4nx and its
+wider linear tensors kept in bf16 (the layers holding them run group variants), and a type
+Q4NX cannot hold refused, in one line, before anything is imported."""
 from __future__ import annotations
 
 import math
@@ -31,7 +32,7 @@ def _gguf_types():
     from gguf import GGMLQuantizationType as T
 
     # Every branch of the Q4NX import: 4-bit values kept (Q4_0, Q4_1, Q4_K; rows permuted or not),
-    # wider types quantized from their values (Q8_0, F16).
+    # wider types kept in bf16 (Q8_0, F16), as the file holds 4-bit ones too.
     return {"wq": T.Q4_0, "wk": T.Q4_1, "wv": T.Q4_K, "wo": T.Q8_0, "w_gate": T.Q4_1, "w_up": T.Q4_K,
             "w_down": T.F16}
 
@@ -86,9 +87,10 @@ def source():
     return cfg, synthetic_weights(cfg, seed=7), tokenizer
 
 
-def write_gguf(path, source, types=None, raw=None):
-    """A llama GGUF of `source` as llama.cpp lays one out; `types` by short name, `raw`
-    {gguf name: (bytes array, type)} replacing a tensor with bytes of a type gguf cannot write."""
+def write_gguf(path, source, types=None, raw=None, layer_types=None):
+    """A llama GGUF of `source` as llama.cpp lays one out; `types` by short name (`layer_types`
+    {layer: {short name: type}} for some layers only), `raw` {gguf name: (bytes array, type)}
+    replacing a tensor with bytes of a type gguf cannot write."""
     from gguf import GGMLQuantizationType as T
     from gguf import GGUFWriter
     from gguf.quants import quantize as gguf_quantize
@@ -124,8 +126,8 @@ def write_gguf(path, source, types=None, raw=None):
     for i, lw in enumerate(weights.layers):
         for short, t in lw.by_name().items():
             heads = rope_heads(short, cfg)
-            add(f"blk.{i}.{GGUF_LAYER[short]}.weight", _permute(t, heads) if heads else t,
-                types.get(short, T.F32))
+            kind = (layer_types or {}).get(i, {}).get(short, types.get(short, T.F32))
+            add(f"blk.{i}.{GGUF_LAYER[short]}.weight", _permute(t, heads) if heads else t, kind)
     add("output_norm.weight", weights.final_norm, T.F32)
     wr.add_tensor("rope_freqs.weight", llama_cpp_divisors(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling))
     wr.write_header_to_file()
@@ -186,12 +188,10 @@ def test_q4nx_keeps_the_files_4_bit_values(source, imported):
     tensors = {t.name: t for t in GGUFReader(path).tensors}
     for short, kind in _gguf_types().items():
         n, k = w.backing.layers[0].by_name()[short].shape
-        q2, s2, _ = q4nx.unpack(getattr(w.layers[0], short), n, k)
-        if kind not in (T.Q4_0, T.Q4_1, T.Q4_K):   # wider types: quantized from their values
-            ref = getattr(w.backing.layers[0], short).float()
-            got = q4nx.dequantize(getattr(w.layers[0], short), n, k).float()
-            assert (got - ref).abs().max() <= ref.abs().max() / 8, short
+        if kind not in (T.Q4_0, T.Q4_1, T.Q4_K):   # wider types: their values, in bf16
+            assert torch.equal(getattr(w.layers[0], short), getattr(w.backing.layers[0], short)), short
             continue
+        q2, s2, _ = q4nx.unpack(getattr(w.layers[0], short), n, k)
         t = tensors[f"blk.0.{GGUF_LAYER[short]}.weight"]
         fields = {T.Q4_0: quantize.q4_0_fields, T.Q4_1: quantize.q4_1_fields, T.Q4_K: quantize.q4_k_fields}[kind]
         q, d, _ = fields(t.data, n, k)
@@ -200,6 +200,94 @@ def test_q4nx_keeps_the_files_4_bit_values(source, imported):
             q, d = unpermute_rope_rows(q, heads), unpermute_rope_rows(d, heads)
         assert torch.equal(q2, q), short
         assert torch.equal(s2, d.to(torch.bfloat16)), short
+
+
+def _dequantized_model(session):
+    """A bf16 device model of the q4nx session's weights, its 4-bit ones dequantized."""
+    from llama_runtime.device_model import DeviceModel
+    from llama_runtime.q4nx_weights import linear_names, lm_head_rows
+    from llama_runtime.weights import LayerWeights
+
+    w = load_weights(str(session.resolved.folder), "q4nx", lambda _: None)
+    cfg, layers = w.config, []
+    for lw, plain in zip(w.layers, w.backing.layers):
+        fields = lw.by_name()
+        for short in linear_names(cfg):
+            if fields[short].dtype == torch.uint8:
+                fields[short] = q4nx.dequantize(fields[short], *getattr(plain, short).shape)
+        layers.append(LayerWeights(**fields))
+    head = q4nx.dequantize(w.lm_head, lm_head_rows(cfg), cfg.hidden_size)[:cfg.vocab_size]
+    bf16 = replace(w, layers=layers, lm_head=head, quant="bf16", checkpoint=None, backing=None)
+    return DeviceModel(session.kc, bf16, session.model.max_context, buckets=session.model.buckets)
+
+
+def test_a_4_bit_files_wider_tensors_stay_bf16_in_the_layers_holding_them(source, tmp_path, monkeypatch, capsys):
+    """As llama.cpp's Q4_K_M gives some layers' V and down projections 6 bits: under QUANT=q4nx
+    those weights keep their values in bf16, their layer runs group variants with a bf16 GEMV
+    (decode) and GEMM (prefill) for them, the other layers the all-Q4NX groups, and the logits
+    are a bf16 model's on the same weights (the 4-bit ones dequantized)."""
+    from gguf import GGMLQuantizationType as T
+
+    from llama_runtime.compile import main as compile_cli
+    from llama_runtime.decode import decode_step
+    from llama_runtime.prefill import prefill
+    from llama_runtime.q4nx_weights import wide_sets
+    from llama_runtime.session import build_session
+
+    monkeypatch.setenv(ENV_CACHE, str(tmp_path / "cache"))
+    cfg = source[0]
+    four_bit = dict.fromkeys(("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"), T.Q4_0)
+    path = write_gguf(tmp_path / "k_m.gguf", source, types=four_bit,
+                      layer_types={0: {"wv": T.Q8_0, "w_down": T.Q5_0}})
+    lines: list[str] = []
+    w = load_weights(str(path), "q4nx", lines.append)
+    assert [w.wide(i) for i in range(cfg.num_hidden_layers)] == [{"wv", "w_down"}] + [set()] * (cfg.num_hidden_layers - 1)
+    assert any("2 linear weights of a wider type in k_m.gguf kept in bf16" in line for line in lines)
+    for short in ("wv", "w_down"):       # the file's values, as the bf16 import holds them
+        assert torch.equal(getattr(w.layers[0], short), getattr(w.backing.layers[0], short)), short
+
+    session = build_session(str(path), "sim", max_context=256, cache_dir=tmp_path / "kernels", buckets=(32, 64),
+                            log=lambda _: None, quant="q4nx")
+    model = session.model
+    # `make compile` finds the same variants from the file's header alone
+    assert wide_sets(session.resolved.folder, cfg) == w.wide_sets() == ({"wv", "w_down"}, frozenset())
+    assert compile_cli(["--model", str(path), "--quant", "q4nx", "--device", "sim", "--max-seq", "64"]) == 0
+    printed = capsys.readouterr().out
+    for name in ("rms_gemv_rope_q4nx_bf16_wv", "o_ffn_s64_q4nx_bf16_w_down", "o_ffn_s64_q4nx"):
+        assert f"[compile] {name}: " in printed, name
+    assert model.decode_groups[0]["rms_gemv_rope"].name == "rms_gemv_rope_q4nx_bf16_wv"
+    assert model.decode_groups[0]["o_gemv_ffn"].name == "o_gemv_ffn_q4nx_bf16_w_down"
+    assert model.prefill_groups[64][0].o_ffn.name == "o_ffn_s64_q4nx_bf16_w_down"
+    assert model.decode_groups[1]["o_gemv_ffn"].name == "o_gemv_ffn_q4nx"
+    down = next(l for l in model.prefill_groups[64][0].o_ffn.launches if l.name == "down_proj")
+    assert down.op == "gemm" and model.prefill_groups[64][1].o_ffn.launches[-2].op == "gemm_q4nx"
+    # each weight resident once in its own format, the phases sharing its BO
+    linear = sum(t.numel() * t.element_size() for lw in w.layers for t in lw.by_name().values())
+    assert model.kc.resident_bytes()["static"] == linear + w.lm_head.numel()
+
+    model.rescore_k = 0                  # the device's logits, as the bf16 model's head computes them
+    reference = _dequantized_model(session)
+    ids = session.encode("What is the capital of Japan?")
+    ours, want = prefill(model, ids), prefill(reference, ids)
+    assert int(ours.argmax()) == int(want.argmax())
+    assert torch.nn.functional.cosine_similarity(ours, want, dim=0) > 0.999
+    tok = int(ours.argmax())
+    ours, want = decode_step(model, tok, len(ids)), decode_step(reference, tok, len(ids))
+    assert int(ours.argmax()) == int(want.argmax())
+    assert torch.nn.functional.cosine_similarity(ours, want, dim=0) > 0.995
+
+    # `make verify QUANT=q4nx`'s HF side multiplies the same numbers: kept weights as stored
+    from verify.__main__ import main as verify_cli
+    from verify.hf_runner import HFRunner
+
+    hf_layers = HFRunner(session.resolved.folder, w.checkpoint.folder).model.model.layers
+    assert torch.equal(hf_layers[0].self_attn.v_proj.weight, w.layers[0].wv)
+    assert torch.equal(hf_layers[0].mlp.down_proj.weight, w.layers[0].w_down)
+    assert torch.equal(hf_layers[1].mlp.down_proj.weight,
+                       q4nx.dequantize(w.layers[1].w_down, cfg.hidden_size, cfg.intermediate_size))
+    monkeypatch.setenv("LLAMA_NPU_REPORTS", str(tmp_path / "reports"))
+    assert verify_cli(["--model", str(path), "--quant", "q4nx", "--device", "sim", "--prompts", "1",
+                       "--n-tokens", "8"]) == 0
 
 
 def test_a_changed_file_is_imported_again_into_the_same_folder(imported):

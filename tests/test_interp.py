@@ -91,6 +91,20 @@ def test_every_q4nx_group_kind_matches_the_reference(tiny):
     assert sum(c.group.name.endswith("_q4nx") for c in case_list) == 2 * len(groups.prefill_buckets(tiny, BUCKET)) + 3
 
 
+def test_q4nx_group_variants_with_bf16_weights_match_the_reference(tiny):
+    """The groups of a layer that keeps some weights in bf16 (a Q4_K_M file's V and down
+    projections): bf16 and Q4NX GEMVs and GEMMs side by side in one module, executed."""
+    from llama_runtime.checkpoint import load_weights
+
+    weights = load_weights(fixtures.ensure_tiny_checkpoint())
+    wide = frozenset({"wv", "w_down"})
+    case_list = [c for c in verify_mlir.cases(tiny, BUCKET, q4nx.NAME, (frozenset(), wide)) if c.group.wide]
+    assert {c.group.wide for c in case_list} == {("wv",), ("w_down",)}
+    assert len(case_list) == 2 * len(groups.prefill_buckets(tiny, BUCKET)) + 2
+    assert {l.op for c in case_list for l in c.group.launches} >= {"gemv", "gemv_q4nx", "gemm", "gemm_q4nx"}
+    _interpreted(tiny, case_list, weights)
+
+
 def test_q4nx_groups_at_smollm2_shapes_match_the_reference():
     """The embedded model (SmolLM2: hidden 576 = 2 x 256 + 64, FFN 1536) on its real weights,
     quantized: rows whose last Q4NX block is narrower, and a down projection whose K takes

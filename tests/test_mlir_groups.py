@@ -18,9 +18,29 @@ from multi_launch_builder import compile as kc
 from multi_launch_builder.mlir_validate import validate_group_module
 
 
+# A Q4_K_M file's layers: V and down projections kept in bf16 beside Q4NX weights.
+WIDE = (frozenset(), frozenset({"wv", "w_down"}))
+
+
 def all_groups(cfg):
-    """Every group at one bucket, in every weight format."""
-    return [g for q in groups.QUANTS for g in groups.all_groups(cfg, (BUCKET,), quant=q)]
+    """Every group at one bucket, in every weight format, the quantized ones with the variants
+    of a layer that keeps some weights in bf16."""
+    return groups.all_groups(cfg, (BUCKET,)) + groups.all_groups(cfg, (BUCKET,), "q4nx", WIDE)
+
+
+def test_a_variant_changes_only_the_weights_it_keeps_in_bf16_and_their_launches():
+    cfg = CONFIGS[sorted(CONFIGS)[0]]
+    plain = groups.build_group("o_gemv_ffn", cfg, quant="q4nx")
+    assert groups.build_group("o_gemv_ffn", cfg, quant="q4nx", wide={"wv"}) == plain    # not a weight it reads
+    v = groups.build_group("o_gemv_ffn", cfg, quant="q4nx", wide={"wv", "w_down"})
+    assert v.wide == ("w_down",) and v.name == "o_gemv_ffn_q4nx_bf16_w_down" and v.fingerprint() != plain.fingerprint()
+    assert [(a.name, a.dtype, b.dtype) for a, b in zip(plain.slots, v.slots) if a != b] == [("w_down", "q4nx", "bf16")]
+    changed = [(a.name, b.op) for a, b in zip(plain.launches, v.launches) if a != b]
+    assert changed == [("down_proj", "gemv")]
+    assert v.slot("w_down").nbytes == 2 * cfg.hidden_size * cfg.intermediate_size
+    assert {g.name for g in all_groups(cfg)} >= {v.name, f"rms_gemms_rope_s{BUCKET}_q4nx_bf16_wv"}
+    with pytest.raises(ValueError, match="only a quantized group"):
+        groups.build_group("o_gemv_ffn", cfg, wide={"w_down"})
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -80,3 +80,20 @@ def test_prompt_lengths_that_are_not_numbers_are_one_line_errors(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--prompts", "128,lots"])
     assert exit_.value.code == 2 and "'128,lots' is not a comma-separated list" in capsys.readouterr().err
+
+
+def test_layers_that_keep_weights_in_bf16_cost_their_bytes():
+    """A Q4_K_M file's layers whose down projection stays bf16: each adds its bf16 GEMV's time to
+    a decode step, and every layer counts its own variant."""
+    layers = LLAMA_1B.num_hidden_layers
+    uniform = estimate_phases(LLAMA_1B, FITTED, 128, "q4nx")
+    same = estimate_phases(LLAMA_1B, FITTED, 128, "q4nx", [frozenset()] * layers)
+    one = estimate_phases(LLAMA_1B, FITTED, 128, "q4nx", [frozenset({"w_down"})] + [frozenset()] * (layers - 1))
+    half = estimate_phases(LLAMA_1B, FITTED, 128, "q4nx", [frozenset({"w_down"}), frozenset()] * (layers // 2))
+    bf16 = estimate_phases(LLAMA_1B, FITTED, 128, "bf16")
+    assert same.decode_token_s == uniform.decode_token_s and same.ttft_s == uniform.ttft_s
+    step = one.decode_token_s - uniform.decode_token_s
+    assert step > 0 and half.decode_token_s - uniform.decode_token_s == pytest.approx(layers // 2 * step)
+    assert half.decode_token_s < bf16.decode_token_s
+    assert half.groups["o_gemv_ffn"].group == "o_gemv_ffn_q4nx_bf16_w_down"    # a tie: layer 0's
+    assert one.groups["o_gemv_ffn"].group == "o_gemv_ffn_q4nx"         # most layers' variant

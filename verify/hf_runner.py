@@ -36,7 +36,8 @@ class HFRunner:
         the bf16 numbers the runtime's GEMMs multiply), so the gate compares kernels, not the
         quantization. The head stays bf16: our 4-bit head only picks the candidates whose logits
         the host recomputes from the bf16 rows (`llama_runtime.head_rescore`), so every logit the
-        gate's top-5 ranks compare is the bf16 head's on both sides."""
+        gate's top-5 ranks compare is the bf16 head's on both sides. A weight the build kept
+        wide (bf16) is taken as it is stored."""
         from llama_base import q4nx
         from llama_base.config import LAYER_TENSORS
         from llama_runtime.safetensors_io import Checkpoint
@@ -46,7 +47,10 @@ class HFRunner:
             short = next((s for s, hf in LAYER_TENSORS.items() if name.endswith(hf)), None)
             if short is not None and param.dim() == 2:
                 n, k = param.shape
-                param.copy_(q4nx.dequantize(ckpt.get_raw(name, (q4nx.nbytes(n, k),)), n, k))
+                if ckpt.dtype_of(name) == "BF16":
+                    param.copy_(ckpt.get(name, (n, k)))
+                else:
+                    param.copy_(q4nx.dequantize(ckpt.get_raw(name, (q4nx.nbytes(n, k),)), n, k))
 
     def _forward(self, ids: Sequence[int]) -> torch.Tensor:
         from transformers import DynamicCache

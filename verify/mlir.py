@@ -71,9 +71,12 @@ class Row:
         return not self.error and self.worst <= 1.0 and self.systematic <= 1.0
 
 
-def cases(cfg: LlamaConfig, max_seq: int | None = None, quant: str = "bf16") -> list[Case]:
+def cases(cfg: LlamaConfig, max_seq: int | None = None, quant: str = "bf16",
+          wide_sets=(frozenset(),)) -> list[Case]:
+    """Every group a session of `quant` weights compiles (with the variants of a model holding
+    some of its layers' weights in bf16, `wide_sets`), and attention at offsets."""
     buckets = groups.prefill_buckets(cfg, max_seq)
-    out = [Case(g) for g in groups.all_groups(cfg, buckets, quant=quant)]
+    out = [Case(g) for g in groups.all_groups(cfg, buckets, quant, wide_sets)]
     seq = buckets[0]
     for start, n in attention_starts(seq):
         # A chunk of the smallest bucket after `start` cached positions, in the context a
@@ -241,12 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    weights = None
+    weights, wide_sets = None, (frozenset(),)
     if args.quant != "bf16":
         from llama32_1b_weights import load_weights   # verify sits above the entry points
-        weights = load_weights(folder)
+        quantized = load_weights(folder, args.quant)
+        weights, wide_sets = quantized.backing, quantized.wide_sets()
     rows = []
-    for c in cases(cfg, args.max_seq, args.quant):
+    for c in cases(cfg, args.max_seq, args.quant, wide_sets):
         rows.append(compare(c, weights=weights))
         if weights is not None and c.group.quantized:
             rows.append(compare(c, label=f"{c.group.name} {SYNTHETIC}"))

@@ -94,19 +94,26 @@ class PhaseEstimate:
         return 1.0 / self.decode_token_s
 
 
-def phase_groups(cfg: LlamaConfig, prompt: int, quant: str = "bf16") -> dict[str, KernelGroup]:
-    """The groups one prefill of `prompt` tokens (at its bucket) and one decode step call."""
+def phase_groups(cfg: LlamaConfig, prompt: int, quant: str = "bf16", wide=frozenset()) -> dict[str, KernelGroup]:
+    """The groups one prefill of `prompt` tokens (at its bucket) and one decode step call, in a
+    layer that keeps the weights `wide` in bf16."""
     bucket = next((b for b in groups.prefill_buckets(cfg) if b >= prompt), groups.prefill_buckets(cfg)[-1])
     kinds = [(k, bucket) for k in groups.PREFILL_KINDS] + [(k, 1) for k in groups.DECODE_KINDS + ("lm_head_gemv",)]
-    return {k: groups.build_group(k, cfg, s, quant=quant) for k, s in kinds}
+    return {k: groups.build_group(k, cfg, s, quant=quant, wide=wide) for k, s in kinds}
 
 
-def estimate_phases(cfg: LlamaConfig, cal: Calibration, prompt: int = 2048, quant: str = "bf16") -> PhaseEstimate:
-    est = {k: estimate_group(g, cal) for k, g in phase_groups(cfg, prompt, quant).items()}
-    layers = cfg.num_hidden_layers
-    ttft = layers * sum(est[k].seconds for k in groups.PREFILL_KINDS) + est["lm_head_gemv"].seconds
-    decode = layers * sum(est[k].seconds for k in groups.DECODE_KINDS) + est["lm_head_gemv"].seconds
-    return PhaseEstimate(ttft, decode, est)
+def estimate_phases(cfg: LlamaConfig, cal: Calibration, prompt: int = 2048, quant: str = "bf16",
+                    layer_wide=None) -> PhaseEstimate:
+    """TTFT and a decode step, every layer's groups summed. `layer_wide`: each layer's weights
+    held in bf16 (`DeviceModel.layer_wide`), uniform when None; `groups` are the estimates of the
+    variant most layers run."""
+    layer_wide = list(layer_wide) if layer_wide is not None else [frozenset()] * cfg.num_hidden_layers
+    by_wide = {w: {k: estimate_group(g, cal) for k, g in phase_groups(cfg, prompt, quant, w).items()}
+               for w in dict.fromkeys(layer_wide)}
+    head = next(iter(by_wide.values()))["lm_head_gemv"].seconds
+    ttft = sum(by_wide[w][k].seconds for w in layer_wide for k in groups.PREFILL_KINDS) + head
+    decode = sum(by_wide[w][k].seconds for w in layer_wide for k in groups.DECODE_KINDS) + head
+    return PhaseEstimate(ttft, decode, by_wide[max(by_wide, key=layer_wide.count)])
 
 
 def format_group(est: GroupEstimate) -> str:
