@@ -47,10 +47,14 @@ class IsaError(UserError):
 
 
 def _worth_building(isa: str) -> bool:
-    """False only where /proc/cpuinfo shows the CPU lacks what `isa` needs (CPU_FLAGS): no
-    compile for a class whose probe would say no. Elsewhere the library's probe decides."""
+    """False only where /proc/cpuinfo shows the CPU lacks what `isa` needs (CPU_FLAGS) and the
+    class was not asked for by name: no compile for a class whose probe would say no. A kernel
+    older than a flag (Linux lists `avx512_bf16` from 5.x) leaves it out on a CPU that has it,
+    so a class asked for is built all the same, and there too the library's probe decides."""
     need = CPU_FLAGS.get(isa)
-    have = cpu_flags() if need else None
+    if not need or isa in (_forced, os.environ.get(ENV_ISA, "").strip().lower()):
+        return True
+    have = cpu_flags()
     return have is None or need <= have
 
 

@@ -229,6 +229,7 @@ def test_a_4_bit_files_wider_tensors_stay_bf16_in_the_layers_holding_them(source
     from gguf import GGMLQuantizationType as T
 
     from llama_runtime.compile import main as compile_cli
+    from verify.mlir import main as verify_mlir
     from llama_runtime.decode import decode_step
     from llama_runtime.prefill import prefill
     from llama_runtime.q4nx_weights import wide_sets
@@ -255,6 +256,10 @@ def test_a_4_bit_files_wider_tensors_stay_bf16_in_the_layers_holding_them(source
     printed = capsys.readouterr().out
     for name in ("rms_gemv_rope_q4nx_bf16_wv", "o_ffn_s64_q4nx_bf16_w_down", "o_ffn_s64_q4nx"):
         assert f"[compile] {name}: " in printed, name
+    # and `make verify-mlir` interprets them, on the model's weights and on synthetic ones
+    assert verify_mlir(["--model", str(path), "--quant", "q4nx", "--max-seq", "32", "--n-tokens", "0"]) == 0
+    rows = [line.split("  ")[0] for line in capsys.readouterr().out.splitlines()]
+    assert {"o_gemv_ffn_q4nx_bf16_w_down", "rms_gemms_rope_s32_q4nx_bf16_wv", "o_gemv_ffn_q4nx"} <= set(rows)
     assert model.decode_groups[0]["rms_gemv_rope"].name == "rms_gemv_rope_q4nx_bf16_wv"
     assert model.decode_groups[0]["o_gemv_ffn"].name == "o_gemv_ffn_q4nx_bf16_w_down"
     assert model.prefill_groups[64][0].o_ffn.name == "o_ffn_s64_q4nx_bf16_w_down"

@@ -122,7 +122,8 @@ def test_a_new_build_removes_the_least_recently_used_builds_beyond_the_kept_numb
 
 def test_a_class_whose_flags_the_cpu_lacks_is_not_even_built(monkeypatch):
     """On an AVX2-only CPU the AVX-512 library would be compiled only for its probe to refuse
-    it: /proc/cpuinfo's flags rule it out first. Where cpuinfo cannot say, the probe decides."""
+    it: /proc/cpuinfo's flags rule it out first. Where cpuinfo cannot say, or the class is
+    asked for by name, the probe decides."""
     built = []
     monkeypatch.setattr(native_cpu, "library_path", lambda isa: built.append(isa))
     monkeypatch.setattr(native_cpu, "_probed", {})
@@ -133,6 +134,12 @@ def test_a_class_whose_flags_the_cpu_lacks_is_not_even_built(monkeypatch):
     monkeypatch.setattr(native_cpu, "cpu_flags", lambda: None)
     native_cpu._open("avx512bf16")
     assert built == ["avx2", "avx512bf16"]
+    # a kernel too old to list a flag: the class asked for by name is built, its probe decides
+    monkeypatch.setattr(native_cpu, "_probed", {})
+    monkeypatch.setattr(native_cpu, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setenv(native_cpu.ENV_ISA, "AVX512BF16")
+    assert native_cpu._open("avx512bf16") is None and native_cpu._open("amx") is None
+    assert built == ["avx2", "avx512bf16", "avx512bf16"]
     assert native_build.CPU_FLAGS["avx512bf16"] >= {"avx512f", "avx512_bf16"} and "amx_tile" in native_build.CPU_FLAGS["amx"]
 
 
