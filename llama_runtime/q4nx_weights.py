@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import re
 import shutil
 import time
@@ -224,7 +225,10 @@ def _build(bf16: LlamaWeights, gguf: Path | None, out: Path, log: Callable[[str]
                          else (name, torch.uint8, (q4nx.nbytes(*shapes[short]),)))
     specs.append((LM_HEAD, torch.uint8, (q4nx.nbytes(lm_head_rows(cfg), cfg.hidden_size),)))
     if wide:
-        log(f"[quant] q4nx: {len(wide)} linear weights of a wider type in {gguf.name} kept in bf16")
+        size = {name: dtype.itemsize * math.prod(shape) for name, dtype, shape in specs}
+        kept = sum(size[name] for name in wide)
+        log(f"[quant] q4nx: {len(wide)} linear weights of a wider type in {gguf.name} kept in bf16 "
+            f"({kept / 1e6:.0f} MB, {kept / sum(size.values()):.0%} of the build)")
     write_streaming(out / WEIGHTS_FILE, specs, _quantized_tensors(bf16, from_gguf, wide, log),
                     {"format": f"q4nx-{FORMAT}"})
     (out / HASH_FILE).write_text(_sha256(out / WEIGHTS_FILE) + "\n")

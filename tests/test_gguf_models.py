@@ -243,7 +243,11 @@ def test_a_4_bit_files_wider_tensors_stay_bf16_in_the_layers_holding_them(source
     lines: list[str] = []
     w = load_weights(str(path), "q4nx", lines.append)
     assert [w.wide(i) for i in range(cfg.num_hidden_layers)] == [{"wv", "w_down"}] + [set()] * (cfg.num_hidden_layers - 1)
-    assert any("2 linear weights of a wider type in k_m.gguf kept in bf16" in line for line in lines)
+    shapes = [getattr(w.backing.layers[0], short).shape for short in ("wv", "w_down")]
+    kept = sum(2 * n * k for n, k in shapes)
+    share = kept / os.path.getsize(w.checkpoint.folder / "weights.safetensors")
+    assert f"2 linear weights of a wider type in k_m.gguf kept in bf16 ({kept / 1e6:.0f} MB, {share:.0%} of the build)" \
+        in "\n".join(lines)
     for short in ("wv", "w_down"):       # the file's values, as the bf16 import holds them
         assert torch.equal(getattr(w.layers[0], short), getattr(w.backing.layers[0], short)), short
 
