@@ -12,15 +12,16 @@ Where the weights come from: a GGUF (the embedded model's, or a user's `MODEL=x.
 linear tensors are Q4_1 (the embedded model), Q4_0 or Q4_K keeps its 4-bit values exactly and
 only rounds its scales and mins to bf16 (`quantize.q4_1_to_q4nx`). Such a file's linear tensors
 of a wider type stay wide, in bf16 (`_gguf_plan`): llama.cpp's Q4_K_M gives the V and down
-projections of a third to a half of the layers 6 bits, and taking them to 4 would lose what
-the file's maker paid for. Those layers then run group variants with a bf16 GEMV or GEMM for
-those weights (`KernelGroup.wide`). Everything else (a bf16 checkpoint, a GGUF with no 4-bit
-linear tensor) is quantized from bf16 (`quantize.quantize`).
+projections of some layers (half of Llama-3.2-1B's) 6 bits, and taking them to 4 would lose
+what the file's maker paid for. Those layers then run group variants with a bf16 GEMV or GEMM
+for those weights (`KernelGroup.wide`). Everything else (a bf16 checkpoint, a GGUF with no
+4-bit linear tensor) is quantized from bf16 (`quantize.quantize`).
 
 The cache: `models/q4nx-<folder>-<key>/weights.safetensors` (U8 tensors holding each matrix's
-Q4NX bytes, BF16 ones for the weights kept wide) with its SHA-256 beside it. The key hashes what decides the bytes: the source
-checkpoint's safetensors headers, sizes and modification times (and the GGUF's name, size and
-package version or modification time), and the code of the format and the quantizer. A build
+Q4NX bytes, BF16 ones for the weights kept wide) with its SHA-256 beside it. The key hashes
+what decides the bytes: the source checkpoint's safetensors headers, sizes and modification
+times (and the GGUF's name, size and package version or modification time), and the code of
+the format and the quantizer. A build
 runs once, under a lock, into a temporary folder renamed into place (`fixtures._ensure`), so a
 crash leaves nothing half-written; a file whose hash no longer matches (damaged on disk) is
 rebuilt. A new build removes the ones it replaces: those of the same checkpoint made by older

@@ -242,12 +242,12 @@ def test_a_4_bit_files_wider_tensors_stay_bf16_in_the_layers_holding_them(source
                       layer_types={0: {"wv": T.Q8_0, "w_down": T.Q5_0}})
     lines: list[str] = []
     w = load_weights(str(path), "q4nx", lines.append)
-    assert [w.wide(i) for i in range(cfg.num_hidden_layers)] == [{"wv", "w_down"}] + [set()] * (cfg.num_hidden_layers - 1)
-    shapes = [getattr(w.backing.layers[0], short).shape for short in ("wv", "w_down")]
-    kept = sum(2 * n * k for n, k in shapes)
+    layers = cfg.num_hidden_layers
+    assert [w.wide(i) for i in range(layers)] == [{"wv", "w_down"}] + [set()] * (layers - 1)
+    kept = sum(2 * getattr(w.backing.layers[0], short).numel() for short in ("wv", "w_down"))
     share = kept / os.path.getsize(w.checkpoint.folder / "weights.safetensors")
-    assert f"2 linear weights of a wider type in k_m.gguf kept in bf16 ({kept / 1e6:.0f} MB, {share:.0%} of the build)" \
-        in "\n".join(lines)
+    said = f"2 linear weights of a wider type in k_m.gguf kept in bf16 ({kept / 1e6:.0f} MB, {share:.0%} of the build)"
+    assert said in "\n".join(lines)
     for short in ("wv", "w_down"):       # the file's values, as the bf16 import holds them
         assert torch.equal(getattr(w.layers[0], short), getattr(w.backing.layers[0], short)), short
 
