@@ -275,3 +275,40 @@ def test_greedy_generation_through_xrt_equals_the_simulator(fake, tmp_path):
     assert not any(c[0] == "sync" and c[1] in static_ids for c in fake.calls[calls_before:])
     assert all(torch.equal(bo.map(), b) for bo, b in zip(statics, before))
     assert sorted(p.name for p in (tmp_path / "kernels").iterdir()) == ["npu", "sim"]
+
+
+WIDE = (0, "w_down")
+
+
+def test_layers_of_two_group_variants_decode_without_reopening_a_context(fake, tiny_config, tiny_weights, tmp_path):
+    """A model whose layer 0 keeps its down projection in bf16 (a Q4_K_M file's) decodes through
+    two variants of `o_gemv_ffn`, layer after layer: within the default context budget each
+    keeps its context open from step to step, and the NPU target's logits are the simulator's
+    (within rounding: the fake's BOs are not the simulated device's packed Q4NX weights, so
+    its kernels take the unpacked path)."""
+    from dataclasses import replace
+
+    from llama_runtime import quantize
+    from llama_runtime.decode import decode_step
+    from llama_runtime.device_model import DeviceModel
+    from llama_runtime.prefill import prefill
+    from llama_runtime.weights import LayerWeights
+
+    layers = [LayerWeights(**{n: quantize.quantize(t) if t.dim() == 2 and (i, n) != WIDE else t
+                              for n, t in lw.by_name().items()}) for i, lw in enumerate(tiny_weights.layers)]
+    weights = replace(tiny_weights, layers=layers, lm_head=quantize.quantize(quantize.pad_rows(tiny_weights.lm_head)),
+                      quant="q4nx", backing=tiny_weights)
+    npu = DeviceModel(KernelCache(xrt_device.XrtDevice(), tmp_path / "npu"), weights, 256, buckets=(32,))
+    sim = DeviceModel(KernelCache(SimDevice(), tmp_path / "sim"), weights, 256, buckets=(32,))
+    assert [g["o_gemv_ffn"].name for g in npu.decode_groups] == ["o_gemv_ffn_q4nx_bf16_w_down", "o_gemv_ffn_q4nx"]
+    ids = list(range(5, 25))
+    tok = int(prefill(sim, ids).argmax())
+    assert int(prefill(npu, ids).argmax()) == tok
+    decode_step(npu, tok, len(ids))
+    decode_step(sim, tok, len(ids))
+    opened = sum(1 for c in fake.calls if c[0] == "hw_context")
+    for pos in range(len(ids) + 1, len(ids) + 4):
+        got, want = decode_step(npu, tok, pos), decode_step(sim, tok, pos)
+        assert int(got.argmax()) == int(want.argmax())
+        assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.999
+    assert sum(1 for c in fake.calls if c[0] == "hw_context") == opened
