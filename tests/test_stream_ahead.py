@@ -47,3 +47,17 @@ def test_the_environment_sets_the_distance_or_says_what_it_takes(monkeypatch):
         with pytest.raises(native_cpu.IsaError, match=f"{native_cpu.ENV_AHEAD}=.*positive number of bytes"):
             with native_cpu.use_isa(isa):
                 pass
+
+
+def test_each_class_starts_from_the_distance_measured_for_it(monkeypatch):
+    """5 KiB where the class is built for AVX-512 (measured on a Zen 5), 1 KiB where it is built
+    for AVX2 only (measured on a Zen 3): the library's own default, each class's build."""
+    from cpu_kernels import native_build
+
+    monkeypatch.delenv(native_cpu.ENV_AHEAD, raising=False)
+    classes = native_cpu.supported_isas() + native_cpu.emulated_isas()
+    for isa in classes:
+        with native_cpu.use_isa(isa):
+            wide = "-mavx512f" in native_build.ALL_CLASSES[isa]
+            assert native_cpu.stream_ahead() == (5 if wide else 1) * 1024, isa
+    assert "avx2" in classes or "avx512bf16" in classes
