@@ -201,7 +201,7 @@ def test_file_rows_read_the_rows_asked_for_and_name_what_went_wrong(tmp_path, mo
         assert torch.equal(rows(ids), table[ids])
     advised = []
     monkeypatch.setattr("os.posix_fadvise", lambda fd, off, n, how: advised.append((off, n, how)))
-    rows.prefetch()                                   # the table's own bytes, not the file's
+    rows.prefetch().join()                            # the table's own bytes, not the file's
     assert advised == [(rows.offset, 50 * 24 * 2, os.POSIX_FADV_WILLNEED)]
     assert rows.offset > 0
     with pytest.raises(IndexError, match="row 50 of a 50-row"):
@@ -210,6 +210,57 @@ def test_file_rows_read_the_rows_asked_for_and_name_what_went_wrong(tmp_path, mo
     f.write_bytes(f.read_bytes()[:-24 * 2 * 5])          # the last 5 rows gone
     with pytest.raises(CheckpointError, match="short read of row 46"):
         rows(torch.tensor([0, 46]))
+
+
+def test_a_table_is_asked_for_window_by_window_and_becomes_resident(tmp_path, monkeypatch):
+    """One WILLNEED reads at most a readahead window, so the prefetch covers the table in
+    windows, every byte once; and where the file's pages can be dropped first, the whole table
+    is in the page cache soon after."""
+    import ctypes
+    import mmap
+    import time
+
+    import numpy as np
+
+    from llama_runtime.safetensors_io import PREFETCH_WINDOW, FileRows
+
+    rows_n, width = 5000, 2048     # 20 MB of bf16 rows behind a 1 KiB header: past one call's 8 MiB here
+    path = tmp_path / "table.bin"
+    path.write_bytes(os.urandom(1024) + os.urandom(rows_n * width * 2))
+    rows = FileRows(path, 1024, (rows_n, width), torch.bfloat16)
+    total = rows_n * width * 2
+    advised = []
+    real = os.posix_fadvise
+    monkeypatch.setattr("os.posix_fadvise", lambda fd, off, n, how: advised.append((off, n, how)))
+    rows.prefetch().join()
+    starts = range(0, total, PREFETCH_WINDOW)               # the last window a part one
+    assert [(off, n) for off, n, _ in advised] == [(1024 + o, min(PREFETCH_WINDOW, total - o)) for o in starts]
+    assert total % PREFETCH_WINDOW and len(advised) > 1
+    assert {how for _, _, how in advised} == {os.POSIX_FADV_WILLNEED}
+    monkeypatch.setattr("os.posix_fadvise", real)
+
+    with open(path, "rb") as h:
+        os.fsync(h.fileno())
+    real(rows._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    mapped = mmap.mmap(rows._fd, 0, prot=mmap.PROT_READ)
+    arr = np.frombuffer(mapped, dtype=np.uint8)
+    pages = -(-len(mapped) // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None)
+
+    def resident() -> float:
+        libc.mincore(ctypes.c_void_p(arr.ctypes.data), ctypes.c_size_t(len(mapped)), vec)
+        return sum(v & 1 for v in vec) / pages
+
+    if resident() > 0.5:
+        pytest.skip("this file system keeps the file's pages resident")
+    rows.prefetch().join()
+    deadline = time.monotonic() + 10
+    while resident() < 0.99 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert resident() >= 0.99
+    del arr
+    mapped.close()
 
 
 def test_the_session_rescores_the_4_bit_head_from_the_bf16_table(session):
