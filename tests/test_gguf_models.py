@@ -229,11 +229,13 @@ def test_a_4_bit_files_wider_tensors_stay_bf16_in_the_layers_holding_them(source
     from gguf import GGMLQuantizationType as T
 
     from llama_runtime.compile import main as compile_cli
-    from verify.mlir import main as verify_mlir
     from llama_runtime.decode import decode_step
     from llama_runtime.prefill import prefill
     from llama_runtime.q4nx_weights import wide_sets
     from llama_runtime.session import build_session
+    from verify.__main__ import main as verify_cli
+    from verify.hf_runner import HFRunner
+    from verify.mlir import main as verify_mlir
 
     monkeypatch.setenv(ENV_CACHE, str(tmp_path / "cache"))
     cfg = source[0]
@@ -254,16 +256,6 @@ def test_a_4_bit_files_wider_tensors_stay_bf16_in_the_layers_holding_them(source
     session = build_session(str(path), "sim", max_context=256, cache_dir=tmp_path / "kernels", buckets=(32, 64),
                             log=lambda _: None, quant="q4nx")
     model = session.model
-    # `make compile` finds the same variants from the file's header alone
-    assert wide_sets(session.resolved.folder, cfg) == w.wide_sets() == ({"wv", "w_down"}, frozenset())
-    assert compile_cli(["--model", str(path), "--quant", "q4nx", "--device", "sim", "--max-seq", "64"]) == 0
-    printed = capsys.readouterr().out
-    for name in ("rms_gemv_rope_q4nx_bf16_wv", "o_ffn_s64_q4nx_bf16_w_down", "o_ffn_s64_q4nx"):
-        assert f"[compile] {name}: " in printed, name
-    # and `make verify-mlir` interprets them, on the model's weights and on synthetic ones
-    assert verify_mlir(["--model", str(path), "--quant", "q4nx", "--max-seq", "32", "--n-tokens", "0"]) == 0
-    rows = [line.split("  ")[0] for line in capsys.readouterr().out.splitlines()]
-    assert {"o_gemv_ffn_q4nx_bf16_w_down", "rms_gemms_rope_s32_q4nx_bf16_wv", "o_gemv_ffn_q4nx"} <= set(rows)
     assert model.decode_groups[0]["rms_gemv_rope"].name == "rms_gemv_rope_q4nx_bf16_wv"
     assert model.decode_groups[0]["o_gemv_ffn"].name == "o_gemv_ffn_q4nx_bf16_w_down"
     assert model.prefill_groups[64][0].o_ffn.name == "o_ffn_s64_q4nx_bf16_w_down"
@@ -285,10 +277,17 @@ def test_a_4_bit_files_wider_tensors_stay_bf16_in_the_layers_holding_them(source
     assert int(ours.argmax()) == int(want.argmax())
     assert torch.nn.functional.cosine_similarity(ours, want, dim=0) > 0.995
 
+    # `make compile` finds the same variants from the file's header alone
+    assert wide_sets(session.resolved.folder, cfg) == w.wide_sets() == ({"wv", "w_down"}, frozenset())
+    assert compile_cli(["--model", str(path), "--quant", "q4nx", "--device", "sim", "--max-seq", "64"]) == 0
+    printed = capsys.readouterr().out
+    for name in ("rms_gemv_rope_q4nx_bf16_wv", "o_ffn_s64_q4nx_bf16_w_down", "o_ffn_s64_q4nx"):
+        assert f"[compile] {name}: " in printed, name
+    # `make verify-mlir` interprets them, on the model's weights and on synthetic ones
+    assert verify_mlir(["--model", str(path), "--quant", "q4nx", "--max-seq", "32", "--n-tokens", "0"]) == 0
+    rows = [line.split("  ")[0] for line in capsys.readouterr().out.splitlines()]
+    assert {"o_gemv_ffn_q4nx_bf16_w_down", "rms_gemms_rope_s32_q4nx_bf16_wv", "o_gemv_ffn_q4nx"} <= set(rows)
     # `make verify QUANT=q4nx`'s HF side multiplies the same numbers: kept weights as stored
-    from verify.__main__ import main as verify_cli
-    from verify.hf_runner import HFRunner
-
     hf_layers = HFRunner(session.resolved.folder, w.checkpoint.folder).model.model.layers
     assert torch.equal(hf_layers[0].self_attn.v_proj.weight, w.layers[0].wv)
     assert torch.equal(hf_layers[0].mlp.down_proj.weight, w.layers[0].w_down)
