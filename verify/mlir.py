@@ -244,13 +244,14 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    weights, wide_sets = None, (frozenset(),)
+    weights, wide = None, (frozenset(),)
     if args.quant != "bf16":
         from llama32_1b_weights import load_weights   # verify sits above the entry points
-        quantized = load_weights(folder, args.quant)
-        weights, wide_sets = quantized.backing, quantized.wide_sets()
+        from llama_runtime.q4nx_weights import wide_sets
+
+        weights, wide = load_weights(folder), wide_sets(folder, cfg)
     rows = []
-    for c in cases(cfg, args.max_seq, args.quant, wide_sets):
+    for c in cases(cfg, args.max_seq, args.quant, wide):
         rows.append(compare(c, weights=weights))
         if weights is not None and c.group.quantized:
             rows.append(compare(c, label=f"{c.group.name} {SYNTHETIC}"))
