@@ -52,7 +52,7 @@ def _worth_building(isa: str) -> bool:
     older than a flag (Linux lists `avx512_bf16` from 5.x) leaves it out on a CPU that has it,
     so a class asked for is built all the same, and there too the library's probe decides."""
     need = CPU_FLAGS.get(isa)
-    if not need or isa in (_forced, os.environ.get(ENV_ISA, "").strip().lower()):
+    if not need or isa in (_forced, _env_isa()):
         return True
     have = cpu_flags()
     return have is None or need <= have
@@ -98,11 +98,16 @@ def tiled(isa: str) -> bool:
     return isa in TILE_CLASSES
 
 
+def _env_isa() -> str:
+    """LLAMA_NPU_ISA as written, normalized; "" where it is unset."""
+    return os.environ.get(ENV_ISA, "").strip().lower()
+
+
 def _requested() -> str | None:
     """The class asked for (use_isa, then LLAMA_NPU_ISA, then LLAMA_NPU_NATIVE=0), None for the best."""
     if _forced is not None:
         return _forced
-    want = os.environ.get(ENV_ISA, "").strip().lower()
+    want = _env_isa()
     if want:
         if want not in (*ALL_CLASSES, TORCH):
             raise IsaError(f"{ENV_ISA}={want!r}: expected one of {', '.join([*ALL_CLASSES, TORCH])}")

@@ -228,8 +228,6 @@ def _formats(quant: str, wide) -> Callable[[str], str]:
     """Each weight's format in a group of `quant` that keeps the weights named in `wide` in bf16
     (a GGUF whose author gave those more bits than 4, `q4nx_weights`)."""
     wide = frozenset(wide)
-    if quant not in QUANTS:
-        raise ValueError(f"unknown weight format {quant!r}: expected one of {', '.join(QUANTS)}")
     if wide and quant == "bf16":
         raise ValueError("only a quantized group keeps weights wide")
     return lambda name: "bf16" if name in wide else quant
