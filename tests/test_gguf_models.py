@@ -11,6 +11,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from q4nx_twin import dequantized_model
 
 from llama32_1b_inference import main as run_cli
 from llama_base import q4nx
@@ -202,25 +203,6 @@ def test_q4nx_keeps_the_files_4_bit_values(source, imported):
         assert torch.equal(s2, d.to(torch.bfloat16)), short
 
 
-def _dequantized_model(session):
-    """A bf16 device model of the q4nx session's weights, its 4-bit ones dequantized."""
-    from llama_runtime.device_model import DeviceModel
-    from llama_runtime.q4nx_weights import linear_names, lm_head_rows
-    from llama_runtime.weights import LayerWeights
-
-    w = load_weights(str(session.resolved.folder), "q4nx", lambda _: None)
-    cfg, layers = w.config, []
-    for lw, plain in zip(w.layers, w.backing.layers):
-        fields = lw.by_name()
-        for short in linear_names(cfg):
-            if fields[short].dtype == torch.uint8:
-                fields[short] = q4nx.dequantize(fields[short], *getattr(plain, short).shape)
-        layers.append(LayerWeights(**fields))
-    head = q4nx.dequantize(w.lm_head, lm_head_rows(cfg), cfg.hidden_size)[:cfg.vocab_size]
-    bf16 = replace(w, layers=layers, lm_head=head, quant="bf16", checkpoint=None, backing=None)
-    return DeviceModel(session.kc, bf16, session.model.max_context, buckets=session.model.buckets)
-
-
 def test_a_4_bit_files_wider_tensors_stay_bf16_in_the_layers_holding_them(source, tmp_path, monkeypatch, capsys):
     """As llama.cpp's Q4_K_M gives some layers' V and down projections 6 bits: under QUANT=q4nx
     those weights keep their values in bf16, their layer runs group variants with a bf16 GEMV
@@ -267,7 +249,7 @@ def test_a_4_bit_files_wider_tensors_stay_bf16_in_the_layers_holding_them(source
     assert model.kc.resident_bytes()["static"] == linear + w.lm_head.numel()
 
     model.rescore_k = 0                  # the device's logits, as the bf16 model's head computes them
-    reference = _dequantized_model(session)
+    reference = dequantized_model(session)
     ids = session.encode("What is the capital of Japan?")
     ours, want = prefill(model, ids), prefill(reference, ids)
     assert int(ours.argmax()) == int(want.argmax())

@@ -4,21 +4,19 @@ dequantized, which is what `make verify QUANT=q4nx` holds it to on the HF side."
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 
 import pytest
 import torch
+from q4nx_twin import dequantized_model
 
 from llama_base import q4nx
 from llama_base.errors import CheckpointError
 from llama_runtime import reference as ref
 from llama_runtime.decode import decode_step
-from llama_runtime.device_model import DeviceModel
 from llama_runtime.head_rescore import TOP_K, rescore
 from llama_runtime.prefill import prefill
-from llama_runtime.q4nx_weights import linear_names, lm_head_rows
+from llama_runtime.q4nx_weights import lm_head_rows
 from llama_runtime.session import build_session
-from llama_runtime.weights import LayerWeights
 
 
 @pytest.fixture(scope="module")
@@ -28,22 +26,9 @@ def session(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def dequantized(session, tmp_path_factory):
+def dequantized(session):
     """A bf16 device model of the q4nx session's own weights, dequantized."""
-    from llama_runtime.checkpoint import load_weights
-
-    w = load_weights(session.resolved.folder, "q4nx", lambda s: None)
-    cfg = w.config
-    layers = []
-    for lw in w.layers:
-        fields = lw.by_name()
-        for short in linear_names(cfg):
-            n, k = getattr(w.backing.layers[0], short).shape
-            fields[short] = q4nx.dequantize(fields[short], n, k)
-        layers.append(LayerWeights(**fields))
-    head = q4nx.dequantize(w.lm_head, lm_head_rows(cfg), cfg.hidden_size)[:cfg.vocab_size]
-    bf16 = replace(w, layers=layers, lm_head=head, quant="bf16", checkpoint=None, backing=None)
-    return DeviceModel(session.kc, bf16, session.model.max_context, buckets=session.model.buckets)
+    return dequantized_model(session)
 
 
 def test_q4nx_groups_run_with_the_same_calls_as_bf16(session):
