@@ -1,14 +1,15 @@
 // How far ahead of its reads a decode GEMV asks for its weights (simd_bf16.h, prefetch_ahead).
 //
-// The distance that pays is about what one core consumes in a memory latency, so it follows the
-// core's share of the bandwidth, and each class has its own default, measured in real decode
-// steps (docs/profile.md, "Which distance, measured in decode"):
-// - AVX-512 classes, 5 KiB: on the 2-core Zen 5 VM (70-80 GB/s) the best of 2.5, 5, 10 and
-//   20 KiB with the host's memory in its fast state, and better than 10 KiB in its slow state;
-// - AVX2 classes, 1 KiB: on the 2-core Zen 3 VM (20-25 GB/s) 7.7 % faster than 5 KiB in Q4NX
-//   decode and 5 % in bf16 decode; 0.3 KiB and 2.5 KiB lost to it. AVX2-only CPUs are the older
-//   ones, with less bandwidth a core; on an AVX-512 CPU with AVX2 forced, the old 5 KiB may win.
-// Another CPU may want another distance: LLAMA_NPU_STREAM_AHEAD sets it
+// The distance that pays is about what one core consumes in a memory latency: a property of
+// the CPU and its memory, not of the instructions a class computes with. So the default is
+// chosen by the CPU the library runs on, whichever class it was built for, from two
+// measurements in real decode steps (docs/profile.md, "Which distance, measured in decode"):
+// - 5 KiB on a CPU with AVX-512: on the 2-core Zen 5 VM (70-80 GB/s) the best of 2.5, 5, 10
+//   and 20 KiB, in its fast and its slow state; its AVX2 class was measured at 5 KiB too;
+// - 1 KiB on a CPU without it: on the 2-core Zen 3 VM (20-25 GB/s) 7.7 % faster than 5 KiB in
+//   Q4NX decode and 5 % in bf16 decode; 0.3 and 2.5 KiB lost to it.
+// AVX-512 marks the newer, wider cores with more bandwidth a core, which is what the distance
+// follows. Another CPU may want another distance: LLAMA_NPU_STREAM_AHEAD sets it
 // (cpu_kernels/native_cpu.py); a prefetch moves no data the kernel sees, so the distance never
 // changes a result.
 #include <atomic>
@@ -16,12 +17,15 @@
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int64_t kDefaultAhead = 5 * 1024;
-#else
-constexpr int64_t kDefaultAhead = 1024;
-#endif
-std::atomic<int64_t> g_ahead{kDefaultAhead};
+constexpr int64_t kWideCoreAhead = 5 * 1024;
+constexpr int64_t kNarrowCoreAhead = 1024;
+
+int64_t default_ahead() {
+  static const int64_t ahead = __builtin_cpu_supports("avx512f") ? kWideCoreAhead : kNarrowCoreAhead;
+  return ahead;
+}
+
+std::atomic<int64_t> g_ahead{default_ahead()};
 
 }  // namespace
 
@@ -32,6 +36,6 @@ int64_t stream_ahead() { return g_ahead.load(std::memory_order_relaxed); }
 }  // namespace native
 
 // bytes > 0 sets the distance; 0 restores the default.
-extern "C" void stream_ahead_set(int64_t bytes) { g_ahead.store(bytes > 0 ? bytes : kDefaultAhead); }
+extern "C" void stream_ahead_set(int64_t bytes) { g_ahead.store(bytes > 0 ? bytes : default_ahead()); }
 
 extern "C" int64_t stream_ahead_bytes() { return native::stream_ahead(); }
