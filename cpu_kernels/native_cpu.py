@@ -434,6 +434,21 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, 
     return True
 
 
+def decode_step_calls(q: torch.Tensor, k_row: torch.Tensor, v_row: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      out: torch.Tensor) -> tuple[Callable, Callable] | None:
+    """The native KV row store and single-query attention (`kv_store_row`, `decode_attention`)
+    for a decode step that calls them by address on these tensors every token, after this one
+    check of them; None if the native path cannot take them."""
+    lib = _usable(q, k_row, v_row, k, v, out)
+    if lib is None or k.dim() != 4 or v.shape != k.shape:
+        return None
+    _, kvh, _, d = k.shape
+    if d > lib.max_head_dim or k_row.numel() != kvh * d or v_row.numel() != kvh * d \
+            or q.numel() % d or q.numel() != out.numel() or (q.numel() // d) % kvh:
+        return None
+    return lib.kv_store_row_bf16_cpu, lib.attention_bf16_cpu
+
+
 def kv_store_row(k_row: torch.Tensor, v_row: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                  pos: int) -> bool:
     """One token's K/V rows [kv_heads·d] into the [layers, kv_heads, max_seq, d] caches at `pos`,

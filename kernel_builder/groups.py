@@ -20,6 +20,7 @@ import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from enum import Enum
 from typing import Any
 
@@ -122,10 +123,11 @@ class KernelGroup:
     quant: str = "bf16"        # the format of its weight slots (QUANTS)
     wide: tuple[str, ...] = ()  # weight slots a quantized group holds in bf16 all the same (`build_group`)
 
-    @property
+    @cached_property
     def name(self) -> str:
         """Unique per compiled shape and weight format: prefill groups exist once per sequence
-        bucket (and context), and a quantized kind once per set of weights it keeps in bf16."""
+        bucket (and context), and a quantized kind once per set of weights it keeps in bf16.
+        Kept once made (the fields are frozen): every device call asks for it."""
         fmt = "" if self.quant == "bf16" else f"_{self.quant}"
         fmt += "".join(f"_bf16_{w}" for w in self.wide)
         if self.kind not in PREFILL_KINDS:

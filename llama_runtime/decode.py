@@ -1,10 +1,10 @@
 """Decode: one token through every layer as 2 device calls plus host attention.
 
 Per layer: `rms_gemv_rope` (RMSNorm, Q/K/V GEMVs, RoPE at the token's position) → the new K/V
-appended to the KV cache at `pos` → `decode_attention_cpu` over positions 0..pos →
-`o_gemv_ffn` (O GEMV, residual, RMSNorm, SwiGLU GEMVs, residual). Attention stays on the host
-because for one query it is a small, memory-bound read of the cache that would otherwise need
-the whole cache in device buffers.
+appended to the KV cache at `pos` and attention over positions 0..pos, one host op
+(`KVCache.store_and_attend`) → `o_gemv_ffn` (O GEMV, residual, RMSNorm, SwiGLU GEMVs,
+residual). Attention stays on the host because for one query it is a small, memory-bound read
+of the cache that would otherwise need the whole cache in device buffers.
 """
 from __future__ import annotations
 
@@ -18,18 +18,22 @@ def decode_layer(model: DeviceModel, layer: int, x: torch.Tensor, pos: int,
                  capture: Capture | None = None) -> torch.Tensor:
     g1 = model.decode_groups[layer]["rms_gemv_rope"]
     qkv = model.kc.load_and_run(g1.name, {"x": x, "rope_lut": model.rope_lut[pos]}, bo_key(g1, layer))
-    with model.profiler.host_op("kv_write"):
-        model.kv.write(layer, pos, qkv["k"].view(1, -1), qkv["v"].view(1, -1))
-    return attend_and_ffn(model, layer, qkv["q"], x, pos, capture)
+    with model.profiler.host_op("kv_write+attention"):
+        attn = model.kv.store_and_attend(layer, pos, qkv["q"], qkv["k"], qkv["v"], model.config.num_attention_heads)
+    return _ffn(model, layer, attn, x, capture)
 
 
 def attend_and_ffn(model: DeviceModel, layer: int, q: torch.Tensor, x: torch.Tensor, pos: int,
                    capture: Capture | None = None) -> torch.Tensor:
     """The rest of a layer for one token whose K/V are already cached at `pos`: host attention,
-    then `o_gemv_ffn` on its residual row `x`. Prefill ends with this too, for the one row whose
+    then `o_gemv_ffn` on its residual row `x`. Prefill ends with this, for the one row whose
     output anything reads."""
     with model.profiler.host_op("decode_attention"):
         attn = decode_attention_cpu(q, model.kv, layer, pos, model.config.num_attention_heads)
+    return _ffn(model, layer, attn, x, capture)
+
+
+def _ffn(model: DeviceModel, layer: int, attn: torch.Tensor, x: torch.Tensor, capture: Capture | None) -> torch.Tensor:
     if capture:
         capture(layer, "attn", attn)
     g2 = model.decode_groups[layer]["o_gemv_ffn"]

@@ -38,6 +38,11 @@ def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(m, dtype=torch.uint8).view(dtype).view(shape)
 
 
+# Bound decode steps a cache keeps: one per layer's buffer set, with room for a model whose
+# layers come in several group variants.
+_BOUND_STEPS = 256
+
+
 class KVCache:
     """Head-major K/V for every layer: [layers, kv_heads, max_seq, head_dim], bf16, and the
     token each position holds.
@@ -53,8 +58,11 @@ class KVCache:
         shape = (layers, kv_heads, max_seq, head_dim)
         self.k = untouched_zeros(shape, torch.bfloat16)
         self.v = untouched_zeros(shape, torch.bfloat16)
-        self.max_seq = max_seq
+        self.layers, self.max_seq = layers, max_seq
         self.token_ids: list[int] = []
+        self._steps: dict[int, tuple] = {}   # id of a query view -> its bound native step (`store_and_attend`)
+        self._k_ptr, self._v_ptr = self.k.data_ptr(), self.v.data_ptr()
+        self._attn_out: torch.Tensor | None = None   # what `store_and_attend` returns, rewritten by each call
 
     def invalidate(self, start: int) -> None:
         """Positions from `start` on are about to be rewritten: they no longer hold known tokens."""
@@ -81,6 +89,50 @@ class KVCache:
             return
         self.k[layer, :, start:start + n].copy_(k_rows.view(n, kvh, d).transpose(0, 1))
         self.v[layer, :, start:start + n].copy_(v_rows.view(n, kvh, d).transpose(0, 1))
+
+    def store_and_attend(self, layer: int, pos: int, q: torch.Tensor, k_row: torch.Tensor, v_row: torch.Tensor,
+                         n_heads: int) -> torch.Tensor:
+        """A decode step's host work in one layer: store the token's K/V rows at `pos`, then its
+        query's attention over positions 0..pos (`decode_attention_cpu`).
+
+        Natively, with the rows' addresses checked once per tensor: a decode step passes the
+        same output views of its device call every time, and between two GEMVs each check,
+        view and allocation costs microseconds from cold caches (docs/profile.md, "Around the
+        calls"). The result is a buffer the next call overwrites."""
+        if not (0 <= pos < self.max_seq and 0 <= layer < self.layers):
+            raise IndexError(f"KV cache holds {self.layers} layers of {self.max_seq} positions; "
+                             f"writing layer {layer} at {pos}")
+        step = self._steps.get(id(q))
+        if step is None or step[0] is not q or step[1] is not k_row or step[2] is not v_row:
+            step = self._bind_step(q, k_row, v_row, n_heads)
+        if step[3] is None:
+            self.write(layer, pos, k_row.view(1, -1), v_row.view(1, -1))
+            return decode_attention_cpu(q, self, layer, pos, n_heads)
+        store, attend, out, out_ptr, q_ptr, k_ptr, v_ptr, layer_bytes, row_bytes, heads, kvh, d = step[3]
+        kc = self._k_ptr + layer * layer_bytes
+        vc = self._v_ptr + layer * layer_bytes
+        store(k_ptr, v_ptr, kc + pos * row_bytes, vc + pos * row_bytes, kvh, d, self.max_seq)
+        attend(q_ptr, kc, vc, out_ptr, heads, kvh, d, pos + 1, self.max_seq)
+        return out
+
+    def _bind_step(self, q: torch.Tensor, k_row: torch.Tensor, v_row: torch.Tensor, n_heads: int) -> tuple:
+        """(q, k_row, v_row, native state or None), kept per query view: each layer's device
+        buffers have views of their own. The entry holds the tensors it was bound for, so their
+        addresses stay theirs."""
+        _, kvh, stride, d = self.k.shape
+        out = self._attn_out
+        if out is None or out.numel() != n_heads * d:
+            out = self._attn_out = torch.empty(n_heads * d, dtype=torch.bfloat16)
+        calls = native_cpu.decode_step_calls(q, k_row, v_row, self.k, self.v, out)
+        state = None
+        if calls is not None:
+            row_bytes = d * self.k.element_size()
+            state = (*calls, out, out.data_ptr(), q.data_ptr(), k_row.data_ptr(), v_row.data_ptr(),
+                     kvh * stride * row_bytes, row_bytes, n_heads, kvh, d)
+        if len(self._steps) >= _BOUND_STEPS:
+            self._steps.clear()
+        step = self._steps[id(q)] = (q, k_row, v_row, state)
+        return step
 
 
 def decode_attention_cpu(q: torch.Tensor, cache: KVCache, layer: int, pos: int, n_heads: int) -> torch.Tensor:

@@ -151,6 +151,44 @@ def test_decode_attention_matches_the_reference(monkeypatch, heads, kv_heads, he
             ref.assert_within_ulps(own_key_missed, want, 1, ref.REORDERED, floor=floor)
 
 
+def test_a_decode_steps_store_and_attention_are_the_write_and_the_attention(monkeypatch):
+    """`KVCache.store_and_attend`, the decode step's bound host op, stores the rows and attends
+    exactly as `write` then `decode_attention_cpu` do, natively and on the torch path: the same
+    cache bytes and the same output bits. It binds each query view once; a layer with views of
+    its own, and new row tensors for a view it has seen, are bound anew, not confused with them.
+    A layer or position outside the cache raises before anything is written."""
+    g = torch.Generator().manual_seed(11)
+    layers, kvh, heads, d, seq = 3, 2, 8, 64, 200
+    ours, theirs = KVCache(layers, kvh, seq, d), KVCache(layers, kvh, seq, d)
+    views = [tuple(torch.empty(n, dtype=torch.bfloat16) for n in (heads * d, kvh * d, kvh * d)) for _ in range(layers)]
+
+    def step(layer: int, pos: int, q, k, v) -> None:
+        for t, scale in ((q, 2), (k, 1), (v, 1)):
+            t.copy_(torch.randn(t.numel(), generator=g) * scale)
+        got = ours.store_and_attend(layer, pos, q, k, v, heads).clone()
+        theirs.write(layer, pos, k.view(1, -1), v.view(1, -1))
+        assert torch.equal(got, decode_attention_cpu(q, theirs, layer, pos, heads)), (layer, pos)
+        assert torch.equal(ours.k, theirs.k) and torch.equal(ours.v, theirs.v)
+
+    for pos in range(0, 150, 7):                # past 128 positions the native kernel splits the heads
+        for layer in range(layers):
+            step(layer, pos, *views[layer])
+    step(1, 150, *(torch.empty_like(t) for t in views[1]))     # fresh rows for layer 1
+    step(2, 151, views[2][0], *(torch.empty_like(t) for t in views[2][1:]))   # a seen query, new K/V rows
+    for layer, pos in ((layers, 5), (-1, 5), (0, seq), (0, -1)):
+        before = ours.k.clone()
+        with pytest.raises(IndexError, match="KV cache holds 3 layers of 200 positions"):
+            ours.store_and_attend(layer, pos, *views[0], heads)
+        assert torch.equal(ours.k, before)
+    with monkeypatch.context() as m:            # the torch path: no native step to bind
+        m.setattr(native_cpu, "decode_step_calls", lambda *a: None)
+        m.setattr(native_cpu, "decode_attention", lambda *a: False)
+        m.setattr(native_cpu, "kv_store_row", lambda *a: False)
+        ours._steps.clear()
+        for layer in range(layers):
+            step(layer, 160, *views[layer])
+
+
 @pytest.mark.parametrize("seq,ctx,heads,kv_heads,head_dim,start", [
     (128, 128, 32, 8, 64, 0),       # a prefill bucket from position 0
     (37, 37, 4, 2, 64, 0),          # rows not a multiple of the 16-query tile, keys of the 64-key block
