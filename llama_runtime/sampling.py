@@ -8,9 +8,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from llama_base.errors import PromptError
+
+
+def greedy(logits: torch.Tensor) -> int:
+    """The index of the largest logit, the first of equals (or the first NaN), as
+    `torch.argmax` has it. Through numpy where it can: torch's CPU argmax took 0.33 ms over
+    Llama-3.2-1B's 128 256 logits on a Zen 3 and numpy's 15 µs, once a decode step."""
+    if logits.dtype == torch.float32 and logits.dim() == 1 and logits.is_contiguous() and logits.device.type == "cpu" \
+            and not logits.requires_grad:
+        return int(np.argmax(logits.numpy()))
+    return int(torch.argmax(logits))
 
 
 @dataclass(frozen=True)
@@ -79,7 +90,7 @@ class Sampler:
     def _choose(self, logits: torch.Tensor) -> int:
         p = self.params
         if p.temperature == 0:
-            return int(torch.argmax(logits))
+            return greedy(logits)
         logits = logits / p.temperature
         if p.top_k:
             kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]

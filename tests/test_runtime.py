@@ -9,7 +9,7 @@ from llama_base.errors import PromptError
 from llama_runtime.decode import decode_step
 from llama_runtime.host_ops import KVCache
 from llama_runtime.prefill import prefill
-from llama_runtime.sampling import SamplingParams
+from llama_runtime.sampling import Sampler, SamplingParams, greedy
 from llama_runtime.session import build_session
 
 
@@ -156,6 +156,25 @@ def test_sampling_is_reproducible_with_a_seed(session):
     c = session.generate("Write a word.", 8, sampling=SamplingParams(temperature=1.0, top_k=50, top_p=0.95,
                                                                      seed=8), reuse_cache=False).tokens
     assert a == b and a != c
+
+
+def test_greedy_choice_is_torch_argmax():
+    """`greedy` (numpy's argmax where it can) picks what torch.argmax picks: the first of equal
+    maxima, the first NaN, index 0 of all -inf, on f32 logits made in inference mode and on what
+    it hands to torch (bf16, a strided view); the greedy sampler and a verification step use it."""
+    g = torch.Generator().manual_seed(5)
+    cases = [torch.randn(128256, generator=g), torch.zeros(1000), torch.full((77,), float("-inf"))]
+    tied = torch.randn(5000, generator=g)
+    tied[[17, 4000]] = tied.max() + 1
+    nan = torch.randn(5000, generator=g)
+    nan[[30, 2000]] = float("nan")
+    with torch.inference_mode():
+        made = torch.randn(4096, generator=g) * 3
+    cases += [tied, nan, made, torch.randn(3000, generator=g).bfloat16(), torch.randn(6000, generator=g)[::2]]
+    for x in cases:
+        assert greedy(x) == int(torch.argmax(x)), x.shape
+    assert greedy(tied) == 17 and greedy(nan) == 30
+    assert Sampler()(tied, []) == 17
 
 
 def test_over_long_input_is_refused(session):

@@ -12,6 +12,8 @@ from typing import Protocol
 
 import torch
 
+from llama_runtime.sampling import greedy
+
 
 @dataclass
 class StepResult:
@@ -21,7 +23,7 @@ class StepResult:
 
     @property
     def top1(self) -> int:
-        return int(self.logits.argmax())
+        return greedy(self.logits)
 
 
 @dataclass
