@@ -20,8 +20,13 @@ namespace {
 constexpr int64_t kWideCoreAhead = 5 * 1024;
 constexpr int64_t kNarrowCoreAhead = 1024;
 
+// First asked by g_ahead's initializer, a constructor of this library: GCC's CPU model may not
+// be filled in yet there, so it is filled in first (__builtin_cpu_init is idempotent).
 int64_t default_ahead() {
-  static const int64_t ahead = __builtin_cpu_supports("avx512f") ? kWideCoreAhead : kNarrowCoreAhead;
+  static const int64_t ahead = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") ? kWideCoreAhead : kNarrowCoreAhead;
+  }();
   return ahead;
 }
 
