@@ -18,7 +18,7 @@ from llama_base.paths import native_dir
 _NATIVE = Path(__file__).resolve().parent / "native"
 _SRCS = [_NATIVE / f"{name}_bf16_cpu.cc"
          for name in ("matmul", "pack", "eltwise", "attention", "flash_attention", "matmul_tiles")]
-_SRCS += [_NATIVE / "q4nx_cpu.cc", _NATIVE / "rows_cpu.cc", _NATIVE / "stream_ahead_cpu.cc"]
+_SRCS += [_NATIVE / f"{name}_cpu.cc" for name in ("q4nx", "rows", "stream_ahead", "program")]
 _HEADERS = [_NATIVE / "simd_bf16.h", _NATIVE / "packed_tiles.h", _NATIVE / "tiles_bf16.h", _NATIVE / "q4nx_blocks.h",
             _NATIVE / "stream_split.h"]
 # The Q4NX layout as the kernels see it: from its one declaration.

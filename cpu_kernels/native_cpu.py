@@ -148,6 +148,11 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.top_k_ids_cpu.argtypes = [ptr, i64, i64, ptr]
     lib.rows_dot_bf16_cpu.argtypes = [ptr, i64, i64, ptr, ptr]
     lib.stream_ahead_set.argtypes = [i64]
+    lib.native_program_max_args.restype = i64
+    lib.native_program_signature.argtypes = [i64]
+    lib.native_program_signature.restype = ctypes.c_char_p
+    lib.native_program_run.argtypes = [ptr, i64, i64, ptr]
+    lib.native_program_run.restype = i64
     lib.stream_ahead_bytes.restype = i64
     lib.stream_ahead_set(ahead_from_env())
     lib.isa = lib.native_cpu_isa().decode()

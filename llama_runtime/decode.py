@@ -4,21 +4,24 @@ Per layer: `rms_gemv_rope` (RMSNorm, Q/K/V GEMVs, RoPE at the token's position) 
 appended to the KV cache at `pos` and attention over positions 0..pos, one host op
 (`KVCache.store_and_attend`) → `o_gemv_ffn` (O GEMV, residual, RMSNorm, SwiGLU GEMVs,
 residual). Attention stays on the host because for one query it is a small, memory-bound read
-of the cache that would otherwise need the whole cache in device buffers.
+of the cache that would otherwise need the whole cache in device buffers. Where the device
+records its runs, a token's layers are those same calls replayed as one native program
+(`decode_program`).
 """
 from __future__ import annotations
 
 import torch
 
+from llama_runtime.decode_program import decode_program
 from llama_runtime.device_model import Capture, DeviceModel, bo_key
-from llama_runtime.host_ops import decode_attention_cpu
+from llama_runtime.host_ops import HOST_OP, decode_attention_cpu
 
 
 def decode_layer(model: DeviceModel, layer: int, x: torch.Tensor, pos: int,
                  capture: Capture | None = None) -> torch.Tensor:
     g1 = model.decode_groups[layer]["rms_gemv_rope"]
     qkv = model.kc.load_and_run(g1.name, {"x": x, "rope_lut": model.rope_lut[pos]}, bo_key(g1, layer))
-    with model.profiler.host_op("kv_write+attention"):
+    with model.profiler.host_op(HOST_OP):
         attn = model.kv.store_and_attend(layer, pos, qkv["q"], qkv["k"], qkv["v"], model.config.num_attention_heads)
     return _ffn(model, layer, attn, x, capture)
 
@@ -49,7 +52,11 @@ def decode_step(model: DeviceModel, token: int, pos: int, capture: Capture | Non
         raise IndexError(f"position {pos} is past the KV cache ({model.max_context} positions)")
     x = model.embed_tokens([token])[0]
     model.kv.invalidate(pos)
-    for layer in range(model.config.num_hidden_layers):
-        x = decode_layer(model, layer, x, pos, capture)
+    program = decode_program(model) if capture is None else None
+    if program is not None:
+        x = program.run(x, pos, model.profiler)
+    else:
+        for layer in range(model.config.num_hidden_layers):
+            x = decode_layer(model, layer, x, pos, capture)
     model.kv.hold(pos, [token])
     return model.logits(x, capture)

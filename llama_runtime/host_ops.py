@@ -43,6 +43,10 @@ def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 _BOUND_STEPS = 256
 
 
+# The host op a decode layer's KV store and attention are profiled as (`store_and_attend`).
+HOST_OP = "kv_write+attention"
+
+
 class KVCache:
     """Head-major K/V for every layer: [layers, kv_heads, max_seq, head_dim], bf16, and the
     token each position holds.
@@ -114,6 +118,27 @@ class KVCache:
         store(k_ptr, v_ptr, kc + pos * row_bytes, vc + pos * row_bytes, kvh, d, self.max_seq)
         attend(q_ptr, kc, vc, out_ptr, heads, kvh, d, pos + 1, self.max_seq)
         return out
+
+    def record_store_and_attend(self, prog, layer: int, q: torch.Tensor, k_row: torch.Tensor, v_row: torch.Tensor,
+                                n_heads: int) -> torch.Tensor | None:
+        """`store_and_attend(layer, pos, ...)` appended to a native program (`NativeProgram`)
+        for whatever position it runs at: the row's address and the attention's length step
+        with it; its ops labelled and tallied as the host op `HOST_OP`. The program must not
+        run at a position past the cache. None where the step has no native form."""
+        if not 0 <= layer < self.layers:
+            raise IndexError(f"KV cache holds {self.layers} layers; recording layer {layer}")
+        q, k_row, v_row, state = self._bind_step(q, k_row, v_row, n_heads)
+        if state is None:
+            return None
+        store, attend, out, out_ptr, q_ptr, k_ptr, v_ptr, layer_bytes, row_bytes, heads, kvh, d = state
+        kc, vc = self._k_ptr + layer * layer_bytes, self._v_ptr + layer * layer_bytes
+        prog.label = HOST_OP
+        prog.tally(HOST_OP)
+        ok = (prog.call(store, (k_ptr, v_ptr, kc, vc, kvh, d, self.max_seq), (0, 0, row_bytes, row_bytes))
+              and prog.call(attend, (q_ptr, kc, vc, out_ptr, heads, kvh, d, 1, self.max_seq), (0,) * 7 + (1,)))
+        prog.label = None
+        prog.hold(self.k, self.v, q, k_row, v_row, out)
+        return out if ok else None
 
     def _bind_step(self, q: torch.Tensor, k_row: torch.Tensor, v_row: torch.Tensor, n_heads: int) -> tuple:
         """(q, k_row, v_row, native state or None), kept per query view: each layer's device

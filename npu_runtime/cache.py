@@ -55,6 +55,7 @@ class KernelCache:
         self._pools: dict[tuple[str, str], BO] = {}     # activation_pool -> the buffer it owns
         self._acts: dict[tuple[str, str], BO] = {}      # (group, slot) -> its BO: a pool's, or a sub-buffer of it
         self._pool_names: dict[str, dict[str, tuple[str, str]]] = {}
+        self.epoch = 0      # bumped whenever a set's activation BOs are replaced (`record_run`'s users look)
 
     @property
     def stats(self) -> CacheStats:
@@ -120,6 +121,7 @@ class KernelCache:
         buf = self._pools[pool] = self.device.bo(nbytes)
         if old is None:
             return buf
+        self.epoch += 1
         moved: dict[int, tuple[BO, BO]] = {}     # id of the old BO -> (old, new); old kept alive meanwhile
         for key, bo in list(self._acts.items()):
             group = self.artifacts.group(key[0])
@@ -193,6 +195,35 @@ class KernelCache:
         if prof:
             self.profiler.record_call(s.group.kind, t1 - t0, t2 - t1, time.perf_counter() - t2)
         return out
+
+    def record_run(self, prog, name: str, bo_key: str,
+                   sources: dict[str, tuple[torch.Tensor, int]]) -> dict[str, torch.Tensor] | None:
+        """Append `load_and_run(name, ..., bo_key)` to a native program (`NativeProgram`), each
+        input slot read from `sources[slot]` = (tensor, step): the tensor's bytes at position 0,
+        `step` bytes further on per position (a table row); the caller keeps the positions it
+        runs at inside the tensor's storage. Returns the output views the program fills, or
+        None where the device records no runs (only the simulated device does, and not on the
+        torch class). The program stays valid while neither the device's storage nor this
+        cache's `epoch` changes."""
+        kernel = self.artifacts.kernel(name)
+        record = getattr(kernel, "record", None)
+        s = self._bo_set(name, bo_key)
+        if record is None or not s.statics_ready:
+            return None
+        if s.calls == 0:
+            self._bind_activations(s)
+        ins, outs = s.io
+        inputs = []
+        for slot, _, bo, n in ins:
+            t, step = sources[slot.name]
+            if not t.is_contiguous() or t.numel() * t.element_size() != n:
+                raise ValueError(f"{name}.{slot.name}: a source of {t.numel() * t.element_size()} bytes "
+                                 f"for a {n}-byte input")
+            inputs.append((bo, n, t.data_ptr(), step))
+            prog.hold(t)
+        if not record(prog, s.bos, inputs, [(bo, n) for _, _, bo, n in outs]):
+            return None
+        return {slot.name: view for slot, view, _, _ in outs}
 
     def _io(self, s: BOSet, rows: int | None) -> tuple[tuple, tuple]:
         """The set's inputs and outputs as (slot, view, BO, bytes) for a call on `rows` rows.

@@ -32,12 +32,18 @@ class Profiler:
     groups: dict[str, CallStats] = field(default_factory=dict)
     host: dict[str, CallStats] = field(default_factory=dict)
 
-    def record_call(self, group: str, write_s: float, run_s: float, read_s: float) -> None:
+    def record_call(self, group: str, write_s: float, run_s: float, read_s: float, calls: int = 1) -> None:
         s = self.groups.setdefault(group, CallStats())
-        s.calls += 1
+        s.calls += calls
         s.write_s += write_s
         s.run_s += run_s
         s.read_s += read_s
+
+    def record_host(self, name: str, seconds: float, calls: int = 1) -> None:
+        """Host ops timed elsewhere (a native program's, `DecodeProgram`)."""
+        s = self.host.setdefault(name, CallStats())
+        s.calls += calls
+        s.run_s += seconds
 
     def host_op(self, name: str) -> AbstractContextManager:
         return self._timed(name) if self.enabled else _UNTIMED
@@ -48,9 +54,7 @@ class Profiler:
         try:
             yield
         finally:
-            s = self.host.setdefault(name, CallStats())
-            s.calls += 1
-            s.run_s += time.perf_counter() - t0
+            self.record_host(name, time.perf_counter() - t0)
 
     def reset(self) -> None:
         self.groups.clear()

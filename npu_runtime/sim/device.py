@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from cpu_kernels import native_cpu
+from cpu_kernels.native_program import NativeProgram
 from cpu_kernels.weight_tiles import DeviceQ4nx, PackedWeight, Packing, Q4nxPacking
 from kernel_builder.groups import KernelGroup
 from npu_runtime.api import Counters, DeviceError, Sync, copy_bytes
@@ -166,6 +167,12 @@ class SimBO:
         """Where the device side starts (a kernel binds its launch plan to these addresses)."""
         return self._dev_side().data_ptr()
 
+    def host_ptr(self) -> int | None:
+        """Where the mapped host side starts, for a recorded run (`SimKernel.record`); None for
+        a packed weight, whose host side comes and goes. A mapped BO keeps both sides' storage
+        for its life: it is never shared, and only a packing replaces them."""
+        return None if self.packing else self.map().data_ptr()
+
 
 class SimSubBO:
     """Bytes [offset, offset + size) of a parent BO as a BO of its own, as XRT's sub-buffers are:
@@ -210,6 +217,9 @@ class SimSubBO:
 
     def device_ptr(self) -> int:
         return self.parent.device_ptr() + self.offset
+
+    def host_ptr(self) -> int:
+        return self.parent.host_ptr() + self.offset
 
 
 class SimKernel:
@@ -274,6 +284,37 @@ class SimKernel:
         for call in self._program(bos):
             call()
         self.device.counters.runs += 1
+
+    def record(self, prog: NativeProgram, bos: list[SimBO], inputs: list[tuple], outputs: list[tuple]) -> bool:
+        """Append a run on `bos` to `prog` as `KernelCache.load_and_run` makes it: each input
+        (BO, bytes, source address, source step per position) copied into its BO's host side
+        and synced, the bound launches, each output (BO, bytes) synced back; its ops labelled
+        (group kind, "write" | "run" | "read") and the run tallied under the kind, as the
+        profiler splits a call. False, with `prog` left unusable, where a launch has no native
+        form (the torch class)."""
+        program, kind = self._program(bos), self.group.kind
+        prog.label = (kind, "write")
+        for bo, n, src, step in inputs:
+            host = bo.host_ptr()
+            if host is None:
+                return False
+            prog.copy(host, src, n, step)
+            prog.copy(bo.device_ptr(), host, n)
+        prog.label = (kind, "run")
+        if not all(prog.bound(call) for call in program):
+            return False
+        prog.label = (kind, "read")
+        for bo, n in outputs:
+            host = bo.host_ptr()
+            if host is None:
+                return False
+            prog.copy(host, bo.device_ptr(), n)
+        prog.label = None
+        prog.tally(kind)
+        prog.hold(program, list(bos))
+        prog.count(self.device.counters, runs=1, bytes_to_device=sum(i[1] for i in inputs),
+                   bytes_from_device=sum(o[1] for o in outputs))
+        return True
 
 
 class SimDevice:

@@ -1,0 +1,132 @@
+"""Native calls recorded once and replayed at a position in one call (`native/program_cpu.cc`).
+
+The simulated device already runs each launch as a native call with its pointers fixed
+(`native_cpu._bound`); what a decode token still pays is the interpreter between those calls,
+run from caches the GEMVs have just flushed. A `NativeProgram` holds such calls and the byte
+copies between them (a buffer's sync, an activation handed to the next call) as one table,
+and `run(pos)` makes them all in one call. Arguments that follow the token's position (a KV
+row's address, a RoPE table row, an attention's length) are recorded with a step per position.
+
+A program holds raw addresses: it keeps references to what they point into (`hold`), and its
+owner must drop it when any of that storage may have been replaced.
+"""
+from __future__ import annotations
+
+import ctypes
+import struct
+from functools import partial
+
+from cpu_kernels import native_cpu
+
+_COPY = "ppq"           # signature code 0: memmove(dst, src, n)
+_TYPES = {ctypes.c_void_p: "p", ctypes.c_int64: "q", ctypes.c_int: "i", ctypes.c_float: "f"}
+
+
+class NativeProgram:
+    """An append-only list of native calls; `run(pos)` replays them in order."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._lib = lib
+        self._max_args = lib.native_program_max_args()
+        self._codes: dict[str, int] = {}
+        while sig := lib.native_program_signature(len(self._codes)).decode():
+            self._codes[sig] = len(self._codes)
+        self._ops: list[list[int]] = []
+        self._labels: list[object] = []
+        self._holds: list[object] = []
+        self._counts: dict[int, list] = {}
+        self._table = None
+        self.label: object = None     # given to each op appended, for a timed run's totals
+        self.tallies: dict[object, int] = {}
+
+    @classmethod
+    def new(cls) -> NativeProgram | None:
+        """An empty program, or None where the native library is unavailable."""
+        lib = native_cpu._library()
+        return cls(lib) if lib is not None else None
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    def _op(self, sig: str, fn: int, args: list[int], steps: list[int]) -> bool:
+        code = self._codes.get(sig)
+        if code is None or len(args) > self._max_args:
+            return False
+        pad = [0] * (self._max_args - len(args))
+        self._ops.append([code, fn, *args, *pad, *steps, *pad])
+        self._labels.append(self.label)
+        self._table = None
+        return True
+
+    def copy(self, dst: int, src: int, nbytes: int, src_step: int = 0) -> None:
+        """memmove(dst, src + pos · src_step, nbytes)."""
+        self._op(_COPY, 0, [dst, src, nbytes], [0, src_step, 0])
+
+    def call(self, fn, args: tuple, steps: tuple = ()) -> bool:
+        """`fn` (a function of the native library, its `argtypes` set) with `args`, argument i
+        plus pos · steps[i]; ints stand for addresses. False if its signature is not one the
+        replay knows, or an argument is not an int, a float or a ctypes array."""
+        sig = "".join(_TYPES.get(t, "?") for t in (fn.argtypes or ()))
+        if len(sig) != len(args):
+            return False
+        words = []
+        for kind, a in zip(sig, args):
+            if kind == "f" and isinstance(a, (int, float)):
+                words.append(struct.unpack("<I", struct.pack("<f", a))[0])
+            elif kind in "pqi" and isinstance(a, ctypes.Array):
+                words.append(ctypes.addressof(a))
+                self._holds.append(a)
+            elif kind in "pqi" and isinstance(a, int):
+                words.append(a)
+            else:
+                return False
+        steps = list(steps) + [0] * (len(args) - len(steps))
+        if not self._op(sig, ctypes.cast(fn, ctypes.c_void_p).value, words, steps):
+            return False
+        self._holds.append(fn)
+        return True
+
+    def bound(self, call) -> bool:
+        """A bound native call (`native_cpu._bound`): its function and arguments, fixed. False
+        for anything else (a torch body the device falls back to)."""
+        if not isinstance(call, partial) or call.keywords or not hasattr(call.func, "argtypes"):
+            return False
+        if not self.call(call.func, call.args):
+            return False
+        self._holds.append(call)
+        return True
+
+    def hold(self, *objects: object) -> None:
+        """Keep `objects` alive as long as the program: recorded addresses point into them."""
+        self._holds.extend(objects)
+
+    def tally(self, key: object) -> None:
+        """Count one `key` (a run of a group, a host op) in `tallies`: what a profiled run's
+        totals are divided among."""
+        self.tallies[key] = self.tallies.get(key, 0) + 1
+
+    def count(self, counters, **add: int) -> None:
+        """Add `add` to `counters`' fields on every run, as the calls recorded would have."""
+        entry = self._counts.setdefault(id(counters), [counters, {}])
+        for name, n in add.items():
+            entry[1][name] = entry[1].get(name, 0) + n
+
+    def run(self, pos: int, timed: bool = False) -> dict[object, float] | None:
+        """Every op at `pos`; with `timed`, the seconds spent under each label."""
+        if self._table is None:
+            flat = [w for op in self._ops for w in op]
+            self._table = (ctypes.c_int64 * len(flat))(*flat)
+        ns = (ctypes.c_int64 * len(self._ops))() if timed else None
+        failed = self._lib.native_program_run(ctypes.addressof(self._table), len(self._ops), pos,
+                                              ctypes.addressof(ns) if timed else None)
+        if failed >= 0:
+            raise RuntimeError(f"native program: op {failed} has an unknown code")
+        for counters, add in self._counts.values():
+            for name, n in add.items():
+                setattr(counters, name, getattr(counters, name) + n)
+        if not timed:
+            return None
+        out: dict[object, float] = {}
+        for label, t in zip(self._labels, ns):
+            out[label] = out.get(label, 0.0) + t * 1e-9
+        return out

@@ -1,0 +1,94 @@
+"""A decode token's layers as one native program, on a device that can record its runs.
+
+Every layer of a token runs the same calls on the same buffers: `rms_gemv_rope`, the KV row's
+store and the attention, `o_gemv_ffn`. On the simulated device each of those is a few native
+calls with their pointers fixed, and what a token still paid was the interpreter between them
+(writing each input, reading each output, the layer loop), run from caches the GEMVs had just
+flushed: several milliseconds of a Llama-3.2-1B token (docs/profile.md, "Around the calls").
+Recorded once (`KernelCache.record_run`, `KVCache.record_store_and_attend`), the layers are
+one call per token: the same copies, syncs, kernels and counters, in the same order, so the
+same numbers as the call-by-call loop (`decode.decode_layer`), which stays the path of the
+devices that cannot record (the NPU, the interpreter), of the torch class and of verification
+hooks. A profiled run times each recorded op natively and reports the calls as the loop does.
+"""
+from __future__ import annotations
+
+import torch
+
+from cpu_kernels.native_program import NativeProgram
+from llama_runtime.device_model import DeviceModel, bo_key
+from llama_runtime.host_ops import HOST_OP
+from npu_runtime.api import copy_tensor
+from npu_runtime.profiler import NULL_PROFILER, Profiler
+
+_PHASES = ("write", "run", "read")
+
+
+class DecodeProgram:
+    def __init__(self, prog: NativeProgram, x_in: torch.Tensor, out: torch.Tensor, positions: int):
+        self._prog, self._x_in, self._out, self._positions = prog, x_in, out, positions
+        self._host_ops = {HOST_OP}
+
+    @classmethod
+    def record(cls, model: DeviceModel) -> DecodeProgram | None:
+        """Every layer of `model`'s decode step, recorded; None where some part of it cannot be."""
+        prog = NativeProgram.new()
+        if prog is None:
+            return None
+        cfg, kc, lut = model.config, model.kc, model.rope_lut
+        x_in = torch.empty(cfg.hidden_size, dtype=torch.bfloat16)
+        x = x_in
+        row = lut[0]
+        for layer, groups in enumerate(model.decode_groups):
+            g1, g2 = groups["rms_gemv_rope"], groups["o_gemv_ffn"]
+            qkv = kc.record_run(prog, g1.name, bo_key(g1, layer),
+                                {"x": (x, 0), "rope_lut": (row, row.numel() * row.element_size())})
+            if qkv is None:
+                return None
+            attn = model.kv.record_store_and_attend(prog, layer, qkv["q"], qkv["k"], qkv["v"],
+                                                    cfg.num_attention_heads)
+            if attn is None:
+                return None
+            out = kc.record_run(prog, g2.name, bo_key(g2, layer), {"attn": (attn, 0), "x_res": (x, 0)})
+            if out is None:
+                return None
+            x = out["out"]
+        prog.hold(lut)
+        return cls(prog, x_in, x, min(lut.shape[0], model.kv.max_seq))
+
+    def run(self, x: torch.Tensor, pos: int, profiler: Profiler = NULL_PROFILER) -> torch.Tensor:
+        """The last layer's output row for the token whose embedding row is `x`, at `pos`: a
+        view of a device buffer, valid until the next call. An enabled `profiler` gets each
+        group's calls split into write / run / read and each host op, as the loop reports them."""
+        if not 0 <= pos < self._positions:
+            raise IndexError(f"position {pos} is past the KV cache ({self._positions} positions)")
+        copy_tensor(self._x_in, x)
+        times = self._prog.run(pos, timed=profiler.enabled)
+        if times:
+            tallies = self._prog.tallies
+            for key, calls in tallies.items():
+                if isinstance(key, str) and key in self._host_ops:
+                    profiler.record_host(key, times.get(key, 0.0), calls)
+                else:
+                    profiler.record_call(key, *(times.get((key, phase), 0.0) for phase in _PHASES), calls=calls)
+        return self._out
+
+
+def decode_program(model: DeviceModel) -> DecodeProgram | None:
+    """`model`'s recorded decode layers, recorded again whenever a buffer they point into may
+    have moved (the device's storage epoch, the kernel cache's); None where they cannot be
+    recorded or `model.native_decode` is off."""
+    if not model.native_decode:
+        return None
+    key = _storage_key(model)
+    if model.recorded_decode is not None and model.recorded_decode[0] == key:
+        return model.recorded_decode[1]
+    program = DecodeProgram.record(model)
+    if _storage_key(model) != key:     # recording gave buffers their first storage: record on it
+        key, program = _storage_key(model), DecodeProgram.record(model)
+    model.recorded_decode = (key, program)
+    return program
+
+
+def _storage_key(model: DeviceModel) -> tuple:
+    return getattr(model.kc.device, "storage_epoch", None), model.kc.epoch
