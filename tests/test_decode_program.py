@@ -1,0 +1,174 @@
+"""Decode's layers recorded as one native program (`llama_runtime.decode_program`) against the
+call-by-call loop they replace: the same logits to the bit, the same KV cache, the same device
+counters and the same profile, under every ISA class this CPU runs and in both weight formats;
+recorded again when a buffer moves under it; never run past the cache. And the recorder itself
+(`cpu_kernels.native_program`): position steps, float arguments, signatures it refuses."""
+from __future__ import annotations
+
+import ctypes
+import pytest
+import torch
+
+from cpu_kernels import native_cpu
+from cpu_kernels.native_program import NativeProgram
+from llama_runtime.decode import decode_step
+from llama_runtime.decode_program import decode_program
+from llama_runtime.device_model import DeviceModel, bo_key
+from llama_runtime.prefill import prefill
+from llama_runtime.session import build_session
+from npu_runtime.api import Sync
+from npu_runtime.cache import KernelCache
+from npu_runtime.profiler import Profiler
+from npu_runtime.sim.device import SimDevice, SimKernel
+
+native = pytest.mark.skipif(native_cpu._library() is None,
+                            reason="no C++ compiler or no AVX2 on this CPU: nothing to record")
+
+
+@pytest.fixture(scope="module")
+def q4nx_session(tmp_path_factory):
+    return build_session("embedded", "sim", max_context=256, cache_dir=tmp_path_factory.mktemp("kernels"),
+                         buckets=(64,), log=lambda s: None, quant="q4nx")
+
+
+def _tiny(tmp_path, weights) -> DeviceModel:
+    return DeviceModel(KernelCache(SimDevice(), tmp_path), weights, 256, buckets=(128,))
+
+
+def _steps(model: DeviceModel, native: bool, tokens: list[int], start: int):
+    """Decode steps feeding `tokens` from position `start`: each step's logits, and the change
+    of the device's counters of bytes synced each way and of runs."""
+    model.native_decode = native
+    c = model.kc.device.counters
+    before = (c.bytes_to_device, c.bytes_from_device, c.runs)
+    out = [decode_step(model, t, start + i).clone() for i, t in enumerate(tokens)]
+    return out, [a - b for a, b in zip((c.bytes_to_device, c.bytes_from_device, c.runs), before)]
+
+
+def _both_ways(model: DeviceModel, prompt: list[int], tokens: list[int], monkeypatch) -> None:
+    """The loop, then the program from the same cache state: every result equal, and the
+    program's layers ran no device call from Python."""
+    prefill(model, prompt)
+    k, v, held = model.kv.k.clone(), model.kv.v.clone(), list(model.kv.token_ids)
+    loop, loop_counts = _steps(model, False, tokens, len(prompt))
+    loop_k, loop_v = model.kv.k.clone(), model.kv.v.clone()
+    model.kv.k.copy_(k), model.kv.v.copy_(v)
+    model.kv.token_ids[:] = held
+    runs = []
+    real = SimKernel.run
+    monkeypatch.setattr(SimKernel, "run", lambda self, bos: runs.append(self.group.kind) or real(self, bos))
+    ours, counts = _steps(model, True, tokens, len(prompt))
+    assert decode_program(model) is not None
+    assert runs == ["lm_head_gemv"] * len(tokens)         # the layers ran inside the program
+    assert all(torch.equal(a, b) for a, b in zip(loop, ours))
+    assert torch.equal(model.kv.k, loop_k) and torch.equal(model.kv.v, loop_v)
+    assert counts == loop_counts and counts[2] == len(tokens) * (2 * model.config.num_hidden_layers + 1)
+    assert model.kv.token_ids == held + tokens
+
+
+@native
+@pytest.mark.usefixtures("native_isa")
+def test_the_recorded_layers_are_the_loop_bit_for_bit_bf16(tiny_weights, tmp_path, monkeypatch):
+    """bf16 weights, every class: positions 124..131 cross the attention kernel's 128-position
+    split, so the attention's length steps through it."""
+    _both_ways(_tiny(tmp_path, tiny_weights), list(range(3, 127)), [5, 9, 200, 7, 7, 31, 4, 100], monkeypatch)
+
+
+@native
+def test_the_recorded_layers_are_the_loop_bit_for_bit_q4nx(q4nx_session, monkeypatch):
+    """Q4NX weights (the embedded model's fused 4-bit GEMVs), the head rescored after them."""
+    model = q4nx_session.model
+    model.recorded_decode = None
+    _both_ways(model, q4nx_session.encode("The capital of France is"), [330, 2, 4000, 17, 9], monkeypatch)
+
+
+@native
+def test_a_weight_rewritten_after_recording_is_the_one_the_next_token_reads(tiny_weights, tmp_path):
+    """A weight written and synced again moves to new device storage; the program recorded on
+    the old one must not be replayed (it would read freed memory): it is recorded again, and the
+    token reads the new weight, as the loop does."""
+    model = _tiny(tmp_path, tiny_weights)
+    prefill(model, list(range(3, 20)))
+    k, v = model.kv.k.clone(), model.kv.v.clone()
+    before = decode_step(model, 5, 17).clone()
+    first = decode_program(model)
+    g2 = model.decode_groups[1]["o_gemv_ffn"]
+    s = model.kc._sets[bo_key(g2, 1)]
+    i = next(i for i, sl in enumerate(g2.slots) if sl.name == "w_down")
+    s.bos[i].write(torch.randn(g2.slots[i].storage_shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16))
+    s.bos[i].sync(Sync.TO_DEVICE)
+
+    def step(native: bool) -> torch.Tensor:
+        model.kv.k.copy_(k), model.kv.v.copy_(v)
+        model.native_decode = native
+        return decode_step(model, 5, 17).clone()
+
+    ours = step(True)
+    assert decode_program(model) is not first
+    assert torch.equal(ours, step(False)) and not torch.equal(ours, before)
+
+
+@native
+def test_a_profiled_token_reports_the_calls_the_loop_reports(tiny_weights, tmp_path):
+    """`make profile` and the bench's host share time the program op by op: the same groups and
+    host ops with the same call counts as the loop, their writes, runs and reads apart."""
+    model = _tiny(tmp_path, tiny_weights)
+    prefill(model, list(range(3, 20)))
+    seen = {}
+    for native in (False, True):
+        model.profiler = model.kc.profiler = prof = Profiler()
+        model.native_decode = native
+        for pos in (17, 18, 19):
+            decode_step(model, 5, pos)
+        seen[native] = ({g: s.calls for g, s in prof.groups.items()}, {h: s.calls for h, s in prof.host.items()})
+        assert all(s.run_s > 0 for s in prof.groups.values()) and all(s.run_s > 0 for s in prof.host.values())
+    assert seen[True] == seen[False]
+    assert seen[True][0]["o_gemv_ffn"] == 3 * model.config.num_hidden_layers
+    assert prof.groups["rms_gemv_rope"].write_s > 0 and prof.groups["rms_gemv_rope"].read_s > 0
+
+
+@native
+def test_the_program_never_runs_past_the_cache(tiny_weights, tmp_path):
+    model = _tiny(tmp_path, tiny_weights)
+    prefill(model, list(range(3, 20)))
+    decode_step(model, 5, 17)
+    program, k = decode_program(model), model.kv.k.clone()
+    for pos in (model.kv.max_seq, -1):
+        with pytest.raises(IndexError, match="past the KV cache"):
+            program.run(model.embed_tokens([5])[0], pos)
+    assert torch.equal(model.kv.k, k)
+
+
+def test_the_torch_class_keeps_the_loop(tiny_weights, tmp_path):
+    """Without the native library nothing is recorded, and a token runs call by call."""
+    with native_cpu.use_isa(native_cpu.TORCH):
+        model = _tiny(tmp_path, tiny_weights)
+        prefill(model, list(range(3, 20)))
+        decode_step(model, 5, 17)
+        assert decode_program(model) is None and model.recorded_decode is not None
+
+
+@native
+def test_a_native_program_steps_its_arguments_with_the_position():
+    """A copy from a table row that follows the position; a recorded call with a float argument
+    (RMSNorm's epsilon) equal to the call made directly; a function of a signature the replay
+    does not know is refused."""
+    prog = NativeProgram.new()
+    table = torch.arange(40, dtype=torch.bfloat16).view(10, 4)
+    row = torch.zeros(4, dtype=torch.bfloat16)
+    prog.copy(row.data_ptr(), table.data_ptr(), 8, src_step=8)
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    w = torch.randn(64).to(torch.bfloat16)
+    out, want = torch.empty_like(x), torch.empty_like(x)
+    assert prog.bound(native_cpu.rmsnorm_call(x, w, out, 64, 0.25))
+    prog.hold(table, row, x, w, out)
+    for pos in (0, 7, 3):
+        prog.run(pos)
+        assert torch.equal(row, table[pos])
+    assert native_cpu.rmsnorm(x, w, want, 64, 0.25) and torch.equal(out, want)
+    assert native_cpu.rmsnorm(x, w, want, 64, 1e-5) and not torch.equal(want, out)   # the epsilon arrived
+
+    lib = native_cpu._library()
+    assert not prog.call(lib.native_program_signature, (0,))     # (int64) -> str: no such signature
+    assert not prog.call(lib.rmsnorm_bf16_cpu, (1, 2))             # too few arguments
+    assert not prog.bound(lambda: None) and len(prog) == 2
