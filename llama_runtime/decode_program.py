@@ -17,7 +17,6 @@ import torch
 
 from cpu_kernels.native_program import NativeProgram
 from llama_runtime.device_model import DeviceModel, bo_key
-from llama_runtime.host_ops import HOST_OP
 from npu_runtime.api import copy_tensor
 from npu_runtime.profiler import NULL_PROFILER, Profiler
 
@@ -27,7 +26,6 @@ _PHASES = ("write", "run", "read")
 class DecodeProgram:
     def __init__(self, prog: NativeProgram, x_in: torch.Tensor, out: torch.Tensor, positions: int):
         self._prog, self._x_in, self._out, self._positions = prog, x_in, out, positions
-        self._host_ops = {HOST_OP}
 
     @classmethod
     def record(cls, model: DeviceModel) -> DecodeProgram | None:
@@ -62,15 +60,17 @@ class DecodeProgram:
         group's calls split into write / run / read and each host op, as the loop reports them."""
         if not 0 <= pos < self._positions:
             raise IndexError(f"position {pos} is past the KV cache ({self._positions} positions)")
+        if x.dtype != self._x_in.dtype or x.numel() != self._x_in.numel():
+            raise ValueError(f"an embedding row of {x.numel()} {x.dtype} for {self._x_in.numel()} bf16 values")
         copy_tensor(self._x_in, x)
         times = self._prog.run(pos, timed=profiler.enabled)
         if times:
-            tallies = self._prog.tallies
-            for key, calls in tallies.items():
-                if isinstance(key, str) and key in self._host_ops:
-                    profiler.record_host(key, times.get(key, 0.0), calls)
+            for (what, name), calls in self._prog.tallies.items():     # labelled by the recorders
+                if what == "host":
+                    profiler.record_host(name, times.get((what, name), 0.0), calls)
                 else:
-                    profiler.record_call(key, *(times.get((key, phase), 0.0) for phase in _PHASES), calls=calls)
+                    profiler.record_call(name, *(times.get((what, name, phase), 0.0) for phase in _PHASES),
+                                         calls=calls)
         return self._out
 
 

@@ -123,7 +123,7 @@ class KVCache:
                                 n_heads: int) -> torch.Tensor | None:
         """`store_and_attend(layer, pos, ...)` appended to a native program (`NativeProgram`)
         for whatever position it runs at: the row's address and the attention's length step
-        with it; its ops labelled and tallied as the host op `HOST_OP`. The program must not
+        with it; its ops labelled and tallied as ("host", `HOST_OP`). The program must not
         run at a position past the cache. None where the step has no native form."""
         if not 0 <= layer < self.layers:
             raise IndexError(f"KV cache holds {self.layers} layers; recording layer {layer}")
@@ -132,8 +132,8 @@ class KVCache:
             return None
         store, attend, out, out_ptr, q_ptr, k_ptr, v_ptr, layer_bytes, row_bytes, heads, kvh, d = state
         kc, vc = self._k_ptr + layer * layer_bytes, self._v_ptr + layer * layer_bytes
-        prog.label = HOST_OP
-        prog.tally(HOST_OP)
+        prog.label = ("host", HOST_OP)
+        prog.tally(("host", HOST_OP))
         ok = (prog.call(store, (k_ptr, v_ptr, kc, vc, kvh, d, self.max_seq), (0, 0, row_bytes, row_bytes))
               and prog.call(attend, (q_ptr, kc, vc, out_ptr, heads, kvh, d, 1, self.max_seq), (0,) * 7 + (1,)))
         prog.label = None

@@ -289,28 +289,28 @@ class SimKernel:
         """Append a run on `bos` to `prog` as `KernelCache.load_and_run` makes it: each input
         (BO, bytes, source address, source step per position) copied into its BO's host side
         and synced, the bound launches, each output (BO, bytes) synced back; its ops labelled
-        (group kind, "write" | "run" | "read") and the run tallied under the kind, as the
-        profiler splits a call. False, with `prog` left unusable, where a launch has no native
+        ("call", group kind, "write" | "run" | "read") and the run tallied as ("call", kind), as
+        the profiler splits a call. False, with `prog` left unusable, where a launch has no native
         form (the torch class)."""
         program, kind = self._program(bos), self.group.kind
-        prog.label = (kind, "write")
+        prog.label = ("call", kind, "write")
         for bo, n, src, step in inputs:
             host = bo.host_ptr()
             if host is None:
                 return False
             prog.copy(host, src, n, step)
             prog.copy(bo.device_ptr(), host, n)
-        prog.label = (kind, "run")
+        prog.label = ("call", kind, "run")
         if not all(prog.bound(call) for call in program):
             return False
-        prog.label = (kind, "read")
+        prog.label = ("call", kind, "read")
         for bo, n in outputs:
             host = bo.host_ptr()
             if host is None:
                 return False
             prog.copy(host, bo.device_ptr(), n)
         prog.label = None
-        prog.tally(kind)
+        prog.tally(("call", kind))
         prog.hold(program, list(bos))
         prog.count(self.device.counters, runs=1, bytes_to_device=sum(i[1] for i in inputs),
                    bytes_from_device=sum(o[1] for o in outputs))
