@@ -172,3 +172,23 @@ def test_a_native_program_steps_its_arguments_with_the_position():
     assert not prog.call(lib.native_program_signature, (0,))     # (int64) -> str: no such signature
     assert not prog.call(lib.rmsnorm_bf16_cpu, (1, 2))             # too few arguments
     assert not prog.bound(lambda: None) and len(prog) == 2
+
+
+@native
+def test_a_pool_replaced_by_a_longer_context_is_recorded_again(tiny_weights, tmp_path):
+    """A prompt continued past its bucket's context compiles attention for a longer one, whose
+    larger buffers replace the shared ones (`KernelCache.epoch`): the next token records again
+    and still reads what the loop reads."""
+    model = DeviceModel(KernelCache(SimDevice(), tmp_path), tiny_weights, 256, buckets=(32,))
+    prompt = list(range(3, 23))
+    prefill(model, prompt)
+    decode_step(model, 5, 20)
+    first, epoch = decode_program(model), model.kc.epoch
+    prefill(model, list(range(40, 70)), start=21)            # positions 21..50: a 64-position context
+    assert model.kc.epoch > epoch
+    k, v = model.kv.k.clone(), model.kv.v.clone()
+    ours = decode_step(model, 9, 51).clone()
+    assert decode_program(model) is not first
+    model.kv.k.copy_(k), model.kv.v.copy_(v)
+    model.native_decode = False
+    assert torch.equal(ours, decode_step(model, 9, 51))
