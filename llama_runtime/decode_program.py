@@ -84,8 +84,11 @@ def decode_program(model: DeviceModel) -> DecodeProgram | None:
     if model.recorded_decode is not None and model.recorded_decode[0] == key:
         return model.recorded_decode[1]
     program = DecodeProgram.record(model)
-    if _storage_key(model) != key:     # recording gave buffers their first storage: record on it
-        key, program = _storage_key(model), DecodeProgram.record(model)
+    if _storage_key(model) != key:
+        # The epoch moved while recording (buffers given their first storage): record again,
+        # so that the key kept and every address recorded come from one state.
+        key = _storage_key(model)
+        program = DecodeProgram.record(model)
     model.recorded_decode = (key, program)
     return program
 

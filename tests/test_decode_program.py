@@ -78,7 +78,6 @@ def test_the_recorded_layers_are_the_loop_bit_for_bit_bf16(tiny_weights, tmp_pat
 def test_the_recorded_layers_are_the_loop_bit_for_bit_q4nx(q4nx_session, monkeypatch):
     """Q4NX weights (the embedded model's fused 4-bit GEMVs), the head rescored after them."""
     model = q4nx_session.model
-    model.recorded_decode = None
     _both_ways(model, q4nx_session.encode("The capital of France is"), [330, 2, 4000, 17, 9], monkeypatch)
 
 

@@ -50,7 +50,9 @@ class OurRunner:
         share: attention, KV writes, the launches' own work, the head's rescoring), averaged over
         `n` greedy steps after `prompt`, once untimed first. The bench holds the host's share
         against the bandwidth bound: it is time the bound does not count and no GEMV can save.
-        The profiler is on for these steps only; it adds its own few µs a call to the host's share."""
+        The profiler is on for these steps only; it adds its own few µs a call to the host's share
+        (in a recorded decode, `llama_runtime.decode_program`, two clock reads an op and the
+        totals' bookkeeping once a token)."""
         model = self.session.model
         kc = model.kc
         saved = model.profiler, kc.profiler
