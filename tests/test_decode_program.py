@@ -5,7 +5,6 @@ recorded again when a buffer moves under it; never run past the cache. And the r
 (`cpu_kernels.native_program`): position steps, float arguments, signatures it refuses."""
 from __future__ import annotations
 
-import ctypes
 import pytest
 import torch
 
