@@ -1,7 +1,7 @@
 // A recorded sequence of this library's calls, replayed at a position in one call from Python.
 //
-// The simulated device runs a decode token as 33 device calls and 16 host attentions, each a
-// few native calls with fixed pointers (cpu_kernels/native_program.py records them). Made one
+// The simulated device runs a decode token as two device calls and a host attention a layer,
+// each a few native calls with fixed pointers (cpu_kernels/native_program.py records them). Made one
 // by one from Python, they leave the interpreter's work between them to run from caches the
 // GEMVs have just flushed: tens of microseconds a step, several milliseconds a token. Replayed
 // here, a token's layers are one call. What changes from token to token is the position: each
@@ -17,6 +17,7 @@
 namespace {
 
 constexpr int64_t kMaxArgs = 9;
+constexpr int64_t kOpWords = 2 + 2 * kMaxArgs;
 
 // The signatures the recorder may use, in code order: p pointer, q int64, i int, f float.
 // Code 0 is a byte copy (dst, src, n), the sync of a buffer or an activation passed on.
@@ -48,10 +49,9 @@ extern "C" const char *native_program_signature(int64_t code) {
 // (a profiled run: two clock reads an op, tens of nanoseconds); stops at an op of unknown code
 // and returns its index (the recorder writes only known codes), else returns -1.
 extern "C" int64_t native_program_run(const int64_t *ops, int64_t n, int64_t pos, int64_t *ns) {
-  constexpr int64_t words = 2 + 2 * kMaxArgs;
   auto t0 = std::chrono::steady_clock::now();
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t *op = ops + i * words;
+    const int64_t *op = ops + i * kOpWords;
     Q a[kMaxArgs];
     for (int64_t j = 0; j < kMaxArgs; ++j) a[j] = op[2 + j] + pos * op[2 + kMaxArgs + j];
     const Q fn = op[1];
