@@ -38,6 +38,7 @@ class NativeProgram:
         self._holds: list[object] = []
         self._counts: dict[int, list] = {}
         self._table = None
+        self._label_ids: tuple[list, np.ndarray] | None = None    # made with the table
         self.label: object = None     # given to each op appended, for a timed run's totals
         self.tallies: dict[object, int] = {}
 

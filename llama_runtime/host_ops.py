@@ -112,11 +112,10 @@ class KVCache:
         if step[3] is None:
             self.write(layer, pos, k_row.view(1, -1), v_row.view(1, -1))
             return decode_attention_cpu(q, self, layer, pos, n_heads)
-        store, attend, out, out_ptr, q_ptr, k_ptr, v_ptr, layer_bytes, row_bytes, heads, kvh, d = step[3]
-        kc = self._k_ptr + layer * layer_bytes
-        vc = self._v_ptr + layer * layer_bytes
-        store(k_ptr, v_ptr, kc + pos * row_bytes, vc + pos * row_bytes, kvh, d, self.max_seq)
-        attend(q_ptr, kc, vc, out_ptr, heads, kvh, d, pos + 1, self.max_seq)
+        store, attend, out = step[3][:3]
+        store_args, attend_args = self._native_args(step[3], layer, pos)
+        store(*store_args)
+        attend(*attend_args)
         return out
 
     def record_store_and_attend(self, prog, layer: int, q: torch.Tensor, k_row: torch.Tensor, v_row: torch.Tensor,
@@ -130,15 +129,25 @@ class KVCache:
         q, k_row, v_row, state = self._bind_step(q, k_row, v_row, n_heads)
         if state is None:
             return None
-        store, attend, out, out_ptr, q_ptr, k_ptr, v_ptr, layer_bytes, row_bytes, heads, kvh, d = state
-        kc, vc = self._k_ptr + layer * layer_bytes, self._v_ptr + layer * layer_bytes
+        # The arguments are linear in the position: each one's step is its value at 1 less at 0.
+        at0, at1 = self._native_args(state, layer, 0), self._native_args(state, layer, 1)
         prog.label = ("host", HOST_OP)
         prog.tally(("host", HOST_OP))
-        ok = (prog.call(store, (k_ptr, v_ptr, kc, vc, kvh, d, self.max_seq), (0, 0, row_bytes, row_bytes))
-              and prog.call(attend, (q_ptr, kc, vc, out_ptr, heads, kvh, d, 1, self.max_seq), (0,) * 7 + (1,)))
+        ok = all(prog.call(fn, a0, tuple(b - a for a, b in zip(a0, a1))) for fn, a0, a1 in zip(state[:2], at0, at1))
         prog.label = None
+        out = state[2]
         prog.hold(self.k, self.v, q, k_row, v_row, out)
         return out if ok else None
+
+    def _native_args(self, state: tuple, layer: int, pos: int) -> tuple[tuple, tuple]:
+        """The native KV row store's and attention's arguments for `layer` at `pos`, from a bound
+        step's state (`_bind_step`): one place for the pointer arithmetic both the call-by-call
+        step and its recording use."""
+        _, _, _, out_ptr, q_ptr, k_ptr, v_ptr, layer_bytes, row_bytes, heads, kvh, d = state
+        kc = self._k_ptr + layer * layer_bytes
+        vc = self._v_ptr + layer * layer_bytes
+        return ((k_ptr, v_ptr, kc + pos * row_bytes, vc + pos * row_bytes, kvh, d, self.max_seq),
+                (q_ptr, kc, vc, out_ptr, heads, kvh, d, pos + 1, self.max_seq))
 
     def _bind_step(self, q: torch.Tensor, k_row: torch.Tensor, v_row: torch.Tensor, n_heads: int) -> tuple:
         """(q, k_row, v_row, native state or None), kept per query view: each layer's device

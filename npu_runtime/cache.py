@@ -167,11 +167,7 @@ class KernelCache:
         never influences the real ones.
         """
         kernel = self.artifacts.kernel(name)
-        s = self._bo_set(name, bo_key)
-        if not s.statics_ready:
-            raise KernelCacheError(f"{bo_key}: static slots not uploaded; call preload() before the first run")
-        if s.calls == 0:
-            self._bind_activations(s)
+        s = self._runnable_set(name, bo_key)
         prof = self.profiler.enabled
         t0 = time.perf_counter() if prof else 0.0
         ins, outs = s.io if rows is None else self._io(s, rows)
@@ -205,13 +201,10 @@ class KernelCache:
         None where the device records no runs (only the simulated device does, and not on the
         torch class). The program stays valid while neither the device's storage nor this
         cache's `epoch` changes."""
-        kernel = self.artifacts.kernel(name)
-        record = getattr(kernel, "record", None)
-        s = self._bo_set(name, bo_key)
-        if record is None or not s.statics_ready:
+        record = getattr(self.artifacts.kernel(name), "record", None)
+        if record is None:
             return None
-        if s.calls == 0:
-            self._bind_activations(s)
+        s = self._runnable_set(name, bo_key)
         ins, outs = s.io
         inputs = []
         for slot, _, bo, n in ins:
@@ -224,6 +217,15 @@ class KernelCache:
         if not record(prog, s.bos, inputs, [(bo, n) for _, _, bo, n in outs]):
             return None
         return {slot.name: view for slot, view, _, _ in outs}
+
+    def _runnable_set(self, name: str, bo_key: str) -> BOSet:
+        """A BO set ready for a run (or its recording): statics uploaded, activations bound."""
+        s = self._bo_set(name, bo_key)
+        if not s.statics_ready:
+            raise KernelCacheError(f"{bo_key}: static slots not uploaded; call preload() before the first run")
+        if s.calls == 0:
+            self._bind_activations(s)
+        return s
 
     def _io(self, s: BOSet, rows: int | None) -> tuple[tuple, tuple]:
         """The set's inputs and outputs as (slot, view, BO, bytes) for a call on `rows` rows.
