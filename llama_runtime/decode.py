@@ -54,9 +54,10 @@ def decode_step(model: DeviceModel, token: int, pos: int, capture: Capture | Non
     model.kv.invalidate(pos)
     program = decode_program(model) if capture is None else None
     if program is not None:
-        x = program.run(x, pos, model.profiler)
-    else:
-        for layer in range(model.config.num_hidden_layers):
-            x = decode_layer(model, layer, x, pos, capture)
+        normed, parts = program.run(x, pos, model.profiler)
+        model.kv.hold(pos, [token])
+        return model.head_logits(parts, normed)
+    for layer in range(model.config.num_hidden_layers):
+        x = decode_layer(model, layer, x, pos, capture)
     model.kv.hold(pos, [token])
     return model.logits(x, capture)

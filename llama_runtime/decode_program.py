@@ -1,13 +1,14 @@
-"""A decode token's layers as one native program, on a device that can record its runs.
+"""A decode token as one native program, on a device that can record its runs.
 
 Every layer of a token runs the same calls on the same buffers: `rms_gemv_rope`, the KV row's
-store and the attention, `o_gemv_ffn`. On the simulated device each of those is a few native
-calls with their pointers fixed, and what a token still paid was the interpreter between them
-(writing each input, reading each output, the layer loop), run from caches the GEMVs had just
-flushed: several milliseconds of a Llama-3.2-1B token (docs/profile.md, "Around the calls").
-Recorded once (`KernelCache.record_run`, `KVCache.record_store_and_attend`), the layers are
-one call per token: the same copies, syncs, kernels and counters, in the same order, so the
-same numbers as the call-by-call loop (`decode.decode_layer`), which stays the path of the
+store and the attention, `o_gemv_ffn`; then come the final RMSNorm and the LM head's call. On
+the simulated device each of those is a few native calls with their pointers fixed, and what
+a token still paid was the interpreter between them (writing each input, reading each
+output, the layer loop), run from caches the GEMVs had just flushed: several milliseconds of
+a Llama-3.2-1B token (docs/profile.md, "Around the calls"). Recorded once
+(`KernelCache.record_run`, `KVCache.record_store_and_attend`), they are one call per token:
+the same copies, syncs, kernels and counters, in the same order, so the same numbers as the
+call-by-call loop (`decode.decode_layer`, `DeviceModel.logits`), which stays the path of the
 devices that cannot record (the NPU, the interpreter), of the torch class and of verification
 hooks. A profiled run times each recorded op natively and reports the calls as the loop does.
 """
@@ -15,8 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from cpu_kernels import native_cpu
 from cpu_kernels.native_program import NativeProgram
-from llama_runtime.device_model import DeviceModel, bo_key
+from llama_runtime.device_model import FINAL_NORM, DeviceModel, bo_key
 from npu_runtime.api import copy_tensor
 from npu_runtime.profiler import NULL_PROFILER, Profiler
 
@@ -24,12 +26,15 @@ _PHASES = ("write", "run", "read")
 
 
 class DecodeProgram:
-    def __init__(self, prog: NativeProgram, x_in: torch.Tensor, out: torch.Tensor, positions: int):
-        self._prog, self._x_in, self._out, self._positions = prog, x_in, out, positions
+    def __init__(self, prog: NativeProgram, x_in: torch.Tensor, normed: torch.Tensor, parts: torch.Tensor,
+                 positions: int):
+        self._prog, self._x_in, self._positions = prog, x_in, positions
+        self._normed, self._parts = normed, parts
 
     @classmethod
     def record(cls, model: DeviceModel) -> DecodeProgram | None:
-        """Every layer of `model`'s decode step, recorded; None where some part of it cannot be."""
+        """Every layer of `model`'s decode step, the final RMSNorm and the LM head's call,
+        recorded; None where some part of it cannot be."""
         prog = NativeProgram.new()
         if prog is None:
             return None
@@ -51,13 +56,18 @@ class DecodeProgram:
             if out is None:
                 return None
             x = out["out"]
+        head = _record_head(prog, model, x)
+        if head is None:
+            return None
         prog.hold(lut)
-        return cls(prog, x_in, x, min(lut.shape[0], model.kv.max_seq))
+        return cls(prog, x_in, *head, min(lut.shape[0], model.kv.max_seq))
 
-    def run(self, x: torch.Tensor, pos: int, profiler: Profiler = NULL_PROFILER) -> torch.Tensor:
-        """The last layer's output row for the token whose embedding row is `x`, at `pos`: a
-        view of a device buffer, valid until the next call. An enabled `profiler` gets each
-        group's calls split into write / run / read and each host op, as the loop reports them."""
+    def run(self, x: torch.Tensor, pos: int, profiler: Profiler = NULL_PROFILER) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the token whose embedding row is `x`, at `pos`: the last layer's row after the
+        final RMSNorm and the LM head's partitions end to end (`DeviceModel.head_logits` makes
+        the logits of them), views of buffers valid until the next call. An enabled `profiler`
+        gets each group's calls split into write / run / read and each host op, as the loop
+        reports them."""
         if not 0 <= pos < self._positions:
             raise IndexError(f"position {pos} is past the KV cache ({self._positions} positions)")
         if x.dtype != self._x_in.dtype or x.numel() != self._x_in.numel():
@@ -71,7 +81,34 @@ class DecodeProgram:
                 else:
                     profiler.record_call(name, *(times.get((what, name, phase), 0.0) for phase in _PHASES),
                                          calls=calls)
-        return self._out
+        return self._normed, self._parts
+
+
+def _record_head(prog: NativeProgram, model: DeviceModel,
+                 x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """What `DeviceModel.logits` runs before its host work, recorded after the layers that
+    leave their row in `x`: the final RMSNorm (a host op, as the loop times it), the head's
+    call on its row, and its partitions copied end to end, as the loop concatenates them."""
+    cfg, head = model.config, model.lm_head
+    normed = torch.empty(cfg.hidden_size, dtype=torch.bfloat16)
+    norm = native_cpu.rmsnorm_call(x, model.final_norm, normed, cfg.hidden_size, cfg.rms_norm_eps)
+    prog.label = ("host", FINAL_NORM)
+    if norm is None or not prog.bound(norm):
+        return None
+    prog.label = None
+    prog.tally(("host", FINAL_NORM))
+    outs = model.kc.record_run(prog, head.name, bo_key(head, None), {"x": (normed, 0)})
+    if outs is None:
+        return None
+    views = [outs[name] for name in model.head_parts()]
+    parts = torch.empty(sum(v.numel() for v in views), dtype=torch.bfloat16)
+    at = 0
+    for v in views:
+        nbytes = v.numel() * v.element_size()
+        prog.copy(parts.data_ptr() + at, v.data_ptr(), nbytes)
+        at += nbytes
+    prog.hold(model.final_norm, normed, parts)
+    return normed, parts
 
 
 def decode_program(model: DeviceModel) -> DecodeProgram | None:

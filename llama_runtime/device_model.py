@@ -15,6 +15,7 @@ from kernel_builder.groups import (
     DECODE_KINDS,
     PREFILL_KINDS,
     KernelGroup,
+    Role,
     build_group,
     context_bucket,
     lm_head_gemv,
@@ -32,6 +33,10 @@ from npu_runtime.profiler import NULL_PROFILER, Profiler
 
 # capture(layer, name, tensor): verification hooks; tensors are views, copy what you keep.
 Capture = Callable[[int, str, torch.Tensor], None]
+
+
+# The host op the final RMSNorm is profiled as, by the loop and by the recorded decode.
+FINAL_NORM = "final_norm"
 
 
 def bo_key(group: KernelGroup, layer: int | None) -> str:
@@ -165,14 +170,22 @@ class DeviceModel:
     def logits(self, hidden_row: torch.Tensor, capture=None) -> torch.Tensor:
         """Final RMSNorm on one row (host), then the LM head as one 8-partition GEMV call (and a
         quantized head's leading logits recomputed on the host, `head_rescore`)."""
-        with self.profiler.host_op("final_norm"):
+        with self.profiler.host_op(FINAL_NORM):
             h = rms_norm(hidden_row, self.final_norm, self.config.rms_norm_eps)
         if capture:
             capture(-1, "final_normed", h)
         out = self.kc.load_and_run(self.lm_head.name, {"x": h}, bo_key(self.lm_head, None))
-        parts = [out[f"logits_p{i}"] for i in range(len(out))]
-        logits = torch.cat(parts)[: self.config.vocab_size].float()
+        return self.head_logits(torch.cat([out[name] for name in self.head_parts()]), h)
+
+    def head_parts(self) -> list[str]:
+        """The LM head's output slots in vocabulary order: its logits are their concatenation."""
+        return [slot.name for slot in self.lm_head.with_role(Role.OUTPUT)]
+
+    def head_logits(self, parts: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """f32 logits from the head's concatenated bf16 partitions (`parts`, padded past the
+        vocabulary) for the final-normed row `normed`, a quantized head's leading ones rescored."""
+        logits = parts[: self.config.vocab_size].float()
         if self.rescore_k:
             with self.profiler.host_op("head_rescore"):
-                rescore(logits, h, self.head_rows, self.rescore_k)
+                rescore(logits, normed, self.head_rows, self.rescore_k)
         return logits

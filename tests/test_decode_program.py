@@ -12,7 +12,7 @@ from cpu_kernels import native_cpu
 from cpu_kernels.native_program import NativeProgram
 from llama_runtime.decode import decode_step
 from llama_runtime.decode_program import decode_program
-from llama_runtime.device_model import DeviceModel, bo_key
+from llama_runtime.device_model import FINAL_NORM, DeviceModel, bo_key
 from llama_runtime.prefill import prefill
 from llama_runtime.session import build_session
 from npu_runtime.api import Sync
@@ -46,7 +46,7 @@ def _steps(model: DeviceModel, native: bool, tokens: list[int], start: int):
 
 def _both_ways(model: DeviceModel, prompt: list[int], tokens: list[int], monkeypatch) -> None:
     """The loop, then the program from the same cache state: every result equal, and the
-    program's layers ran no device call from Python."""
+    program's token (its layers and the LM head) ran no device call from Python."""
     prefill(model, prompt)
     k, v, held = model.kv.k.clone(), model.kv.v.clone(), list(model.kv.token_ids)
     loop, loop_counts = _steps(model, False, tokens, len(prompt))
@@ -58,7 +58,7 @@ def _both_ways(model: DeviceModel, prompt: list[int], tokens: list[int], monkeyp
     monkeypatch.setattr(SimKernel, "run", lambda self, bos: runs.append(self.group.kind) or real(self, bos))
     ours, counts = _steps(model, True, tokens, len(prompt))
     assert decode_program(model) is not None
-    assert runs == ["lm_head_gemv"] * len(tokens)         # the layers ran inside the program
+    assert runs == []                                     # the whole token ran inside the program
     assert all(torch.equal(a, b) for a, b in zip(loop, ours))
     assert torch.equal(model.kv.k, loop_k) and torch.equal(model.kv.v, loop_v)
     assert counts == loop_counts and counts[2] == len(tokens) * (2 * model.config.num_hidden_layers + 1)
@@ -122,6 +122,7 @@ def test_a_profiled_token_reports_the_calls_the_loop_reports(tiny_weights, tmp_p
         assert all(s.run_s > 0 for s in prof.groups.values()) and all(s.run_s > 0 for s in prof.host.values())
     assert seen[True] == seen[False]
     assert seen[True][0]["o_gemv_ffn"] == 3 * model.config.num_hidden_layers
+    assert seen[True][0]["lm_head_gemv"] == 3 and seen[True][1][FINAL_NORM] == 3
     assert prof.groups["rms_gemv_rope"].write_s > 0 and prof.groups["rms_gemv_rope"].read_s > 0
 
 
