@@ -1,12 +1,13 @@
 // A recorded sequence of this library's calls, replayed at a position in one call from Python.
 //
 // The simulated device runs a decode token as two device calls and a host attention a layer,
-// each a few native calls with fixed pointers (cpu_kernels/native_program.py records them). Made one
-// by one from Python, they leave the interpreter's work between them to run from caches the
-// GEMVs have just flushed: tens of microseconds a step, several milliseconds a token. Replayed
-// here, a token's layers are one call. What changes from token to token is the position: each
-// argument is its recorded value plus the position times a per-argument step (a KV row's
-// address, a RoPE table row, an attention's length).
+// then the LM head's call, each a few native calls with fixed pointers
+// (cpu_kernels/native_program.py records them). Made one by one from Python, they leave the
+// interpreter's work between them to run from caches the GEMVs have just flushed: tens of
+// microseconds a step, several milliseconds a token. Replayed here, a token is one call. What
+// changes from token to token is the position: each argument is its recorded value plus the
+// position times a per-argument step (a KV row's address, a RoPE table row, an attention's
+// length).
 //
 // An op is kOpWords int64: the signature's code, the function's address, kMaxArgs arguments
 // and kMaxArgs steps. A float argument travels as its bits in the low 32 of its word.
