@@ -92,8 +92,10 @@ def _record_head(prog: NativeProgram, model: DeviceModel,
     cfg, head = model.config, model.lm_head
     normed = torch.empty(cfg.hidden_size, dtype=torch.bfloat16)
     norm = native_cpu.rmsnorm_call(x, model.final_norm, normed, cfg.hidden_size, cfg.rms_norm_eps)
+    if norm is None:
+        return None
     prog.label = ("host", FINAL_NORM)
-    if norm is None or not prog.bound(norm):
+    if not prog.bound(norm):
         return None
     prog.label = None
     prog.tally(("host", FINAL_NORM))
