@@ -5,8 +5,8 @@ appended to the KV cache at `pos` and attention over positions 0..pos, one host 
 (`KVCache.store_and_attend`) → `o_gemv_ffn` (O GEMV, residual, RMSNorm, SwiGLU GEMVs,
 residual). Attention stays on the host because for one query it is a small, memory-bound read
 of the cache that would otherwise need the whole cache in device buffers. Where the device
-records its runs, a token's layers are those same calls replayed as one native program
-(`decode_program`).
+records its runs, a token's layers and its LM head call are those same calls replayed as one
+native program (`decode_program`).
 """
 from __future__ import annotations
 
