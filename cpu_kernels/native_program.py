@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 
 import numpy as np
@@ -107,6 +109,17 @@ class NativeProgram:
         """Count one `key` (a run of a group, a host op) in `tallies`: what a profiled run's
         totals are divided among."""
         self.tallies[key] = self.tallies.get(key, 0) + 1
+
+    @contextmanager
+    def host_op(self, name: str) -> Iterator[None]:
+        """The ops appended inside, labelled and tallied as one run of the host op `name`, as
+        the profiler's `host_op` times the loop's (("host", name): what a profiled run reports)."""
+        self.label = ("host", name)
+        self.tally(self.label)
+        try:
+            yield
+        finally:
+            self.label = None
 
     def count(self, counters, **add: int) -> None:
         """Add `add` to `counters`' fields on every run, as the calls recorded would have."""

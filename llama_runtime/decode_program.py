@@ -94,11 +94,9 @@ def _record_head(prog: NativeProgram, model: DeviceModel,
     norm = native_cpu.rmsnorm_call(x, model.final_norm, normed, cfg.hidden_size, cfg.rms_norm_eps)
     if norm is None:
         return None
-    prog.label = ("host", FINAL_NORM)
-    if not prog.bound(norm):
-        return None
-    prog.label = None
-    prog.tally(("host", FINAL_NORM))
+    with prog.host_op(FINAL_NORM):
+        if not prog.bound(norm):
+            return None
     outs = model.kc.record_run(prog, head.name, bo_key(head, None), {"x": (normed, 0)})
     if outs is None:
         return None

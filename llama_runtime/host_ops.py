@@ -131,10 +131,9 @@ class KVCache:
             return None
         # The arguments are linear in the position: each one's step is its value at 1 less at 0.
         at0, at1 = self._native_args(state, layer, 0), self._native_args(state, layer, 1)
-        prog.label = ("host", HOST_OP)
-        prog.tally(("host", HOST_OP))
-        ok = all(prog.call(fn, a0, tuple(b - a for a, b in zip(a0, a1))) for fn, a0, a1 in zip(state[:2], at0, at1))
-        prog.label = None
+        with prog.host_op(HOST_OP):
+            ok = all(prog.call(fn, a0, tuple(b - a for a, b in zip(a0, a1)))
+                     for fn, a0, a1 in zip(state[:2], at0, at1))
         out = state[2]
         prog.hold(self.k, self.v, q, k_row, v_row, out)
         return out if ok else None
