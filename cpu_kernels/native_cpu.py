@@ -147,6 +147,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.read_rows_cached_cpu.restype = i64
     lib.top_k_ids_cpu.argtypes = [ptr, i64, i64, ptr]
     lib.rows_dot_bf16_cpu.argtypes = [ptr, i64, i64, ptr, ptr]
+    lib.rescore_rows_cpu.argtypes = [ptr, i64, i64, ptr, i64, ctypes.c_int, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr,
+                                     i64, ptr]
+    lib.rescore_rows_cpu.restype = i64
     lib.stream_ahead_set.argtypes = [i64]
     lib.native_program_max_args.restype = i64
     lib.native_program_signature.argtypes = [i64]
@@ -503,6 +506,27 @@ def read_rows(fd: int, offset: int, n_rows: int, ids: torch.Tensor, out: torch.T
     return lib.read_rows_cached_cpu(fd, offset, row_bytes, n_rows, ids.data_ptr(), len(ids), out.data_ptr(),
                                     cache.slot_of.data_ptr(), cache.id_of.data_ptr(), cache.used.data_ptr(),
                                     cache.data.data_ptr(), cache.capacity, cache.hand.data_ptr())
+
+
+def rescore_rows(logits: torch.Tensor, x: torch.Tensor, fd: int, offset: int, n_rows: int, ids: torch.Tensor,
+                 rows: torch.Tensor, cache=None) -> int | None:
+    """A quantized head's rescoring in one call: the `len(ids)` largest of the f32 `logits` are
+    overwritten with their bf16 rows of an n_rows-row matrix at `offset` in the open file `fd`
+    (read into `rows`, through `cache` as `read_rows`) times the bf16 vector `x`, rounded to
+    bf16; `ids` receives their ids. -1 when done; -2, nothing changed, when fewer than that many
+    logits are not NaN; else the first position whose read failed, the logits unchanged. None
+    if the native library is unavailable or an operand is not as described."""
+    lib = _library()
+    k = ids.numel()
+    if (lib is None or logits.dtype != torch.float32 or logits.dim() != 1 or not logits.is_contiguous()
+            or not 0 < k <= logits.numel() or ids.dtype != torch.int64 or not ids.is_contiguous()
+            or x.dtype != torch.bfloat16 or not x.is_contiguous() or rows.dtype != torch.bfloat16
+            or not rows.is_contiguous() or tuple(rows.shape) != (k, x.numel())):
+        return None
+    c = (cache.slot_of.data_ptr(), cache.id_of.data_ptr(), cache.used.data_ptr(), cache.data.data_ptr(),
+         cache.capacity, cache.hand.data_ptr()) if cache is not None else (None, None, None, None, 0, None)
+    return lib.rescore_rows_cpu(logits.data_ptr(), logits.numel(), k, x.data_ptr(), x.numel(), fd, offset, n_rows,
+                                ids.data_ptr(), rows.data_ptr(), *c)
 
 
 def rows_dot(rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:

@@ -146,6 +146,7 @@ class FileRows:
         self._cache_rows = min(cache_bytes // self.row_bytes, shape[0])
         self.cache: RowCache | None = None       # made on the first native read
         self._lock = threading.Lock()            # the cache's bookkeeping is one reader's at a time
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None   # `rescore`'s ids and rows
 
     def prefetch(self) -> threading.Thread | None:
         """Ask the page cache for the whole table, in the background, for a reader of a few
@@ -183,12 +184,35 @@ class FileRows:
             failed = native_cpu.read_rows(self._fd, self.offset, self.shape[0], ids, out, self.cache)
         if failed is None:
             failed = self._read_each(ids.tolist(), out)
+        self._check(ids, failed)
+        return out
+
+    def rescore(self, logits: torch.Tensor, x: torch.Tensor, k: int) -> torch.Tensor | None:
+        """`head_rescore.rescore` over these rows in one native call (`native_cpu.rescore_rows`):
+        the ids of the k largest of `logits`, those logits recomputed from their rows times `x`;
+        None where that call cannot serve (no native library, fewer than k logits not NaN), with
+        nothing changed."""
+        if self.dtype != torch.bfloat16 or not native_cpu.available():
+            return None
+        with self._lock:
+            if self.cache is None and self._cache_rows > 0:
+                self.cache = RowCache(self.shape[0], self.row_bytes, self._cache_rows)
+            if self._scratch is None or len(self._scratch[0]) != k:
+                self._scratch = (torch.empty(k, dtype=torch.int64), torch.empty(k, self.shape[1], dtype=self.dtype))
+            ids, rows = self._scratch
+            failed = native_cpu.rescore_rows(logits, x, self._fd, self.offset, self.shape[0], ids, rows, self.cache)
+            if failed is None or failed == -2:
+                return None
+            self._check(ids, failed)
+            return ids.clone()
+
+    def _check(self, ids: torch.Tensor, failed: int) -> None:
+        """Raise for a read that failed at position `failed` (-1: none did)."""
         if failed >= 0:
             i = int(ids[failed])
             if not 0 <= i < self.shape[0]:
                 raise IndexError(f"row {i} of a {self.shape[0]}-row matrix")
             raise CheckpointError(f"{self.path}: short read of row {i} (the file changed under the runtime?)")
-        return out
 
     def _read_each(self, ids: list[int], out: torch.Tensor) -> int:
         """The same reads from Python, where the native library is unavailable."""

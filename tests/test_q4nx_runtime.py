@@ -197,6 +197,50 @@ def test_file_rows_read_the_rows_asked_for_and_name_what_went_wrong(tmp_path, mo
         rows(torch.tensor([0, 46]))
 
 
+@pytest.mark.parametrize("cache_rows", [0, 40, 1000], ids=["uncached", "cache-smaller-than-k", "cache-holds-all"])
+def test_file_rows_rescore_in_one_call_as_the_steps_do(tmp_path, cache_rows):
+    """`FileRows.rescore` (one native call) chooses the candidates the steps choose, ties and
+    all, and leaves the logits bit for bit as `rescore` does with a plain row lookup, token
+    after token through its row cache; where it cannot serve (NaN logits) the steps still do,
+    and a row it cannot read leaves the logits untouched."""
+    from safetensors.torch import save_file
+
+    from cpu_kernels import native_cpu
+    from llama_runtime.safetensors_io import Checkpoint, FileRows
+
+    if native_cpu._library() is None:
+        pytest.skip("no native library on this machine")
+    n, width, k = 3000, 72, 64         # 72: the dot's last vector a part one
+    g = torch.Generator().manual_seed(11)
+    table = torch.randn(n, width, generator=g).to(torch.bfloat16)
+    save_file({"pad": torch.ones(5, dtype=torch.bfloat16), "t": table}, tmp_path / "m.safetensors")
+    ck = Checkpoint(tmp_path)
+    rows = ck.rows_of(ck.get("t", (n, width)), cache_bytes=cache_rows * width * 2)
+    assert isinstance(rows, FileRows)
+    for step in range(4):
+        h = torch.randn(width, generator=g).to(torch.bfloat16)
+        approx = (table.float() @ h.float() + 0.3 * torch.randn(n, generator=g))
+        approx = (approx * 4).round() / 4          # a 4-bit head's logits tie
+        approx[step * 7] = float("nan")
+        fused, steps = approx.clone(), approx.clone()
+        ids = rows.rescore(fused, h, k)
+        want = rescore(steps, h, lambda i: table.index_select(0, i), k)
+        assert ids is not None, step
+        assert sorted(ids.tolist()) == sorted(want.tolist()), step
+        assert torch.equal(fused.nan_to_num(), steps.nan_to_num()) and fused.isnan().sum() == 1, step
+    mostly_nan = torch.full((n,), float("nan"))
+    mostly_nan[:10] = torch.arange(10.0)
+    assert rows.rescore(mostly_nan.clone(), h, 11) is None      # fewer than k values: the steps' fallback
+    f = tmp_path / "m.safetensors"
+    f.write_bytes(f.read_bytes()[:-width * 2 * 5])              # the last 5 rows gone
+    last = torch.zeros(n)
+    last[n - 1] = 100.0
+    before = last.clone()
+    with pytest.raises(CheckpointError, match=f"short read of row {n - 1}"):
+        rows.rescore(last, h, k)
+    assert torch.equal(last, before)
+
+
 def test_a_table_is_asked_for_window_by_window_and_becomes_resident(tmp_path, monkeypatch):
     """One WILLNEED reads at most a readahead window, so the prefetch covers the table in
     windows, every byte once; and where the file's pages can be dropped first, the whole table

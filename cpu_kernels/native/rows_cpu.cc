@@ -225,6 +225,20 @@ extern "C" void top_k_ids_cpu(const float *x, int64_t n, int64_t k, int64_t *ids
   for (int64_t j = 0; j < k; ++j) ids[j] = j < static_cast<int64_t>(kept.size()) ? kept[j].i : -1;
 }
 
+namespace {
+
+// v rounded to bf16 (to nearest, ties to even; a NaN stays a NaN), back in f32: the kernels'
+// own rounding (simd_bf16.h, store_bf16), one value at a time.
+inline float bf16_rounded(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  u = v != v ? (u | 0x00400000u) & 0xffff0000u : (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+}  // namespace
+
 // out[j] = rows[j] · x in f32, for the count rows (bf16, k wide) a rescoring has just read
 // (read_rows_cpu). Each thread takes the rows its read left in its own cache (the same static
 // split), one vector of partial sums a row (simd_bf16.h): torch's f32 matmul over the same rows
@@ -238,4 +252,30 @@ extern "C" void rows_dot_bf16_cpu(const uint16_t *rows, int64_t count, int64_t k
       acc = native::fma(native::load_bf16(r + c, k - c), native::load_bf16(x + c, k - c), acc);
     out[j] = native::reduce_add(acc);
   }
+}
+
+// A 4-bit head's rescoring (llama_runtime/head_rescore.py) in one call: the ids of the k
+// largest logits (top_k_ids_cpu) into ids, their bf16 rows (`width` values) read from the
+// file (read_rows_cached_cpu where slot_of is given, else read_rows_cpu) into `rows`, and each
+// of those logits overwritten with its row · x (rows_dot_bf16_cpu) rounded to bf16. Made from
+// Python as three calls with tensors between them, the steps took about twice their native
+// time. Returns -1 when done; -2, with nothing changed, when fewer than k logits are not NaN;
+// else the first position j whose row could not be read (ids[j] is its id), the logits
+// unchanged.
+extern "C" int64_t rescore_rows_cpu(float *logits, int64_t n, int64_t k, const uint16_t *x, int64_t width, int fd,
+                                    int64_t offset, int64_t n_rows, int64_t *ids, uint16_t *rows, int32_t *slot_of,
+                                    int64_t *id_of, uint8_t *used, uint8_t *data, int64_t capacity, int64_t *hand) {
+  top_k_ids_cpu(logits, n, k, ids);
+  if (ids[k - 1] < 0) return -2;
+  const int64_t row_bytes = width * static_cast<int64_t>(sizeof(uint16_t));
+  uint8_t *out = reinterpret_cast<uint8_t *>(rows);
+  const int64_t failed =
+      slot_of != nullptr
+          ? read_rows_cached_cpu(fd, offset, row_bytes, n_rows, ids, k, out, slot_of, id_of, used, data, capacity, hand)
+          : read_rows_cpu(fd, offset, row_bytes, n_rows, ids, k, out);
+  if (failed >= 0) return failed;
+  std::vector<float> exact(k);
+  rows_dot_bf16_cpu(rows, k, width, x, exact.data());
+  for (int64_t j = 0; j < k; ++j) logits[ids[j]] = bf16_rounded(exact[j]);
+  return -1;
 }
