@@ -508,13 +508,16 @@ def read_rows(fd: int, offset: int, n_rows: int, ids: torch.Tensor, out: torch.T
                                     cache.data.data_ptr(), cache.capacity, cache.hand.data_ptr())
 
 
+RESCORE_TOO_FEW = -2     # rescore_rows: fewer logits than candidates are not NaN
+
+
 def rescore_rows(logits: torch.Tensor, x: torch.Tensor, fd: int, offset: int, n_rows: int, ids: torch.Tensor,
                  rows: torch.Tensor, cache=None) -> int | None:
     """A quantized head's rescoring in one call: the `len(ids)` largest of the f32 `logits` are
     overwritten with their bf16 rows of an n_rows-row matrix at `offset` in the open file `fd`
     (read into `rows`, through `cache` as `read_rows`) times the bf16 vector `x`, rounded to
-    bf16; `ids` receives their ids. -1 when done; -2, nothing changed, when fewer than that many
-    logits are not NaN; else the first position whose read failed, the logits unchanged. None
+    bf16; `ids` receives their ids. -1 when done; `RESCORE_TOO_FEW`, nothing changed, when fewer
+    than that many logits are not NaN; else the first position whose read failed, the logits unchanged. None
     if the native library is unavailable or an operand is not as described."""
     lib = _library()
     k = ids.numel()

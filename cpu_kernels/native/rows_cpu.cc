@@ -31,6 +31,9 @@ constexpr int64_t kParallelRows = 32;
 constexpr int64_t kScanBlock = native::kWidth;
 constexpr int64_t kSample = 1024;
 constexpr int64_t kMaxSampleRank = 64;
+// rescore_rows_cpu's answer when fewer logits than candidates are not NaN (native_cpu.py's
+// RESCORE_TOO_FEW).
+constexpr int64_t kTooFew = -2;
 
 // The bytes of `dst` from `at` on, reading the rest of the row; false on a short read at the
 // end of the file or an error. `flags` 0 waits for the disk; RWF_NOWAIT stops at what is cached.
@@ -259,14 +262,14 @@ extern "C" void rows_dot_bf16_cpu(const uint16_t *rows, int64_t count, int64_t k
 // file (read_rows_cached_cpu where slot_of is given, else read_rows_cpu) into `rows`, and each
 // of those logits overwritten with its row · x (rows_dot_bf16_cpu) rounded to bf16. Made from
 // Python as three calls with tensors between them, the steps took about twice their native
-// time. Returns -1 when done; -2, with nothing changed, when fewer than k logits are not NaN;
-// else the first position j whose row could not be read (ids[j] is its id), the logits
+// time. Returns -1 when done; kTooFew, with nothing changed, when fewer than k logits are not
+// NaN; else the first position j whose row could not be read (ids[j] is its id), the logits
 // unchanged.
 extern "C" int64_t rescore_rows_cpu(float *logits, int64_t n, int64_t k, const uint16_t *x, int64_t width, int fd,
                                     int64_t offset, int64_t n_rows, int64_t *ids, uint16_t *rows, int32_t *slot_of,
                                     int64_t *id_of, uint8_t *used, uint8_t *data, int64_t capacity, int64_t *hand) {
   top_k_ids_cpu(logits, n, k, ids);
-  if (ids[k - 1] < 0) return -2;
+  if (ids[k - 1] < 0) return kTooFew;
   const int64_t row_bytes = width * static_cast<int64_t>(sizeof(uint16_t));
   uint8_t *out = reinterpret_cast<uint8_t *>(rows);
   const int64_t failed =
