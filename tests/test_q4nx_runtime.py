@@ -236,6 +236,7 @@ def test_file_rows_rescore_in_one_call_as_the_steps_do(tmp_path, cache_rows):
     last = torch.zeros(n)
     last[n - 1] = 100.0
     before = last.clone()
+    assert rows.cache is None or rows.cache.slot_of[n - 1] < 0    # the row must come from the file
     with pytest.raises(CheckpointError, match=f"short read of row {n - 1}"):
         rows.rescore(last, h, k)
     assert torch.equal(last, before)
