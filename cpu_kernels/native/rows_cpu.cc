@@ -228,20 +228,6 @@ extern "C" void top_k_ids_cpu(const float *x, int64_t n, int64_t k, int64_t *ids
   for (int64_t j = 0; j < k; ++j) ids[j] = j < static_cast<int64_t>(kept.size()) ? kept[j].i : -1;
 }
 
-namespace {
-
-// v rounded to bf16 (to nearest, ties to even; a NaN stays a NaN), back in f32: the kernels'
-// own rounding (simd_bf16.h, store_bf16), one value at a time.
-inline float bf16_rounded(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof u);
-  u = v != v ? (u | 0x00400000u) & 0xffff0000u : (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-  std::memcpy(&v, &u, sizeof v);
-  return v;
-}
-
-}  // namespace
-
 // out[j] = rows[j] · x in f32, for the count rows (bf16, k wide) a rescoring has just read
 // (read_rows_cpu). Each thread takes the rows its read left in its own cache (the same static
 // split), one vector of partial sums a row (simd_bf16.h): torch's f32 matmul over the same rows
@@ -278,7 +264,14 @@ extern "C" int64_t rescore_rows_cpu(float *logits, int64_t n, int64_t k, const u
           : read_rows_cpu(fd, offset, row_bytes, n_rows, ids, k, out);
   if (failed >= 0) return failed;
   std::vector<float> exact(k);
+  std::vector<uint16_t> rounded(k);
   rows_dot_bf16_cpu(rows, k, width, x, exact.data());
-  for (int64_t j = 0; j < k; ++j) logits[ids[j]] = bf16_rounded(exact[j]);
+  // Rounded by the kernels' own store (simd_bf16.h), then widened back to f32 exactly.
+  for (int64_t j = 0; j < k; j += native::kWidth)
+    native::store_bf16(rounded.data() + j, native::load_f32(exact.data() + j, k - j), k - j);
+  for (int64_t j = 0; j < k; ++j) {
+    const uint32_t bits = static_cast<uint32_t>(rounded[j]) << 16;
+    std::memcpy(logits + ids[j], &bits, sizeof bits);
+  }
   return -1;
 }
