@@ -504,8 +504,14 @@ def read_rows(fd: int, offset: int, n_rows: int, ids: torch.Tensor, out: torch.T
     if cache is None:
         return lib.read_rows_cpu(fd, offset, row_bytes, n_rows, ids.data_ptr(), len(ids), out.data_ptr())
     return lib.read_rows_cached_cpu(fd, offset, row_bytes, n_rows, ids.data_ptr(), len(ids), out.data_ptr(),
-                                    cache.slot_of.data_ptr(), cache.id_of.data_ptr(), cache.used.data_ptr(),
-                                    cache.data.data_ptr(), cache.capacity, cache.hand.data_ptr())
+                                    *_row_cache_args(cache))
+
+
+def _row_cache_args(cache) -> tuple:
+    """A `safetensors_io.RowCache` as the native readers take it: slot_of, id_of, used, data,
+    capacity, hand."""
+    return (cache.slot_of.data_ptr(), cache.id_of.data_ptr(), cache.used.data_ptr(), cache.data.data_ptr(),
+            cache.capacity, cache.hand.data_ptr())
 
 
 RESCORE_TOO_FEW = -2     # rescore_rows: fewer logits than candidates are not NaN
@@ -526,8 +532,7 @@ def rescore_rows(logits: torch.Tensor, x: torch.Tensor, fd: int, offset: int, n_
             or x.dtype != torch.bfloat16 or not x.is_contiguous() or rows.dtype != torch.bfloat16
             or not rows.is_contiguous() or tuple(rows.shape) != (k, x.numel())):
         return None
-    c = (cache.slot_of.data_ptr(), cache.id_of.data_ptr(), cache.used.data_ptr(), cache.data.data_ptr(),
-         cache.capacity, cache.hand.data_ptr()) if cache is not None else (None, None, None, None, 0, None)
+    c = _row_cache_args(cache) if cache is not None else (None, None, None, None, 0, None)
     return lib.rescore_rows_cpu(logits.data_ptr(), logits.numel(), k, x.data_ptr(), x.numel(), fd, offset, n_rows,
                                 ids.data_ptr(), rows.data_ptr(), *c)
 

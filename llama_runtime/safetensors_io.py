@@ -179,9 +179,7 @@ class FileRows:
         out = torch.empty(len(idx), self.shape[1], dtype=self.dtype)
         ids = idx.to(torch.int64).contiguous()
         with self._lock:
-            if self.cache is None and self._cache_rows > 0 and native_cpu.available():
-                self.cache = RowCache(self.shape[0], self.row_bytes, self._cache_rows)
-            failed = native_cpu.read_rows(self._fd, self.offset, self.shape[0], ids, out, self.cache)
+            failed = native_cpu.read_rows(self._fd, self.offset, self.shape[0], ids, out, self._native_cache())
         if failed is None:
             failed = self._read_each(ids.tolist(), out)
         self._check(ids, failed)
@@ -195,16 +193,21 @@ class FileRows:
         if self.dtype != torch.bfloat16 or not native_cpu.available():
             return None
         with self._lock:
-            if self.cache is None and self._cache_rows > 0:
-                self.cache = RowCache(self.shape[0], self.row_bytes, self._cache_rows)
+            cache = self._native_cache()
             if self._scratch is None or len(self._scratch[0]) != k:
                 self._scratch = (torch.empty(k, dtype=torch.int64), torch.empty(k, self.shape[1], dtype=self.dtype))
             ids, rows = self._scratch
-            failed = native_cpu.rescore_rows(logits, x, self._fd, self.offset, self.shape[0], ids, rows, self.cache)
+            failed = native_cpu.rescore_rows(logits, x, self._fd, self.offset, self.shape[0], ids, rows, cache)
             if failed is None or failed == native_cpu.RESCORE_TOO_FEW:
                 return None
             self._check(ids, failed)
             return ids.clone()
+
+    def _native_cache(self) -> RowCache | None:
+        """The row cache, made on the first native read (under the lock); None without one."""
+        if self.cache is None and self._cache_rows > 0 and native_cpu.available():
+            self.cache = RowCache(self.shape[0], self.row_bytes, self._cache_rows)
+        return self.cache
 
     def _check(self, ids: torch.Tensor, failed: int) -> None:
         """Raise for a read that failed at position `failed` (-1: none did)."""
