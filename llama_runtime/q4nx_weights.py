@@ -18,7 +18,7 @@ for those weights (`KernelGroup.wide`). Everything else (a bf16 checkpoint, a GG
 4-bit linear tensor) is quantized from bf16 (`quantize.quantize`).
 
 The cache: `models/q4nx-<folder>-<key>/weights.safetensors` (U8 tensors holding each matrix's
-Q4NX bytes, BF16 ones for the weights kept wide) with its SHA-256 beside it. The key hashes
+Q4NX bytes, BF16 ones for the weights kept wide) with its digest beside it (`_digest`). The key hashes
 what decides the bytes: the source checkpoint's safetensors headers, sizes and modification
 times (and the GGUF's name, size and package version or modification time), and the code of
 the format and the quantizer. A build
@@ -34,10 +34,12 @@ import functools
 import hashlib
 import json
 import math
+import os
 import re
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -53,7 +55,7 @@ from llama_runtime.weights import LayerWeights, LlamaWeights
 
 FORMAT = 2          # 2: a linear weight may be stored in bf16 (kept wide)
 WEIGHTS_FILE = "weights.safetensors"
-HASH_FILE = "weights.sha256"
+DIGEST_FILE = "weights.digest"
 LM_HEAD = "lm_head.weight"
 
 
@@ -67,12 +69,39 @@ def lm_head_rows(cfg: LlamaConfig) -> int:
     return -(-cfg.vocab_size // q4nx.ROWS) * q4nx.ROWS
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
+# The digest a cache keeps of its weights: the SHA-256 of the SHA-256s of its 64 MiB pieces in
+# order, so that every core hashes pieces side by side (hashlib and the reads release the GIL).
+# It is checked on every load: for the 1B shape's 0.77 GB on the 2-core Zen 3, 0.31 s where one
+# stream over the file took 0.62.
+DIGEST_SCHEME = "sha256-of-64MiB-pieces"
+PIECE_BYTES = 64 << 20
+READ_BYTES = 4 << 20      # a thread's buffer: many threads must not raise the load's peak memory
+
+
+def _digest(path: Path) -> str:
+    size = path.stat().st_size
+
+    def piece(start: int) -> bytes:
+        h, buf = hashlib.sha256(), memoryview(bytearray(READ_BYTES))
+        with open(path, "rb", buffering=0) as f:
+            f.seek(start)
+            left = min(PIECE_BYTES, size - start)
+            while left > 0 and (n := f.readinto(buf[:min(left, READ_BYTES)])):
+                h.update(buf[:n])
+                left -= n
+        return h.digest()
+
+    starts = range(0, max(size, 1), PIECE_BYTES)
+    with ThreadPoolExecutor(min(len(starts), os.cpu_count() or 1)) as pool:
+        pieces = b"".join(pool.map(piece, starts))
+    return f"{DIGEST_SCHEME}:{hashlib.sha256(pieces).hexdigest()}"
+
+
+def _intact(folder: Path) -> bool:
+    try:
+        return (folder / DIGEST_FILE).read_text().strip() == _digest(folder / WEIGHTS_FILE)
+    except OSError:
+        return False
 
 
 def _source_of(folder: Path) -> dict:
@@ -232,7 +261,7 @@ def _build(bf16: LlamaWeights, gguf: Path | None, out: Path, log: Callable[[str]
             f"({kept / 1e6:.0f} MB, {kept / sum(size.values()):.0%} of the build)")
     write_streaming(out / WEIGHTS_FILE, specs, _quantized_tensors(bf16, from_gguf, wide, log),
                     {"format": f"q4nx-{FORMAT}"})
-    (out / HASH_FILE).write_text(_sha256(out / WEIGHTS_FILE) + "\n")
+    (out / DIGEST_FILE).write_text(_digest(out / WEIGHTS_FILE) + "\n")
 
 
 def ensure_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = print) -> Path:
@@ -253,11 +282,7 @@ def ensure_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = p
     path = fixtures._ensure(name, source, lambda tmp: _build(bf16, gguf, tmp, log))
     if built:
         _remove_superseded(folder.name, target, source, _imported(folder), log)
-    try:
-        intact = (path / HASH_FILE).read_text().strip() == _sha256(path / WEIGHTS_FILE)
-    except OSError:
-        intact = False
-    if not intact:
+    if not _intact(path):
         log(f"[quant] {path / WEIGHTS_FILE} does not match its hash: rebuilding it")
         shutil.rmtree(path, ignore_errors=True)
         path = fixtures._ensure(name, source, lambda tmp: _build(bf16, gguf, tmp, log))

@@ -74,6 +74,30 @@ def test_a_damaged_cache_is_rebuilt_and_a_changed_checkpoint_gets_a_new_entry(ti
     assert w2.checkpoint.folder != w.checkpoint.folder
 
 
+def test_the_digest_covers_every_piece_and_the_length(tmp_path, monkeypatch):
+    """Pieces hashed side by side, combined in file order: the digest is the SHA-256 of the
+    pieces' SHA-256s, and a byte changed in any piece, or a byte cut off, changes it."""
+    import hashlib
+
+    monkeypatch.setattr(q4nx_weights, "PIECE_BYTES", 1000)
+    monkeypatch.setattr(q4nx_weights, "READ_BYTES", 384)     # reads that straddle the pieces
+    data = bytes(np.random.default_rng(1).integers(0, 256, 4500, dtype=np.uint8))
+    f = tmp_path / "w.bin"
+    f.write_bytes(data)
+    pieces = b"".join(hashlib.sha256(data[i:i + 1000]).digest() for i in range(0, len(data), 1000))
+    digest = q4nx_weights._digest(f)
+    assert digest == f"{q4nx_weights.DIGEST_SCHEME}:{hashlib.sha256(pieces).hexdigest()}"
+    seen = {digest}
+    for at in (0, 999, 1000, 2500, 4499):
+        changed = bytearray(data)
+        changed[at] ^= 1
+        f.write_bytes(bytes(changed))
+        seen.add(q4nx_weights._digest(f))
+    f.write_bytes(data[:-1])
+    seen.add(q4nx_weights._digest(f))
+    assert len(seen) == 7
+
+
 def test_a_new_build_removes_the_builds_of_older_code_for_the_same_checkpoint(tiny_folder):
     """A quantizer update makes a new cache entry; the one it replaces goes, and nothing else."""
     import json
