@@ -18,10 +18,10 @@ for those weights (`KernelGroup.wide`). Everything else (a bf16 checkpoint, a GG
 4-bit linear tensor) is quantized from bf16 (`quantize.quantize`).
 
 The cache: `models/q4nx-<folder>-<key>/weights.safetensors` (U8 tensors holding each matrix's
-Q4NX bytes, BF16 ones for the weights kept wide) with its digest beside it (`_digest`). The key hashes
-what decides the bytes: the source checkpoint's safetensors headers, sizes and modification
-times (and the GGUF's name, size and package version or modification time), and the code of
-the format and the quantizer. A build
+Q4NX bytes, BF16 ones for the weights kept wide) with its digest beside it (`_digest`). The
+key hashes what decides the bytes: the source checkpoint's safetensors headers, sizes and
+modification times (and the GGUF's name, size and package version or modification time), and
+the code of the format and the quantizer. A build
 runs once, under a lock, into a temporary folder renamed into place (`fixtures._ensure`), so a
 crash leaves nothing half-written; a file whose hash no longer matches (damaged on disk) is
 rebuilt. A new build removes the ones it replaces: those of the same checkpoint made by older
