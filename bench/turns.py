@@ -42,7 +42,7 @@ MEMORY_HEADROOM = 1.25    # the runtimes' peaks times this must fit in the avail
 BANDWIDTH = "bandwidth"   # the series of the bandwidth child: bytes/s in each turn
 BANDWIDTH_PASSES = 4      # a turn's bandwidth sample: the fastest of this many passes
 QUIET_S = 0.005           # a child has gone quiet once its threads ran for almost none of this long
-QUIET_CPU = 0.05          # "almost none": this fraction of the window
+QUIET_CPU = 0.05          # "almost none": this fraction of the window, and none of them runnable at its end
 QUIET_MAX_S = 2.0         # a child still running after this long is left running
 
 
@@ -180,15 +180,37 @@ def cpu_ns(pid: int) -> int | None:
     return total
 
 
+def runnable_threads(pid: int) -> int:
+    """How many threads of process `pid` are running or waiting for a core (state R): a
+    spinning thread the scheduler has set aside gains no CPU time, but stays runnable."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    count = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+            count += stat[stat.rindex(")") + 2] == "R"     # the state follows the command's ")"
+        except (OSError, ValueError, IndexError):     # a thread that ended meanwhile
+            pass
+    return count
+
+
 def wait_quiet(pid: int) -> float:
     """Wait until process `pid` has stopped running (its threads asleep or blocked): at most
-    `QUIET_MAX_S`; at once where its CPU time cannot be read. Returns the seconds waited."""
+    `QUIET_MAX_S`; at once where its CPU time cannot be read. Returns the seconds waited.
+
+    Quiet takes both signs: almost no CPU time over a window, and no thread runnable at its end.
+    CPU time alone was fooled on a busy host: a spinning thread kept off the cores for a whole
+    window looks asleep by its count."""
     t0 = time.perf_counter()
     last = cpu_ns(pid)
     while last is not None and time.perf_counter() - t0 < QUIET_MAX_S:
         time.sleep(QUIET_S)
         now = cpu_ns(pid)
-        if now is None or now - last < QUIET_CPU * QUIET_S * 1e9:
+        if now is None or (now - last < QUIET_CPU * QUIET_S * 1e9 and not runnable_threads(pid)):
             break
         last = now
     return time.perf_counter() - t0
