@@ -42,7 +42,7 @@ MEMORY_HEADROOM = 1.25    # the runtimes' peaks times this must fit in the avail
 BANDWIDTH = "bandwidth"   # the series of the bandwidth child: bytes/s in each turn
 BANDWIDTH_PASSES = 4      # a turn's bandwidth sample: the fastest of this many passes
 QUIET_S = 0.005           # a child has gone quiet once its threads ran for almost none of this long
-QUIET_CPU = 0.05          # "almost none": this fraction of the window, and none of them runnable at its end
+QUIET_CPU = 0.05          # "almost none": this fraction of the window
 QUIET_MAX_S = 2.0         # a child still running after this long is left running
 
 
@@ -163,39 +163,35 @@ def decode_turns(model: str, sides: list[tuple[str, str, dict, str]], turns: int
     return rates
 
 
-def cpu_ns(pid: int) -> int | None:
-    """The CPU time all threads of process `pid` have run, in ns (the scheduler's own count, not
-    the clock ticks of /proc/PID/stat); None where /proc does not give it."""
+def _thread_files(pid: int, name: str) -> list[str] | None:
+    """The file `name` of each thread of process `pid` (/proc/PID/task/TID/name), leaving out a
+    thread that ended meanwhile; None where /proc does not list the threads."""
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return None
-    total = 0
+    texts = []
     for tid in tids:
         try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):     # a thread that ended meanwhile
+            with open(f"/proc/{pid}/task/{tid}/{name}") as f:
+                texts.append(f.read())
+        except OSError:
             pass
-    return total
+    return texts
+
+
+def cpu_ns(pid: int) -> int | None:
+    """The CPU time all threads of process `pid` have run, in ns (the scheduler's own count, not
+    the clock ticks of /proc/PID/stat); None where /proc does not give it."""
+    texts = _thread_files(pid, "schedstat")
+    return None if texts is None else sum(int(t.split()[0]) for t in texts if t.split())
 
 
 def runnable_threads(pid: int) -> int:
     """How many threads of process `pid` are running or waiting for a core (state R): a
     spinning thread the scheduler has set aside gains no CPU time, but stays runnable."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return 0
-    count = 0
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                stat = f.read()
-            count += stat[stat.rindex(")") + 2] == "R"     # the state follows the command's ")"
-        except (OSError, ValueError, IndexError):     # a thread that ended meanwhile
-            pass
-    return count
+    # The state is the field after the command, which is in parentheses and may hold spaces.
+    return sum(t[t.rindex(")") + 2] == "R" for t in _thread_files(pid, "stat") or [] if ")" in t)
 
 
 def wait_quiet(pid: int) -> float:
