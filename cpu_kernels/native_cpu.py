@@ -147,8 +147,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.read_rows_cached_cpu.restype = i64
     lib.top_k_ids_cpu.argtypes = [ptr, i64, i64, ptr]
     lib.rows_dot_bf16_cpu.argtypes = [ptr, i64, i64, ptr, ptr]
-    lib.rescore_rows_cpu.argtypes = [ptr, i64, i64, ptr, i64, ctypes.c_int, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr,
-                                     i64, ptr]
+    lib.rescore_rows_cpu.argtypes = [ptr, ptr, i64, i64, ptr, i64, ctypes.c_int, i64, i64, ptr, ptr, ptr, ptr, ptr,
+                                     ptr, i64, ptr]
     lib.rescore_rows_cpu.restype = i64
     lib.stream_ahead_set.argtypes = [i64]
     lib.native_program_max_args.restype = i64
@@ -507,6 +507,19 @@ def read_rows(fd: int, offset: int, n_rows: int, ids: torch.Tensor, out: torch.T
                                     *_row_cache_args(cache))
 
 
+def read_row(fd: int, offset: int, n_rows: int, i: int, out: torch.Tensor) -> int | None:
+    """`read_rows` of the one row `i` into `out` (contiguous, one row's bytes), with no tensor
+    made for the id: a decode step's embedding lookup, read straight into the buffer its first
+    call takes. -1 when read, 0 when `i` is out of range or the read came up short; None if the
+    native library is unavailable or `out` is not contiguous."""
+    lib = _library()
+    if lib is None or not out.is_contiguous():
+        return None
+    box = ctypes.c_int64(i)
+    return lib.read_rows_cpu(fd, offset, out.numel() * out.element_size(), n_rows, ctypes.addressof(box), 1,
+                             out.data_ptr())
+
+
 def _row_cache_args(cache) -> tuple:
     """A `safetensors_io.RowCache` as the native readers take it: slot_of, id_of, used, data,
     capacity, hand."""
@@ -518,23 +531,26 @@ RESCORE_TOO_FEW = -2     # rescore_rows: fewer logits than candidates are not Na
 
 
 def rescore_rows(logits: torch.Tensor, x: torch.Tensor, fd: int, offset: int, n_rows: int, ids: torch.Tensor,
-                 rows: torch.Tensor, cache=None) -> int | None:
+                 rows: torch.Tensor, cache=None, source: torch.Tensor | None = None) -> int | None:
     """A quantized head's rescoring in one call: the `len(ids)` largest of the f32 `logits` are
     overwritten with their bf16 rows of an n_rows-row matrix at `offset` in the open file `fd`
     (read into `rows`, through `cache` as `read_rows`) times the bf16 vector `x`, rounded to
     bf16; `ids` receives their ids. -1 when done; `RESCORE_TOO_FEW`, nothing changed, when fewer
     than that many logits are not NaN; else the first position whose read failed, the logits unchanged. None
-    if the native library is unavailable or an operand is not as described."""
+    if the native library is unavailable or an operand is not as described. With `source` (bf16,
+    as many values as `logits`), `logits` first receives it widened, whatever the answer but None."""
     lib = _library()
     k = ids.numel()
     if (lib is None or logits.dtype != torch.float32 or logits.dim() != 1 or not logits.is_contiguous()
             or not 0 < k <= logits.numel() or ids.dtype != torch.int64 or not ids.is_contiguous()
             or x.dtype != torch.bfloat16 or not x.is_contiguous() or rows.dtype != torch.bfloat16
-            or not rows.is_contiguous() or tuple(rows.shape) != (k, x.numel())):
+            or not rows.is_contiguous() or tuple(rows.shape) != (k, x.numel())
+            or (source is not None and (source.dtype != torch.bfloat16 or not source.is_contiguous()
+                                        or source.numel() != logits.numel()))):
         return None
     c = _row_cache_args(cache) if cache is not None else (None, None, None, None, 0, None)
-    return lib.rescore_rows_cpu(logits.data_ptr(), logits.numel(), k, x.data_ptr(), x.numel(), fd, offset, n_rows,
-                                ids.data_ptr(), rows.data_ptr(), *c)
+    return lib.rescore_rows_cpu(source.data_ptr() if source is not None else None, logits.data_ptr(), logits.numel(),
+                                k, x.data_ptr(), x.numel(), fd, offset, n_rows, ids.data_ptr(), rows.data_ptr(), *c)
 
 
 def rows_dot(rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:

@@ -50,9 +50,10 @@ def decode_step(model: DeviceModel, token: int, pos: int, capture: Capture | Non
     """Feed `token` at position `pos` (= number of tokens already cached); f32 logits of the next token."""
     if pos >= model.max_context:
         raise IndexError(f"position {pos} is past the KV cache ({model.max_context} positions)")
-    x = model.embed_tokens([token])[0]
-    model.kv.invalidate(pos)
     program = decode_program(model) if capture is None else None
+    # A recorded step takes its row where its first call reads it, read there from the file.
+    x = None if program is not None and model.embed_into(token, program.row_in) else model.embed_tokens([token])[0]
+    model.kv.invalidate(pos)
     if program is not None:
         normed, parts = program.run(x, pos, model.profiler)
         model.kv.hold(pos, [token])

@@ -62,17 +62,25 @@ class DecodeProgram:
         prog.hold(lut)
         return cls(prog, x_in, *head, min(lut.shape[0], model.kv.max_seq))
 
-    def run(self, x: torch.Tensor, pos: int, profiler: Profiler = NULL_PROFILER) -> tuple[torch.Tensor, torch.Tensor]:
-        """For the token whose embedding row is `x`, at `pos`: the last layer's row after the
-        final RMSNorm and the LM head's partitions end to end (`DeviceModel.head_logits` makes
-        the logits of them), views of buffers valid until the next call. An enabled `profiler`
-        gets each group's calls split into write / run / read and each host op, as the loop
-        reports them."""
+    @property
+    def row_in(self) -> torch.Tensor:
+        """The buffer the first call reads the token's embedding row from: `run(None, pos)` takes
+        the row already written there (`DeviceModel.embed_into`)."""
+        return self._x_in
+
+    def run(self, x: torch.Tensor | None, pos: int,
+            profiler: Profiler = NULL_PROFILER) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the token whose embedding row is `x` (None: the one in `row_in`), at `pos`: the
+        last layer's row after the final RMSNorm and the LM head's partitions end to end
+        (`DeviceModel.head_logits` makes the logits of them), views of buffers valid until the
+        next call. An enabled `profiler` gets each group's calls split into write / run / read
+        and each host op, as the loop reports them."""
         if not 0 <= pos < self._positions:
             raise IndexError(f"position {pos} is past the KV cache ({self._positions} positions)")
-        if x.dtype != self._x_in.dtype or x.numel() != self._x_in.numel():
-            raise ValueError(f"an embedding row of {x.numel()} {x.dtype} for {self._x_in.numel()} bf16 values")
-        copy_tensor(self._x_in, x)
+        if x is not None:
+            if x.dtype != self._x_in.dtype or x.numel() != self._x_in.numel():
+                raise ValueError(f"an embedding row of {x.numel()} {x.dtype} for {self._x_in.numel()} bf16 values")
+            copy_tensor(self._x_in, x)
         times = self._prog.run(pos, timed=profiler.enabled)
         if times:
             for (what, name), calls in self._prog.tallies.items():     # labelled by the recorders

@@ -161,11 +161,25 @@ class DeviceModel:
     # ---- host ops -------------------------------------------------------------------------
     def embed_tokens(self, ids: list[int]) -> torch.Tensor:
         with self.profiler.host_op("embedding"):
-            v = self.config.vocab_size
-            bad = [i for i in ids if not 0 <= i < v]
-            if bad:
-                raise PromptError(f"token id {bad[0]} is outside the model's vocabulary of {v}")
+            self._check_ids(ids)
             return self.embed_rows(torch.tensor(ids, dtype=torch.long))
+
+    def embed_into(self, token: int, out: torch.Tensor) -> bool:
+        """The embedding row of `token` read straight into `out` (a recorded decode step's input
+        row), with no tensor made on the way; False, nothing read, where the table is not read
+        from its file natively (`embed_tokens` serves)."""
+        read = getattr(self.embed_rows, "read_into", None)
+        if read is None:
+            return False
+        with self.profiler.host_op("embedding"):
+            self._check_ids([token])
+            return read(token, out)
+
+    def _check_ids(self, ids: list[int]) -> None:
+        v = self.config.vocab_size
+        bad = [i for i in ids if not 0 <= i < v]
+        if bad:
+            raise PromptError(f"token id {bad[0]} is outside the model's vocabulary of {v}")
 
     def logits(self, hidden_row: torch.Tensor, capture=None) -> torch.Tensor:
         """Final RMSNorm on one row (host), then the LM head as one 8-partition GEMV call (and a
@@ -183,9 +197,11 @@ class DeviceModel:
 
     def head_logits(self, parts: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
         """f32 logits from the head's concatenated bf16 partitions (`parts`, padded past the
-        vocabulary) for the final-normed row `normed`, a quantized head's leading ones rescored."""
-        logits = parts[: self.config.vocab_size].float()
-        if self.rescore_k:
-            with self.profiler.host_op("head_rescore"):
-                rescore(logits, normed, self.head_rows, self.rescore_k)
+        vocabulary) for the final-normed row `normed`, a quantized head's leading ones rescored
+        (the widening done in the same native call, `head_rescore.rescore`)."""
+        if not self.rescore_k:
+            return parts[: self.config.vocab_size].float()
+        logits = torch.empty(self.config.vocab_size, dtype=torch.float32)
+        with self.profiler.host_op("head_rescore"):
+            rescore(logits, normed, self.head_rows, self.rescore_k, source=parts[: self.config.vocab_size])
         return logits

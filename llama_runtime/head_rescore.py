@@ -35,16 +35,19 @@ ROW_CACHE_BYTES = 16 << 20
 
 
 def rescore(logits: torch.Tensor, normed: torch.Tensor, rows: Callable[[torch.Tensor], torch.Tensor],
-            k: int = TOP_K) -> torch.Tensor:
+            k: int = TOP_K, source: torch.Tensor | None = None) -> torch.Tensor:
     """Overwrite the `k` highest of `logits` (f32 [vocab]) with bf16-rounded `rows(ids) · normed`,
-    where `rows` gives the bf16 head rows of the ids asked for; returns those ids. A `rows`
-    with a `rescore` method does it all in one call where it can (`FileRows.rescore`, with
-    the same numbers)."""
+    where `rows` gives the bf16 head rows of the ids asked for; returns those ids. With `source`
+    (the head's bf16 logits), `logits` is only the f32 tensor to fill: it receives `source`
+    widened first. A `rows` with a `rescore` method does it all in one call where it can
+    (`FileRows.rescore`, with the same numbers)."""
     k = min(k, logits.numel())
     fused = getattr(rows, "rescore", None)     # `FileRows`: the steps below in one native call
-    idx = fused(logits, normed, k) if fused is not None else None
+    idx = fused(logits, normed, k, source) if fused is not None else None
     if idx is not None:
         return idx
+    if source is not None:
+        logits.copy_(source)
     idx = native_cpu.top_k_ids(logits, k)
     if idx is None:
         idx = torch.topk(logits, k, sorted=False).indices

@@ -185,11 +185,25 @@ class FileRows:
         self._check(ids, failed)
         return out
 
-    def rescore(self, logits: torch.Tensor, x: torch.Tensor, k: int) -> torch.Tensor | None:
+    def read_into(self, i: int, out: torch.Tensor) -> bool:
+        """Row `i` read into `out` (contiguous, one row of this dtype), uncached; False where
+        the native library cannot (the caller reads it the other way)."""
+        if out.dtype != self.dtype or out.numel() != self.shape[1]:
+            raise ValueError(f"a row of {self.shape[1]} {self.dtype} values, not {out.numel()} {out.dtype}")
+        failed = native_cpu.read_row(self._fd, self.offset, self.shape[0], i, out)
+        if failed is None:
+            return False
+        if failed >= 0:
+            self._check(torch.tensor([i]), failed)
+        return True
+
+    def rescore(self, logits: torch.Tensor, x: torch.Tensor, k: int,
+                source: torch.Tensor | None = None) -> torch.Tensor | None:
         """`head_rescore.rescore` over these rows in one native call (`native_cpu.rescore_rows`):
         the ids of the k largest of `logits`, those logits recomputed from their rows times `x`;
         None where that call cannot serve (no native library, fewer than k logits not NaN), with
-        nothing changed."""
+        nothing changed but, given a bf16 `source`, `logits` holding it widened where the call
+        was made."""
         if self.dtype != torch.bfloat16 or not native_cpu.available():
             return None
         with self._lock:
@@ -197,7 +211,8 @@ class FileRows:
             if self._scratch is None or len(self._scratch[0]) != k:
                 self._scratch = (torch.empty(k, dtype=torch.int64), torch.empty(k, self.shape[1], dtype=self.dtype))
             ids, rows = self._scratch
-            failed = native_cpu.rescore_rows(logits, x, self._fd, self.offset, self.shape[0], ids, rows, cache)
+            failed = native_cpu.rescore_rows(logits, x, self._fd, self.offset, self.shape[0], ids, rows, cache,
+                                             source)
             if failed is None or failed == native_cpu.RESCORE_TOO_FEW:
                 return None
             self._check(ids, failed)

@@ -10,6 +10,7 @@ import torch
 
 from cpu_kernels import native_cpu
 from cpu_kernels.native_program import NativeProgram
+from llama_base.errors import PromptError
 from llama_runtime.decode import decode_step
 from llama_runtime.decode_program import decode_program
 from llama_runtime.device_model import FINAL_NORM, DeviceModel, bo_key
@@ -78,6 +79,31 @@ def test_the_recorded_layers_are_the_loop_bit_for_bit_q4nx(q4nx_session, monkeyp
     """Q4NX weights (the embedded model's fused 4-bit GEMVs), the head rescored after them."""
     model = q4nx_session.model
     _both_ways(model, q4nx_session.encode("The capital of France is"), [330, 2, 4000, 17, 9], monkeypatch)
+
+
+@native
+def test_a_recorded_step_reads_its_embedding_row_from_the_file_into_its_first_calls_input(q4nx_session,
+                                                                                          monkeypatch):
+    """Where the table is read from its file, a recorded step's row goes straight into the buffer
+    its first call reads, with no tensor on the way, and the token's logits are those of the row
+    handed over as a tensor; a token outside the vocabulary is refused before the cache is touched."""
+    model = q4nx_session.model
+    model.native_decode = True
+    prompt = q4nx_session.encode("The capital of France is")
+    prefill(model, prompt)
+    pos = len(prompt)
+    k, v, held = model.kv.k.clone(), model.kv.v.clone(), list(model.kv.token_ids)
+    program = decode_program(model)
+    normed, parts = program.run(model.embed_tokens([330])[0], pos)
+    handed = model.head_logits(parts, normed)
+    model.kv.k.copy_(k), model.kv.v.copy_(v)
+    model.kv.token_ids[:] = held
+    monkeypatch.setattr(model, "embed_tokens", lambda ids: pytest.fail("the row went through a tensor"))
+    assert torch.equal(decode_step(model, 330, pos), handed)
+    assert torch.equal(program.row_in, model.embed[330])
+    with pytest.raises(PromptError, match="outside the model's vocabulary"):
+        decode_step(model, model.config.vocab_size, pos + 1)
+    assert model.kv.token_ids == held + [330]
 
 
 @native

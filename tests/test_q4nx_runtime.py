@@ -172,6 +172,7 @@ def test_file_rows_read_the_rows_asked_for_and_name_what_went_wrong(tmp_path, mo
         pytest.skip("no native library on this machine")
     if not native:
         monkeypatch.setattr(native_cpu, "read_rows", lambda *a: None)
+        monkeypatch.setattr(native_cpu, "read_row", lambda *a: None)
     table = torch.randn(50, 24).to(torch.bfloat16)
     save_file({"pad": torch.ones(3, dtype=torch.bfloat16), "t": table}, tmp_path / "m.safetensors")
     ck = Checkpoint(tmp_path)
@@ -179,6 +180,11 @@ def test_file_rows_read_the_rows_asked_for_and_name_what_went_wrong(tmp_path, mo
     assert isinstance(rows, FileRows)
     ids = torch.tensor([49, 0, 7, 7, 13])
     assert torch.equal(rows(ids), table[ids])
+    one = torch.zeros(24, dtype=torch.bfloat16)       # one row into a buffer of the caller's
+    assert rows.read_into(13, one) is native
+    assert torch.equal(one, table[13] if native else torch.zeros(24, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="a row of 24"):
+        rows.read_into(13, torch.zeros(25, dtype=torch.bfloat16))
     if hasattr(os, "posix_fadvise"):                  # out of the page cache: the rows come from disk
         with open(tmp_path / "m.safetensors", "rb+") as h:
             os.fsync(h.fileno())                      # (dirty pages would stay)
@@ -191,10 +197,16 @@ def test_file_rows_read_the_rows_asked_for_and_name_what_went_wrong(tmp_path, mo
     assert rows.offset > 0
     with pytest.raises(IndexError, match="row 50 of a 50-row"):
         rows(torch.tensor([1, 50]))
+    if native:
+        with pytest.raises(IndexError, match="row 50 of a 50-row"):
+            rows.read_into(50, one)
     f = tmp_path / "m.safetensors"
     f.write_bytes(f.read_bytes()[:-24 * 2 * 5])          # the last 5 rows gone
     with pytest.raises(CheckpointError, match="short read of row 46"):
         rows(torch.tensor([0, 46]))
+    if native:
+        with pytest.raises(CheckpointError, match="short read of row 46"):
+            rows.read_into(46, one)
 
 
 @pytest.mark.parametrize("cache_rows", [0, 40, 1000], ids=["uncached", "cache-smaller-than-k", "cache-holds-all"])
@@ -228,9 +240,21 @@ def test_file_rows_rescore_in_one_call_as_the_steps_do(tmp_path, cache_rows):
         assert ids is not None, step
         assert sorted(ids.tolist()) == sorted(want.tolist()), step
         assert torch.equal(fused.nan_to_num(), steps.nan_to_num()) and fused.isnan().sum() == 1, step
+        # The head's bf16 logits widened in the same call, into a tensor holding anything.
+        source = approx.to(torch.bfloat16)
+        widened, steps = torch.full((n,), 7.0), source.float()
+        ids = rows.rescore(widened, h, k, source)
+        rescore(steps, h, lambda i: table.index_select(0, i), k)
+        assert ids is not None and torch.equal(widened.nan_to_num(), steps.nan_to_num()), step
+        plain = torch.full((n,), 7.0)                 # the steps themselves widen a source too
+        rescore(plain, h, lambda i: table.index_select(0, i), k, source)
+        assert torch.equal(plain.nan_to_num(), steps.nan_to_num()), step
     mostly_nan = torch.full((n,), float("nan"))
     mostly_nan[:10] = torch.arange(10.0)
     assert rows.rescore(mostly_nan.clone(), h, 11) is None      # fewer than k values: the steps' fallback
+    widened = torch.zeros(n)
+    assert rows.rescore(widened, h, 11, mostly_nan.to(torch.bfloat16)) is None
+    assert torch.equal(widened.nan_to_num(), mostly_nan.nan_to_num())     # widened, nothing else
     f = tmp_path / "m.safetensors"
     f.write_bytes(f.read_bytes()[:-width * 2 * 5])              # the last 5 rows gone
     last = torch.zeros(n)
