@@ -1,7 +1,8 @@
-"""Decode's GEMV batches under every team size: each thread reads a contiguous share of the
-batch and then helps with the others' (`stream_split.h`), so where a share ends, and whether a
-job's blocks are read by one thread or two, depends on the team. Whatever the team, every
-output row must be written, and to the same bits, since each block's sums run in one order.
+"""Decode's kernels under every team size. A GEMV batch: each thread reads a contiguous share
+of the batch and then helps with the others' (`stream_split.h`), so where a share ends, and
+whether a job's blocks are read by one thread or two, depends on the team. Whatever the team,
+every output row must be written, and to the same bits, since each block's sums run in one
+order. The host attention: how a long context is cut into segments depends on the shape alone.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import pytest
 import torch
 
 from cpu_kernels import native_cpu
-from seeded import gemv_jobs, run_gemvs
+from llama_runtime.host_ops import KVCache, decode_attention_cpu
+from seeded import gemv_jobs, rand_bf16, run_gemvs
 
 pytestmark = [pytest.mark.skipif(native_cpu._library() is None, reason="no native library: the GEMVs are torch's"),
               pytest.mark.usefixtures("native_isa")]
@@ -52,3 +54,20 @@ def test_every_team_writes_every_row_to_the_same_bits(fmt):
         assert len(os.listdir("/proc/self/task")) >= threads    # the team did grow: its threads stay
         for i, (a, b) in enumerate(zip(want, got)):
             assert torch.equal(a, b), f"{threads} threads: job {i} {SHAPES[i]} differs"
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (28, 1, 128)])
+def test_the_decode_attention_has_the_same_bits_on_every_team(heads, kv_heads, head_dim):
+    """Few KV heads at long contexts: the positions are cut into segments whose sums are merged
+    afterwards (`attention_bf16_cpu.cc`), and merging is another order of summing. So the cut
+    must follow the shape alone: at each of these positions every team gives the same bits."""
+    positions = (1030, 1800, 2600, 3500)
+    cache = KVCache(1, kv_heads, positions[-1] + 1, head_dim)
+    k = rand_bf16(positions[-1] + 1, kv_heads * head_dim, seed=1)
+    cache.write(0, 0, k, rand_bf16(positions[-1] + 1, kv_heads * head_dim, seed=2))
+    q = rand_bf16(heads * head_dim, seed=3, scale=2.0)
+    want = [decode_attention_cpu(q, cache, 0, pos, heads).clone() for pos in positions]
+    for threads in TEAMS:
+        with team(threads):
+            for pos, w in zip(positions, want):
+                assert torch.equal(decode_attention_cpu(q, cache, 0, pos, heads), w), f"{threads} threads, {pos + 1} positions"

@@ -125,6 +125,7 @@ def test_rope_is_bit_exact(monkeypatch, rows, heads, head_dim):
     (6, 2, 20, 17), (4, 4, 16, 40),        # head dims known only at run time; groups of 3 and 1
     (8, 2, 128, 100), (4, 4, 32, 5),       # the other compiled head dims
     (10, 2, 64, 70),                       # a group of 5: a chunk of 4 heads, then 1
+    (9, 3, 64, 1100), (4, 1, 20, 2600),    # few KV heads at long contexts: segments of positions, merged
 ])
 def test_decode_attention_matches_the_reference(monkeypatch, heads, kv_heads, head_dim, pos):
     """The host's single-query attention, native and torch, against `reference.attention`: f32
@@ -132,7 +133,7 @@ def test_decode_attention_matches_the_reference(monkeypatch, heads, kv_heads, he
     terms Σ p |v|. The native kernel takes a KV head's query heads in chunks,
     compiled for the common head dims. Attending to one key fewer (the token's own) fails."""
     g = torch.Generator().manual_seed(pos + head_dim)
-    cache = KVCache(2, kv_heads, 320, head_dim)
+    cache = KVCache(2, kv_heads, max(320, pos + 20), head_dim)
     k = torch.randn(pos + 1, kv_heads * head_dim, generator=g).bfloat16()
     v = torch.randn(pos + 1, kv_heads * head_dim, generator=g).bfloat16()
     cache.write(1, 0, k, v)

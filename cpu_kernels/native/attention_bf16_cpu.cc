@@ -8,7 +8,9 @@
 // bounds the kernel: a head at a time, widening each row per head and summing each score on
 // its own, ran at 2-3 times the time its bytes take from memory. The softmax subtracts the
 // max, as torch's does; each sum runs in a fixed order, so every ISA class gives the same bits.
-// Beyond a few dozen positions the (KV head, chunk) pairs are split over the OpenMP team.
+// Beyond a few dozen positions the (KV head, chunk) pairs are split over the OpenMP team; where
+// they are few, long contexts are cut into segments as well, each a task of its own, whose sums
+// are combined in order afterwards (`merge`).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -33,13 +35,22 @@ constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxBlocks = kMaxHeadDim / kW;
 constexpr int kChunk = 4;                     // query heads per pass over a KV head
 constexpr int64_t kTile = 64;                 // positions of V per pass over the head dims (L1)
+// A long context's positions are split into segments when its (KV head, chunk) tasks are too
+// few to keep the team busy: SmolLM2's 3 KV heads left one of two threads idle for a third of
+// the attention, which at 4000 positions is more than half of a token. Both numbers depend on
+// the shape alone, never on the team, so a result has the same bits on any number of threads.
+constexpr int64_t kFewTasks = 8;              // at least this many tasks: no split
+constexpr int64_t kMinSegment = 512;          // positions a segment keeps at the least
 
 // C query heads (q: C rows of d) over positions 0..n-1 of one KV head; `p` holds C rows of `ld`
 // floats for the probabilities. C and BL (head-dim blocks; 0: d's, known only at run time) are
-// compile-time where they can be, so the sums of a row stay in registers.
+// compile-time where they can be, so the sums of a row stay in registers. With `partial`, the
+// positions are one segment of a longer context: each head's scores' maximum, its total and
+// its unnormalized sums (d + 2 floats, `partial_ld` apart) go there for `merge`; else `out`
+// gets the result.
 template <int C, int BL>
 void head_chunk(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, int64_t n, int64_t d,
-                float scale, float *p, int64_t ld) {
+                float scale, float *p, int64_t ld, float *partial, int64_t partial_ld) {
   const int64_t blocks = BL ? BL : (d + kW - 1) / kW;
   nv::F16 qv[C][kMaxBlocks];
   for (int h = 0; h < C; ++h)
@@ -72,17 +83,19 @@ void head_chunk(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_
   }
 
   // e^(score - max) and each head's total.
-  float inv[C];
+  float inv[C], top1[C], total1[C];
   for (int h = 0; h < C; ++h) {
     float *ph = p + h * ld;
-    const nv::F16 topv = nv::set1(nv::reduce_max(top[h]));
+    top1[h] = nv::reduce_max(top[h]);
+    const nv::F16 topv = nv::set1(top1[h]);
     nv::F16 total = nv::zero();
     for (int64_t t = 0; t < n; t += kW) {
       const nv::F16 e = nv::keep(nv::lanes_below(n - t), nv::exp_ps(nv::sub(nv::load_f32(ph + t, n - t), topv)));
       nv::store_f32(ph + t, e, n - t);
       total = nv::add(total, e);
     }
-    inv[h] = 1.0f / nv::reduce_add(total);
+    total1[h] = nv::reduce_add(total);
+    inv[h] = 1.0f / total1[h];
   }
 
   // Σ p·V over positions in order, a tile of V rows at a time, each head dim block's sums in
@@ -102,13 +115,38 @@ void head_chunk(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_
       for (int h = 0; h < C; ++h) acc[h][b] = a[h];
     }
   }
-  for (int h = 0; h < C; ++h)
-    for (int64_t b = 0; b < blocks; ++b)
-      nv::store_bf16(out + h * d + kW * b, nv::mul(acc[h][b], nv::set1(inv[h])), d - kW * b);
+  for (int h = 0; h < C; ++h) {
+    if (partial != nullptr) {
+      float *ph = partial + h * partial_ld;
+      ph[0] = top1[h];
+      ph[1] = total1[h];
+      for (int64_t b = 0; b < blocks; ++b) nv::store_f32(ph + 2 + kW * b, acc[h][b], d - kW * b);
+    } else {
+      for (int64_t b = 0; b < blocks; ++b)
+        nv::store_bf16(out + h * d + kW * b, nv::mul(acc[h][b], nv::set1(inv[h])), d - kW * b);
+    }
+  }
+}
+
+// One query head's segments combined, in segment order: each segment's sums and total rescaled
+// by e^(its max - the overall max), the sums then divided by the rescaled totals' sum.
+void merge(const float *part, int64_t segs, int64_t stride, int64_t d, uint16_t *out) {
+  float top = -INFINITY;
+  for (int64_t s = 0; s < segs; ++s) top = std::max(top, part[s * stride]);
+  float acc[kMaxHeadDim] = {};
+  float total = 0.0f;
+  for (int64_t s = 0; s < segs; ++s) {
+    const float *ps = part + s * stride;
+    const float w = nv::reduce_max(nv::exp_ps(nv::set1(ps[0] - top)));   // the kernel's own e^x
+    total += w * ps[1];
+    for (int64_t i = 0; i < d; ++i) acc[i] += w * ps[2 + i];
+  }
+  const float inv = 1.0f / total;
+  for (int64_t i = 0; i < d; i += kW) nv::store_bf16(out + i, nv::mul(nv::load_f32(acc + i, d - i), nv::set1(inv)), d - i);
 }
 
 using ChunkFn = void (*)(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t, float,
-                        float *, int64_t);
+                        float *, int64_t, float *, int64_t);
 
 template <int BL>
 ChunkFn chunk_for(int c) {
@@ -140,15 +178,27 @@ extern "C" void attention_bf16_cpu(const uint16_t *q, const uint16_t *k, const u
                                    int64_t heads, int64_t kv_heads, int64_t d, int64_t n, int64_t stride) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const int64_t group = heads / kv_heads, chunks = (group + kChunk - 1) / kChunk;
-  const int64_t ld = (n + kW - 1) / kW * kW;   // whole blocks of scores
+  const int64_t tasks = kv_heads * chunks;
+  const int64_t segs = tasks >= kFewTasks ? 1 : std::clamp<int64_t>(n / kMinSegment, 1, (kFewTasks + tasks - 1) / tasks);
+  const int64_t seg = (n + segs - 1) / segs;
+  const int64_t ld = (seg + kW - 1) / kW * kW;   // whole blocks of a segment's scores
+  const int64_t pstride = d + 2;                 // a head's segment in `partials`
+  std::vector<float> partials(segs > 1 ? heads * segs * pstride : 0);
 #pragma omp parallel if (n * d * kv_heads > kParallelAbove)
   {
     std::vector<float> p(kChunk * ld);
 #pragma omp for schedule(static)
-    for (int64_t task = 0; task < kv_heads * chunks; ++task) {
-      const int64_t g = task / chunks, h = g * group + task % chunks * kChunk;
+    for (int64_t task = 0; task < tasks * segs; ++task) {
+      const int64_t s = task % segs, hc = task / segs;
+      const int64_t g = hc / chunks, h = g * group + hc % chunks * kChunk;
       const int c = static_cast<int>(std::min<int64_t>(kChunk, (g + 1) * group - h));
-      chunk_fn(c, d)(q + h * d, k + g * stride * d, v + g * stride * d, out + h * d, n, d, scale, p.data(), ld);
+      const int64_t t0 = s * seg, len = std::min(n, t0 + seg) - t0;
+      chunk_fn(c, d)(q + h * d, k + (g * stride + t0) * d, v + (g * stride + t0) * d, out + h * d, len, d, scale,
+                     p.data(), ld, segs > 1 ? partials.data() + (h * segs + s) * pstride : nullptr, segs * pstride);
+    }
+    if (segs > 1) {
+#pragma omp for schedule(static)
+      for (int64_t h = 0; h < heads; ++h) merge(partials.data() + h * segs * pstride, segs, pstride, d, out + h * d);
     }
   }
 }
