@@ -56,11 +56,12 @@ def test_every_team_writes_every_row_to_the_same_bits(fmt):
             assert torch.equal(a, b), f"{threads} threads: job {i} {SHAPES[i]} differs"
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (28, 1, 128)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (28, 1, 128), (32, 8, 64)])
 def test_the_decode_attention_has_the_same_bits_on_every_team(heads, kv_heads, head_dim):
-    """Few KV heads at long contexts: the positions are cut into segments whose sums are merged
-    afterwards (`attention_bf16_cpu.cc`), and merging is another order of summing. So the cut
-    must follow the shape alone: at each of these positions every team gives the same bits."""
+    """Long contexts: the positions are cut into segments whose sums are merged afterwards
+    (`attention_bf16_cpu.cc`), more of them where the KV heads are few, and merging is another
+    order of summing. So the cut must follow the shape alone: at each of these positions every
+    team gives the same bits."""
     positions = (1030, 1800, 2600, 3500)
     cache = KVCache(1, kv_heads, positions[-1] + 1, head_dim)
     k = rand_bf16(positions[-1] + 1, kv_heads * head_dim, seed=1)

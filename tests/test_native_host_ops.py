@@ -126,6 +126,7 @@ def test_rope_is_bit_exact(monkeypatch, rows, heads, head_dim):
     (8, 2, 128, 100), (4, 4, 32, 5),       # the other compiled head dims
     (10, 2, 64, 70),                       # a group of 5: a chunk of 4 heads, then 1
     (9, 3, 64, 1100), (4, 1, 20, 2600),    # few KV heads at long contexts: segments of positions, merged
+    (32, 8, 64, 1500),                     # many: segments whose V fits the core's L2
 ])
 def test_decode_attention_matches_the_reference(monkeypatch, heads, kv_heads, head_dim, pos):
     """The host's single-query attention, native and torch, against `reference.attention`: f32

@@ -8,9 +8,9 @@
 // bounds the kernel: a head at a time, widening each row per head and summing each score on
 // its own, ran at 2-3 times the time its bytes take from memory. The softmax subtracts the
 // max, as torch's does; each sum runs in a fixed order, so every ISA class gives the same bits.
-// Beyond a few dozen positions the (KV head, chunk) pairs are split over the OpenMP team; where
-// they are few, long contexts are cut into segments as well, each a task of its own, whose sums
-// are combined in order afterwards (`merge`).
+// Beyond a few dozen positions the (KV head, chunk) pairs are split over the OpenMP team; long
+// contexts are cut into segments as well, each a task of its own, whose sums are combined in
+// order afterwards (`merge`).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -35,12 +35,15 @@ constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxBlocks = kMaxHeadDim / kW;
 constexpr int kChunk = 4;                     // query heads per pass over a KV head
 constexpr int64_t kTile = 64;                 // positions of V per pass over the head dims (L1)
-// A long context's positions are split into segments when its (KV head, chunk) tasks are too
-// few to keep the team busy: SmolLM2's 3 KV heads left one of two threads idle for a third of
-// the attention, which at 4000 positions is more than half of a token. Both numbers depend on
-// the shape alone, never on the team, so a result has the same bits on any number of threads.
-constexpr int64_t kFewTasks = 8;              // at least this many tasks: no split
-constexpr int64_t kMinSegment = 512;          // positions a segment keeps at the least
+// A long context's positions are cut into segments, for two reasons. Where its (KV head, chunk)
+// tasks are too few to keep the team busy: SmolLM2's 3 KV heads left one of two threads idle
+// for a third of the attention, which at 4000 positions is more than half of a token. And so
+// that a segment's V rows, asked for while its scores are summed, are still in the core's L2
+// when the P·V pass reads them. Every number here depends on the shape alone, never on the
+// team, so a result has the same bits on any number of threads.
+constexpr int64_t kFewTasks = 8;              // at least this many tasks: no split for balance
+constexpr int64_t kMinSegment = 512;          // positions a segment keeps at the least, for balance
+constexpr int64_t kSegmentBytes = 128 * 1024; // V bytes a segment holds at most
 
 // C query heads (q: C rows of d) over positions 0..n-1 of one KV head; `p` holds C rows of `ld`
 // floats for the probabilities. C and BL (head-dim blocks; 0: d's, known only at run time) are
@@ -67,6 +70,11 @@ void head_chunk(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_
         continue;
       }
       const uint16_t *kt = k + (t0 + j) * d;
+      // V's row, asked for now: the P·V pass below then reads it from L2, and memory serves two
+      // streams at once here instead of one stream in each pass (13-22 % off the attention at
+      // 130-2000 positions, docs/profile.md). A prefetch never faults, and this row is read.
+      for (int64_t o = 0; o < d * static_cast<int64_t>(sizeof(uint16_t)); o += 64)
+        _mm_prefetch(reinterpret_cast<const char *>(v + (t0 + j) * d) + o, _MM_HINT_T0);
       nv::F16 kb[kMaxBlocks];
       for (int64_t b = 0; b < blocks; ++b) kb[b] = nv::load_bf16(kt + kW * b, d - kW * b);
       for (int h = 0; h < C; ++h) {
@@ -179,7 +187,9 @@ extern "C" void attention_bf16_cpu(const uint16_t *q, const uint16_t *k, const u
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const int64_t group = heads / kv_heads, chunks = (group + kChunk - 1) / kChunk;
   const int64_t tasks = kv_heads * chunks;
-  const int64_t segs = tasks >= kFewTasks ? 1 : std::clamp<int64_t>(n / kMinSegment, 1, (kFewTasks + tasks - 1) / tasks);
+  const int64_t balance = tasks >= kFewTasks ? 1 : std::clamp<int64_t>(n / kMinSegment, 1, (kFewTasks + tasks - 1) / tasks);
+  const int64_t rows = std::max<int64_t>(1, kSegmentBytes / (d * static_cast<int64_t>(sizeof(uint16_t))));
+  const int64_t segs = std::max(balance, (n + rows - 1) / rows);
   const int64_t seg = (n + segs - 1) / segs;
   const int64_t ld = (seg + kW - 1) / kW * kW;   // whole blocks of a segment's scores
   const int64_t pstride = d + 2;                 // a head's segment in `partials`
