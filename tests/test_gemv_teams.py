@@ -71,4 +71,5 @@ def test_the_decode_attention_has_the_same_bits_on_every_team(heads, kv_heads, h
     for threads in TEAMS:
         with team(threads):
             for pos, w in zip(positions, want):
-                assert torch.equal(decode_attention_cpu(q, cache, 0, pos, heads), w), f"{threads} threads, {pos + 1} positions"
+                got = decode_attention_cpu(q, cache, 0, pos, heads)
+                assert torch.equal(got, w), f"{threads} threads, {pos + 1} positions"

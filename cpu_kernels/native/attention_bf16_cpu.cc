@@ -150,7 +150,8 @@ void merge(const float *part, int64_t segs, int64_t stride, int64_t d, uint16_t 
     for (int64_t i = 0; i < d; ++i) acc[i] += w * ps[2 + i];
   }
   const float inv = 1.0f / total;
-  for (int64_t i = 0; i < d; i += kW) nv::store_bf16(out + i, nv::mul(nv::load_f32(acc + i, d - i), nv::set1(inv)), d - i);
+  for (int64_t i = 0; i < d; i += kW)
+    nv::store_bf16(out + i, nv::mul(nv::load_f32(acc + i, d - i), nv::set1(inv)), d - i);
 }
 
 using ChunkFn = void (*)(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t, float,
@@ -187,7 +188,8 @@ extern "C" void attention_bf16_cpu(const uint16_t *q, const uint16_t *k, const u
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const int64_t group = heads / kv_heads, chunks = (group + kChunk - 1) / kChunk;
   const int64_t tasks = kv_heads * chunks;
-  const int64_t balance = tasks >= kFewTasks ? 1 : std::clamp<int64_t>(n / kMinSegment, 1, (kFewTasks + tasks - 1) / tasks);
+  const int64_t balance =
+      tasks >= kFewTasks ? 1 : std::clamp<int64_t>(n / kMinSegment, 1, (kFewTasks + tasks - 1) / tasks);
   const int64_t rows = std::max<int64_t>(1, kSegmentBytes / (d * static_cast<int64_t>(sizeof(uint16_t))));
   const int64_t segs = std::max(balance, (n + rows - 1) / rows);
   const int64_t seg = (n + segs - 1) / segs;
