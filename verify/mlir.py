@@ -3,7 +3,8 @@
 For every group kind and every prefill bucket of a model (the tiny one by default), plus
 attention after cached positions (tile-aligned, unaligned, and a chat turn's few rows), the interpreter device runs the module the
 NPU would receive and the simulated device runs the group's declaration, on the same
-inputs; every output element is compared. Then both generate greedily from one prompt.
+inputs and on the NPU's numbers on every CPU class (`SimDevice(npu_numerics=True)`); every
+output element is compared. Then both generate greedily from one prompt.
 
 Tolerance, per element: |interp - sim| <= 2^-6 * (|sim| + the largest |sim| in its row). Both
 sides take bf16 inputs, accumulate in f32 and round to bf16 at the same launch boundaries,
@@ -154,7 +155,7 @@ def compare(case: Case, label: str | None = None, weights=None, text: str | None
     name = label or (case.group.name + (f"@{case.q_start}" if case.q_start else ""))
     text = text or compile_group_mlir(case.group)
     data = inputs(case, weights=weights)
-    ref = run_group(SimDevice(), case.group, text, data)
+    ref = run_group(SimDevice(npu_numerics=True), case.group, text, data)
     try:
         got = run_group(InterpDevice(), case.group, text, data)
     except Exception as e:      # an interpreter check or an unimplemented op: the row says which

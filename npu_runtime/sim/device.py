@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import mmap
 from collections import OrderedDict
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -235,7 +236,7 @@ class SimKernel:
         self.device = device
         self.group = group
         self._plan = ops.plan(group.launches)
-        self._bind_step = ops.bind
+        self._bind_step = partial(ops.bind, npu_numerics=device.npu_numerics)
         self._written = {w for l in group.launches for w in l.writes}
         self.packings = [packing_for(group, i) for i in range(len(group.slots))]
         self._programs: OrderedDict[tuple, tuple] = OrderedDict()
@@ -330,7 +331,11 @@ class SimDevice:
         faster natively, so a report or a `[device]` line without it cannot be compared."""
         return f"simulated NPU2 (CPU kernels: {native_cpu.isa()})"
 
-    def __init__(self):
+    def __init__(self, npu_numerics: bool = False):
+        """`npu_numerics`: compute the NPU's numbers on every CPU class, where a class's own
+        kernels take a cheaper contract (`ops.bind`); what `make verify-mlir` holds the
+        interpreted MLIR to. Sessions keep the class's kernels, the faster ones."""
+        self.npu_numerics = npu_numerics
         self.counters = Counters()
         self.storage_epoch = 0     # bumped whenever a BO's device storage is replaced (`SimBO._set_dev`)
 

@@ -178,23 +178,50 @@ def _each(steps) -> None:
 _GEMV_OPS = ("gemv", "gemv_q4nx")   # independent runs of one of these are batched (`plan`)
 
 
-def bind(step: Launch | list[Launch], views: dict[str, torch.Tensor]) -> Callable[[], None]:
+def _npu_gemm_q4nx(l: Launch, a: torch.Tensor, w: torch.Tensor | DeviceQ4nx, out: torch.Tensor):
+    """`gemm_q4nx` natively on the dequantized weights on every class, as the NPU's prefill."""
+    dev = _device_q4nx(w)
+    return None if dev is None else native_cpu.gemm_q4nx_call(a, dev, out, integer=False)
+
+
+def _npu_gemv_q4nx_call(jobs) -> Callable[[], None] | None:
+    """The native Q4NX GEMVs where the class's activations are wide (the NPU's closest form),
+    else None: the torch body, which is wide on every class."""
+    wide = native_cpu.q4nx_activation_bytes(native_cpu.isa()) == q4nx.WIDE
+    return _gemv_q4nx_call(jobs) if wide else None
+
+
+def bind(step: Launch | list[Launch], views: dict[str, torch.Tensor],
+         npu_numerics: bool = False) -> Callable[[], None]:
     """A plan step fixed to one BO set's views: its native kernel with pointers and sizes bound
-    where the op has one (the same kernel a call of the op would pick), else a call of the op.
+    where the op has one (the same kernel a call of the op would pick), else the op's torch body.
     A batch of independent GEMVs (see `plan`) becomes one native dispatch.
+
+    `npu_numerics`: where a class's native kernel takes a cheaper contract than the NPU's (Q4NX
+    on `avx2`: one-byte activations, prefill on decode's integer contract), bind the NPU's form
+    instead (`_NPU_NATIVE`, or the torch body), so the interpreted MLIR can be held to the
+    numbers the NPU computes on every class.
 
     Ops are looked up in `OPS` when binding, so an op replaced there is what runs.
     """
     if isinstance(step, list):
         jobs = [(views[l.reads[1]], views[l.reads[0]], views[l.writes[0]]) for l in step]
         if step[0].op == "gemv_q4nx":
-            return (_gemv_q4nx_call(jobs)
-                    or partial(_each, [partial(OPS[l.op], l, *(views[a] for a in l.args)) for l in step]))
+            own = npu_numerics and OPS["gemv_q4nx"] is gemv_q4nx
+            return ((_npu_gemv_q4nx_call if own else _gemv_q4nx_call)(jobs)
+                    or partial(_each, [_bind_one(l, views, npu_numerics) for l in step]))
         return _gemv_call(jobs) or partial(_torch_gemvs, jobs)
+    return _bind_one(step, views, npu_numerics)
+
+
+def _bind_one(step: Launch, views: dict[str, torch.Tensor], npu_numerics: bool) -> Callable[[], None]:
     op = OPS[step.op]
     args = tuple(views[a] for a in step.args)
     native = getattr(op, "native", None)
-    return (native(step, *args) if native else None) or partial(op, step, *args)
+    if npu_numerics:
+        native = _NPU_NATIVE.get(op, native)
+    # A binder that declines now declines on every call (same views, same library): the body.
+    return (native(step, *args) if native else None) or partial(getattr(op, "__wrapped__", op), step, *args)
 
 
 def plan(launches: tuple[Launch, ...]) -> list[Launch | list[Launch]]:
@@ -233,4 +260,11 @@ OPS = {
     "swiglu": swiglu,
     "add": add,
     "flash_attn": flash_attn,
+}
+
+# The binders that keep the NPU's numbers where an op's own binder takes a class's cheaper
+# contract (`bind`'s `npu_numerics`), keyed by the op itself: an op replaced in `OPS` has none.
+_NPU_NATIVE = {
+    gemm_q4nx: _npu_gemm_q4nx,
+    gemv_q4nx: lambda l, x, w, out: _npu_gemv_q4nx_call([(w, x, out)]),
 }
