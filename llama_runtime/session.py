@@ -207,11 +207,13 @@ def is_chat_model(config, tokenizer: Tokenizer) -> bool:
     return any(e in turn_ends for e in config.eos_token_ids)
 
 
-def build_session(model: str | None = None, device: str = "auto", max_context: int | None = None,
+def build_session(model: str | None = None, device: str | Device = "auto", max_context: int | None = None,
                   profile: bool = False, cache_dir: Path | None = None, allow_compile: bool = True,
                   buckets: tuple[int, ...] | None = None, chat: bool | None = None,
                   log: Callable[[str], None] = print, quant: str = "bf16") -> Session:
     """Load the model, open the device, compile or load every group and upload the weights.
+    `device` is a kind (`devices.DEVICE_KINDS`), or a device already opened (a checker's
+    configured one).
 
     Ends by freezing what the process holds in the garbage collector's permanent generation:
     torch, the tokenizer and the model are some 300 000 long-lived objects, and a full
@@ -221,7 +223,11 @@ def build_session(model: str | None = None, device: str = "auto", max_context: i
     """
     t0 = time.perf_counter()
     # The device first: asking for an NPU that is not there is an error before anything loads.
-    dev = open_device(device, verbose=True)
+    if isinstance(device, str):
+        dev = open_device(device, verbose=True)
+    else:
+        dev = device
+        print(f"[device] {dev.name}", flush=True)
     resolved = resolve_model(model, log, quant)
     if resolved.fallback_note:
         log(f"[model] {resolved.fallback_note}")   # the reason says how to get the weights

@@ -125,6 +125,7 @@ def test_verify_mlir_runs_the_q4nx_groups_and_their_generation(capsys):
     out = capsys.readouterr().out
     assert "lm_head_gemv_q4nx" in out and "[verify-mlir] generation: " in out and "skipped" not in out
     assert "PASS" in out
+    assert "[device] simulated NPU2 (CPU kernels: " in out and "the NPU's numbers)" in out   # generation's side
     # Every quantized group twice: on the model's weights and on the synthetic ones, which
     # make an FFN branch weigh as much as its residual.
     names = [line.split("  ")[0].strip() for line in out.splitlines()]

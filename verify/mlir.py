@@ -202,13 +202,15 @@ def systematic_error(ref: np.ndarray, got: np.ndarray) -> float:
 
 
 def generation(model: str, n_tokens: int, prompt: str, quant: str = "bf16") -> tuple[bool, str]:
-    """Greedy tokens on both devices. Where they part, both devices score the shared prefix
-    again: it passes if the two candidates are within the tolerance of each other on both
-    sides (a near-tie that rounding may flip) and each is in the other side's top 5."""
+    """Greedy tokens on both devices, the simulated one on the NPU's numbers as in `compare`.
+    Where they part, both devices score the shared prefix again: it passes if the two
+    candidates are within the tolerance of each other on both sides (a near-tie that rounding
+    may flip) and each is in the other side's top 5."""
     from llama32_1b_inference import build_session   # verify sits above the entry points
     from llama32_1b_prefill import prefill
 
-    sessions = {d: build_session(model, d, log=lambda *_: None, quant=quant) for d in ("sim", "interp")}
+    devices = {"sim": SimDevice(npu_numerics=True), "interp": "interp"}
+    sessions = {d: build_session(model, dev, log=lambda *_: None, quant=quant) for d, dev in devices.items()}
     ids = sessions["sim"].encode(prompt)
     a, b = (sessions[d].generate(ids, n_tokens).tokens for d in ("sim", "interp"))
     if a == b:

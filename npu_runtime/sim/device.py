@@ -329,7 +329,8 @@ class SimDevice:
     def name(self) -> str:
         """Says which CPU kernels run (`native_cpu.isa()`): the same model runs several times
         faster natively, so a report or a `[device]` line without it cannot be compared."""
-        return f"simulated NPU2 (CPU kernels: {native_cpu.isa()})"
+        numbers = ", the NPU's numbers" if self.npu_numerics else ""
+        return f"simulated NPU2 (CPU kernels: {native_cpu.isa()}{numbers})"
 
     def __init__(self, npu_numerics: bool = False):
         """`npu_numerics`: compute the NPU's numbers on every CPU class, where a class's own
