@@ -107,7 +107,15 @@ def gemv_q4nx(l: Launch, x: torch.Tensor, w: torch.Tensor | DeviceQ4nx, out: tor
     out.copy_(q4nx.gemv_reference(declared_q4nx(w), x, l.p("M"), l.p("K")))
 
 
-@_native(lambda l, a, w, out: None if _device_q4nx(w) is None else native_cpu.gemm_q4nx_call(a, _device_q4nx(w), out))
+def _gemm_q4nx_call(l: Launch, a: torch.Tensor, w: torch.Tensor | DeviceQ4nx, out: torch.Tensor,
+                    integer: bool | None = None) -> Callable[[], None] | None:
+    """The native Q4NX GEMM on device-form weights; `integer` as `native_cpu.gemm_q4nx_call`'s
+    (None: the class's own choice)."""
+    dev = _device_q4nx(w)
+    return None if dev is None else native_cpu.gemm_q4nx_call(a, dev, out, integer)
+
+
+@_native(_gemm_q4nx_call)
 def gemm_q4nx(l: Launch, a: torch.Tensor, w: torch.Tensor | DeviceQ4nx, out: torch.Tensor) -> None:
     """C[M,N] = A[M,K] · W[N,K]ᵀ with W in Q4NX: W dequantized to bf16 (`q4nx.dequantize`),
     then the bf16 product with f32 accumulation, as the NPU's prefill runs it. The native
@@ -176,12 +184,6 @@ def _each(steps) -> None:
 
 
 _GEMV_OPS = ("gemv", "gemv_q4nx")   # independent runs of one of these are batched (`plan`)
-
-
-def _npu_gemm_q4nx(l: Launch, a: torch.Tensor, w: torch.Tensor | DeviceQ4nx, out: torch.Tensor):
-    """`gemm_q4nx` natively on the dequantized weights on every class, as the NPU's prefill."""
-    dev = _device_q4nx(w)
-    return None if dev is None else native_cpu.gemm_q4nx_call(a, dev, out, integer=False)
 
 
 def _npu_gemv_q4nx_call(jobs) -> Callable[[], None] | None:
@@ -265,6 +267,6 @@ OPS = {
 # The binders that keep the NPU's numbers where an op's own binder takes a class's cheaper
 # contract (`bind`'s `npu_numerics`), keyed by the op itself: an op replaced in `OPS` has none.
 _NPU_NATIVE = {
-    gemm_q4nx: _npu_gemm_q4nx,
+    gemm_q4nx: partial(_gemm_q4nx_call, integer=False),     # the dequantizing GEMM, as the NPU's prefill
     gemv_q4nx: lambda l, x, w, out: _npu_gemv_q4nx_call([(w, x, out)]),
 }
