@@ -30,11 +30,17 @@ _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=of
 # no AVX-512 flag at all, so nothing in it can fault on a CPU without AVX-512.
 # VNNI's word dot product (vpdpwssd) is in every CPU with AVX512-BF16 (Cooper Lake, Sapphire
 # Rapids, Zen 4): the Q4NX GEMV's integer sums use it.
-_AVX512BF16 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"]
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+_AVX512BF16 = [*_AVX512, "-mavx512bf16"]
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+# `avx512` is AVX-512 without vdpbf16ps: its pair dot products are two FMAs on activations
+# widened once (simd_bf16.h). It serves CPUs with AVX-512 but no BF16 (Ice Lake), and those
+# whose vdpbf16ps is slower than its FMAs (Intel's): on a CPU that has both classes,
+# native_cpu times their GEMMs and runs the faster.
 ISAS = {
     "amx": [*_AVX512BF16, "-mamx-tile", "-mamx-bf16"],
     "avx512bf16": _AVX512BF16,
+    "avx512": _AVX512,
     "avx2": _AVX2,
 }
 # Classes that emulate an ISA this CPU may lack: never picked unasked, never in supported_isas().
@@ -108,9 +114,9 @@ def _compile(command: list[str], srcs: list[Path], objs: Path, lib: Path) -> boo
     return subprocess.run([*command, *map(str, outs), "-o", str(lib)], capture_output=True).returncode == 0
 
 
-# Builds of one set of sources kept: the classes a machine runs (up to four, tests force each
+# Builds of one set of sources kept: the classes a machine runs (up to five, tests force each
 # lower one) for two versions of the sources, so switching between two checkouts rebuilds nothing.
-KEEP_BUILDS = 8
+KEEP_BUILDS = 10
 
 
 def _remove_unused_builds(new: Path, stem: str) -> None:

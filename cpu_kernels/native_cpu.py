@@ -5,8 +5,10 @@
 (flash-style tiles on the launch's own layouts).
 
 One source per kernel, compiled once per ISA class (`ISAS`: AMX-BF16 tiles for prefill's GEMM
-over the AVX512-BF16 kernels, as on Intel Xeons since Sapphire Rapids; AVX512-BF16; or AVX2 with
-FMA for CPUs without AVX-512, such as AMD Zen 3 and most Intel client CPUs) with the system C++
+over the AVX512-BF16 kernels, as on Intel Xeons since Sapphire Rapids; AVX512-BF16; AVX-512 with
+its bf16 products in FMAs, for CPUs without AVX512-BF16 or whose vdpbf16ps is slow
+(`DOT_RIVALS`); or AVX2 with FMA for CPUs without AVX-512, such as AMD Zen 3 and most Intel
+client CPUs) with the system C++
 compiler on first use, into the cache (keyed by the source hash and flags), and loaded with
 ctypes. The best class this CPU runs is picked once, by each library's own probe
 (`__builtin_cpu_supports`, and for AMX the kernel's permission); `LLAMA_NPU_ISA` forces a lower
@@ -178,12 +180,49 @@ def _choose() -> ctypes.CDLL | None:
         return None
     if want is None:                       # the best this CPU runs (building no other), else torch
         lib = next((lib for lib in map(_open, ISAS) if lib is not None), None)
+        if lib is not None and lib.native_cpu_isa().decode() == DOT_RIVALS[0] and _open(DOT_RIVALS[1]) is not None:
+            lib = _faster_dot(lib, _open(DOT_RIVALS[1]))
         return _bind(lib) if lib is not None else None
     lib = _open(want)
     if lib is None:
         have = ", ".join(supported_isas() + [TORCH] + emulated_isas())
         raise IsaError(f"{ENV_ISA}={want}: this CPU (or the C++ compiler) cannot run it; available: {have}")
     return _bind(lib)
+
+
+# Two classes that differ only in their pair dot products (simd_bf16.h): vdpbf16ps, or two FMAs
+# on activations widened once. Which is faster is the CPU's: on a Xeon (family 6, model 207)
+# vdpbf16ps issued at half the rate of vfmadd231ps and the FMA GEMM ran 1.2-1.65x faster; a
+# core that issues vdpbf16ps as fast as an FMA (Zen 5) runs it at about twice the FMAs' rate.
+# So a CPU that has both runs whichever GEMM it times faster, the FMAs only by a clear margin
+# (the two give the same bits: the choice never changes a result).
+DOT_RIVALS = ("avx512bf16", "avx512")
+DOT_MARGIN = 1.15
+
+
+def _gemm_seconds(lib: ctypes.CDLL) -> float:
+    """The fastest of 5 calls of `lib`'s GEMM on a 128 x 512 x 2048 product (about 2 ms each)."""
+    import time
+
+    m, n, k = 128, 512, 2048
+    _bind(lib)
+    w = torch.full((n, k), 0.01, dtype=torch.bfloat16)
+    a = torch.full((m, k), 0.5, dtype=torch.bfloat16)
+    c = torch.empty(m, n, dtype=torch.bfloat16)
+    pairs = ctypes.c_int64()
+    packed = torch.empty(lib.pack_weight_bf16_cpu_plan(w.data_ptr(), n, k, ctypes.byref(pairs)), dtype=torch.uint8)
+    lib.pack_weight_bf16_cpu(w.data_ptr(), n, k, pairs.value, packed.data_ptr())
+    best = float("inf")
+    for _ in range(6):   # the first call wakes the thread team
+        t0 = time.perf_counter()
+        lib.gemm_packed_bf16_cpu(a.data_ptr(), packed.data_ptr(), c.data_ptr(), m, n, k)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _faster_dot(bf16: ctypes.CDLL, fma: ctypes.CDLL) -> ctypes.CDLL:
+    """Of the two DOT_RIVALS libraries, the one whose GEMM this CPU runs faster (DOT_MARGIN)."""
+    return fma if _gemm_seconds(bf16) > DOT_MARGIN * _gemm_seconds(fma) else bf16
 
 
 def _library() -> ctypes.CDLL | None:

@@ -49,6 +49,7 @@ def test_the_device_says_which_kernels_run(native_isa, capsys):
 
 def test_the_environment_picks_the_class(monkeypatch):
     _fresh(monkeypatch)
+    monkeypatch.setattr(native_cpu, "_gemm_seconds", lambda lib: 1.0)   # dot classes alike: the first kept
     best = native_cpu.isa()
     assert best == (NATIVE[0] if NATIVE else native_cpu.TORCH)      # unforced: the best this CPU runs
     for asked in [*NATIVE, *EMULATED, native_cpu.TORCH]:
@@ -58,6 +59,24 @@ def test_the_environment_picks_the_class(monkeypatch):
     _fresh(monkeypatch)
     monkeypatch.setenv("LLAMA_NPU_NATIVE", "0")                      # the older switch: torch
     assert native_cpu.isa() == native_cpu.TORCH and native_cpu.tile_rows() == 0
+
+
+@pytest.mark.skipif(not set(native_cpu.DOT_RIVALS) <= set(NATIVE), reason="this CPU lacks AVX512-BF16 or AVX-512")
+@pytest.mark.parametrize("bf16_s,fma_s,want", [(1.0, 0.5, "avx512"), (1.0, 0.9, "avx512bf16"), (0.5, 1.0, "avx512bf16")])
+def test_of_the_two_dot_classes_the_one_whose_gemm_is_faster_runs(monkeypatch, bf16_s, fma_s, want):
+    """Unforced, a CPU with both runs the FMA class only where its GEMM is faster by DOT_MARGIN."""
+    _fresh(monkeypatch)
+    seconds = {"avx512bf16": bf16_s, "avx512": fma_s}
+    monkeypatch.setattr(native_cpu, "_gemm_seconds", lambda lib: seconds[lib.native_cpu_isa().decode()])
+    assert native_cpu.isa() == want
+
+
+def test_the_dot_classes_are_timed_on_their_own_gemms():
+    """The probe runs each library's own GEMM: both time a real call, and neither is free."""
+    if not set(native_cpu.DOT_RIVALS) <= set(NATIVE):
+        pytest.skip("this CPU lacks AVX512-BF16 or AVX-512")
+    for isa in native_cpu.DOT_RIVALS:
+        assert 0 < native_cpu._gemm_seconds(native_cpu._open(isa)) < 1
 
 
 def test_asking_for_more_than_the_cpu_has_is_a_one_line_error(monkeypatch):
@@ -70,7 +89,7 @@ def test_asking_for_more_than_the_cpu_has_is_a_one_line_error(monkeypatch):
     assert "\n" not in str(e.value) and "avx512bf16" in str(e.value) and "torch" in str(e.value)
     _fresh(monkeypatch)
     monkeypatch.setenv(native_cpu.ENV_ISA, "avx9")
-    with pytest.raises(native_cpu.IsaError, match="amx, avx512bf16, avx2, amx-emulated, torch"):
+    with pytest.raises(native_cpu.IsaError, match="amx, avx512bf16, avx512, avx2, amx-emulated, torch"):
         native_cpu.isa()
 
 
@@ -88,6 +107,7 @@ def test_the_avx2_libraries_hold_no_avx512_instruction():
     for isa in ["avx2", "amx-emulated"]:
         assert "vfmadd" in text[isa] and not evex.search(text[isa]) and "tdpbf16ps" not in text[isa], isa
     assert evex.search(text["avx512bf16"]) and "vdpbf16ps" in text["avx512bf16"]   # the check can see them
+    assert evex.search(text["avx512"]) and "vdpbf16ps" not in text["avx512"]         # runs without AVX512-BF16
     assert "tdpbf16ps" in text["amx"] and "ldtilecfg" in text["amx"] and "tdpbf16ps" not in text["avx512bf16"]
 
 

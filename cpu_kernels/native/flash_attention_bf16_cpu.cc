@@ -23,7 +23,7 @@ namespace {
 namespace nv = native;
 
 constexpr int64_t kBQ = 16;             // queries per task
-#if NATIVE_AVX512BF16
+#if NATIVE_AVX512
 constexpr int64_t kQ = 4;               // queries per register tile
 #else
 constexpr int64_t kQ = 2;               // half the registers, each half the width

@@ -25,7 +25,7 @@ constexpr int64_t kSample = 1 << 20;   // values the pairs are chosen on
 
 // The exponent pair (exponent >> 1) of each bf16 of a vector, and its index among the
 // matrix's pairs (0 where it has none, which only escaped units hold).
-#if NATIVE_AVX512BF16
+#if NATIVE_AVX512
 // Pair -> index as a 128-entry table of 16-bit lanes (kUnknown where the matrix has no index),
 // read by two 64-entry permutes: a handful of instructions per 32 values, whatever the pairs.
 constexpr short kUnknown = static_cast<short>(0x8000);
@@ -111,7 +111,7 @@ std::vector<uint8_t> escaped_units(const uint16_t *w, int64_t n, int64_t k, int6
 
 // One unit (tile vectors a, b) into its 96 bytes: nibbles, A's low bytes, B's low bytes, each
 // at byte position q(e).
-#if NATIVE_AVX512BF16
+#if NATIVE_AVX512
 // Bytes of 32 16-bit lanes (element order) in the stored order q: quarters 0, 2, 1, 3.
 inline __m256i stored(__m512i words) { return _mm256_permute4x64_epi64(_mm512_cvtepi16_epi8(words), 0xD8); }
 inline __m512i nibbles(__m512i v, const Pairs &pairs) {

@@ -68,7 +68,7 @@ inline void high_bytes(int64_t pairs, uint8_t out[16]) {
   for (int i = 0; i < 16; ++i) out[i] = static_cast<uint8_t>((i >> 3) << 7 | (pairs >> (8 * (i & 7)) & 0x7F));
 }
 
-#if NATIVE_AVX512BF16
+#if NATIVE_AVX512
 // The 16 high bytes in each 128-bit lane, for vpshufb.
 struct Table {
   __m512i t;

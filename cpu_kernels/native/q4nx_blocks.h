@@ -98,7 +98,7 @@ inline Group group(const uint8_t *row_block, int64_t g) {
 }
 
 // The values of column t of a unit, one half of the rows, as floats: lane i is row i (+ 16).
-#if NATIVE_AVX512BF16
+#if NATIVE_AVX512
 inline native::F16 unit_column(const uint8_t *unit, int t, int shift) {
   const __m512i v = _mm512_loadu_si512(unit);
   return {_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8 * t + shift), _mm512_set1_epi32(15)))};

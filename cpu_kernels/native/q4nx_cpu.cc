@@ -87,7 +87,7 @@ struct Activations {
   }
 };
 
-#if NATIVE_AVX512BF16
+#if NATIVE_AVX512
 
 static_assert(q4nx::kActBytes == 2, "the AVX-512 classes take decode's activations two bytes wide");
 

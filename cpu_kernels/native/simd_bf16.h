@@ -3,6 +3,11 @@
 // Every kernel source is compiled once per ISA class (native_cpu.py picks the library at run
 // time), so the kernels say what they compute in 16-float vectors and this header says how:
 //   - AVX512-BF16 (-mavx512bf16): one __m512; bf16 pair dot products by vdpbf16ps.
+//   - AVX-512 without it (the `avx512` class): one __m512; a pair dot product as two FMAs on
+//     pairs widened in registers, as AVX2 does. On Intel's cores vdpbf16ps issues at half the
+//     rate of vfmadd231ps and does two of its multiply-adds, so where the activation's halves
+//     come widened from memory (a_f32 below) the FMAs do the same work in about half the time
+//     (native_cpu._dot_rates measures it; docs/profile.md, "CPU classes").
 //   - AVX2 + FMA (no AVX-512 at all): two __m256; a bf16 pair widened to f32 in registers by a
 //     shift (the even element) and a mask (the odd one), then two FMAs.
 // Both ISAs round the same way wherever the operation order is fixed here: the tail masks,
@@ -16,12 +21,18 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define NATIVE_AVX512BF16 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define NATIVE_AVX512 1
+#if defined(__AVX512BF16__)
+#define NATIVE_DOT_FMA 0
+#else
+#define NATIVE_DOT_FMA 1   // pair dot products by FMAs on activations widened once (bcast_f32)
+#endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #define NATIVE_AVX2 1
+#define NATIVE_DOT_FMA 0   // FMAs too, but on pairs widened in registers: no bcast_f32
 #else
-#error "native kernels need AVX512-BF16 (with BW, VL) or AVX2 with FMA"
+#error "native kernels need AVX-512 (F, BW, VL, VNNI) or AVX2 with FMA"
 #endif
 
 namespace native {
@@ -42,20 +53,25 @@ inline void prefetch_ahead(const void *p, int64_t bytes, int64_t ahead) {
   for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char *>(at + line), _MM_HINT_NTA);
 }
 
-#if NATIVE_AVX512BF16
-
-constexpr const char *kVectorIsa = "avx512bf16";
+#if NATIVE_AVX512
 
 struct F16 { __m512 v; };      // 16 floats
 struct M16 { __mmask16 m; };   // 16 lane flags
 struct P16 { __m512i v; };     // 16 bf16 pairs as stored: a tile vector
+#if NATIVE_DOT_FMA
+constexpr const char *kVectorIsa = "avx512";
+struct W16 { __m512 even, odd; };   // a tile vector ready for dot(): each pair's halves as f32
+struct X2 { __m512 even, odd; };    // one bf16 pair of the activation, in every lane, as f32
+#else
+constexpr const char *kVectorIsa = "avx512bf16";
 struct W16 { __m512bh v; };    // a tile vector ready for dot()
 struct X2 { __m512bh v; };     // one bf16 pair of the activation, in every lane
+#endif
 
 inline bool cpu_has_vector_isa() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") &&
-         __builtin_cpu_supports("avx512vnni");
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+         (NATIVE_DOT_FMA || __builtin_cpu_supports("avx512bf16"));
 }
 
 inline F16 zero() { return {_mm512_setzero_ps()}; }
@@ -143,13 +159,27 @@ inline F16 reduce_add16(const F16 *s) {
 
 inline P16 load_pairs(const void *p) { return {_mm512_loadu_si512(p)}; }
 inline void store_pairs(void *p, P16 a) { _mm512_storeu_si512(p, a.v); }
+// The even and the odd element of each pair, as f32.
+inline F16 evens(P16 a) { return {_mm512_castsi512_ps(_mm512_slli_epi32(a.v, 16))}; }
+inline F16 odds(P16 a) { return {_mm512_castsi512_ps(_mm512_and_si512(a.v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))}; }
+#if NATIVE_DOT_FMA
+inline W16 widen(P16 a) { return {evens(a).v, odds(a).v}; }
+inline X2 bcast_pair(uint32_t pair) {
+  const P16 b{_mm512_set1_epi32(static_cast<int>(pair))};
+  return {evens(b).v, odds(b).v};
+}
+// A pair already widened to two floats (a_f32): two broadcasts from memory, no arithmetic.
+inline X2 bcast_f32(const float *pair) { return {_mm512_set1_ps(pair[0]), _mm512_set1_ps(pair[1])}; }
+// Each bf16 product is exact in f32, so an FMA per element rounds as vdpbf16ps's two adds do.
+inline F16 dot(F16 acc, W16 w, X2 x) {
+  return {_mm512_fmadd_ps(w.even, x.even, _mm512_fmadd_ps(w.odd, x.odd, acc.v))};
+}
+#else
 inline W16 widen(P16 a) { return {(__m512bh)a.v}; }
 inline X2 bcast_pair(uint32_t pair) { return {(__m512bh)_mm512_set1_epi32(static_cast<int>(pair))}; }
 // acc[i] += w[i].odd x.odd + w[i].even x.even
 inline F16 dot(F16 acc, W16 w, X2 x) { return {_mm512_dpbf16_ps(acc.v, w.v, x.v)}; }
-// The even and the odd element of each pair, as f32 (for the AMX tile step's emulation).
-inline F16 evens(P16 a) { return {_mm512_castsi512_ps(_mm512_slli_epi32(a.v, 16))}; }
-inline F16 odds(P16 a) { return {_mm512_castsi512_ps(_mm512_and_si512(a.v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))}; }
+#endif
 
 #else  // NATIVE_AVX2
 
