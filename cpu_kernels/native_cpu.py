@@ -159,6 +159,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.native_program_run.argtypes = [ptr, i64, i64, ptr]
     lib.native_program_run.restype = i64
     lib.stream_ahead_bytes.restype = i64
+    lib.stream_hint_set.argtypes = [ctypes.c_int]
     lib.stream_ahead_set(ahead_from_env())
     lib.isa = lib.native_cpu_isa().decode()
     return lib
@@ -277,6 +278,29 @@ def pinned_stream_ahead(nbytes: int) -> Iterator[None]:
     finally:
         if lib is not None:
             lib.stream_ahead_set(ahead_from_env())
+
+
+def stream_hint() -> str:
+    """The decode GEMVs' prefetch hint, "t0" or "nta" (stream_ahead_cpu.cc chooses it by the
+    CPU's maker); "" without the native library."""
+    lib = _library()
+    return ("t0" if lib.stream_hint_t0() else "nta") if lib is not None else ""
+
+
+@contextlib.contextmanager
+def pinned_stream_hint(hint: str) -> Iterator[None]:
+    """The decode GEMVs prefetch with `hint` ("t0" or "nta") inside the block (A/B measurements,
+    tests), then with the CPU's default."""
+    if hint not in ("t0", "nta"):
+        raise ValueError(f"prefetch hint {hint!r}: expected t0 or nta")
+    lib = _library()
+    if lib is not None:
+        lib.stream_hint_set(1 if hint == "t0" else 0)
+    try:
+        yield
+    finally:
+        if lib is not None:
+            lib.stream_hint_set(-1)
 
 
 def available() -> bool:

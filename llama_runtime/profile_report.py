@@ -11,13 +11,14 @@ def isa_line() -> str:
 
 
 def stream_ahead_line() -> str | None:
-    """How far ahead the decode GEMVs read their weights: the one knob of their memory stream a
-    user may turn (LLAMA_NPU_STREAM_AHEAD); None without the native kernels."""
+    """How far ahead the decode GEMVs read their weights (the one knob of their memory stream a
+    user may turn, LLAMA_NPU_STREAM_AHEAD) and with which prefetch hint (the CPU's maker picks
+    it); None without the native kernels."""
     ahead = native_cpu.stream_ahead()
     if not ahead:
         return None
     how = f"set by {native_cpu.ENV_AHEAD}" if native_cpu.ahead_from_env() else f"the default; {native_cpu.ENV_AHEAD} sets it"
-    return f"decode GEMVs prefetch {ahead / 1024:g} KiB ahead ({how})"
+    return f"decode GEMVs prefetch {ahead / 1024:g} KiB ahead ({how}), hint {native_cpu.stream_hint().upper()}"
 
 
 def report(session, result) -> str:

@@ -103,7 +103,7 @@ struct Job {
 
 // One block: 16 outputs over all K, four sums in flight (K-pair p into sum p % 4, a last odd
 // unit into the first) to cover the instruction's latency.
-void gemv_block(const packed::View &w, int64_t blk, Pairs x, uint16_t *y, int64_t ahead) {
+void gemv_block(const packed::View &w, int64_t blk, Pairs x, uint16_t *y, nv::Ahead ahead) {
   nv::F16 s0 = nv::zero(), s1 = s0, s2 = s0, s3 = s0;
   packed::Cursor cur(w, blk);
   nv::P16 a, b;
@@ -272,7 +272,7 @@ extern "C" void gemv_packed_bf16_cpu_batch(const int64_t *desc, int count) {
     block_bytes[i] = jobs.back().w.u * packed::kUnitBytes;   // escapes aside, which are rare
   }
   nv::StreamSplit split(blocks, block_bytes);
-  const int64_t ahead = nv::stream_ahead();
+  const nv::Ahead ahead = nv::stream_ahead();
 #pragma omp parallel
   split.run([&](int job, int64_t b) { gemv_block(jobs[job].w, b, jobs[job].x, jobs[job].y + b * kLanes, ahead); });
 }

@@ -176,7 +176,7 @@ inline void group_f32_narrow(const uint8_t *values, const int32_t *xb, native::F
 
 // One row-block: 32 outputs over all K, read as one forward stream, asked for `ahead` bytes on.
 void gemv_row_block(const uint8_t *rb, int64_t k, const int32_t *xh, const int32_t *xl, const float *unit,
-                    const float *sum, uint16_t *y, int64_t ahead) {
+                    const float *sum, uint16_t *y, native::Ahead ahead) {
   native::F16 y_lo = native::zero(), y_hi = native::zero();
   for (int64_t g = 0; g < k / kGroup; ++g) {
     const q4nx::Group grp = q4nx::group(rb, g);
@@ -231,7 +231,7 @@ extern "C" void gemv_q4nx_cpu_batch(const int64_t *desc, int count) {
     block_bytes[i] = d[4] * kBytesPerCol;
   }
   native::StreamSplit split(blocks, block_bytes);
-  const int64_t ahead = native::stream_ahead();
+  const native::Ahead ahead = native::stream_ahead();
   // The conversion is shared by the team too: on one thread a down projection's 8192 columns
   // took about 20 µs of each call while the other thread waited.
   std::vector<Piece> pieces;

@@ -39,18 +39,28 @@ namespace native {
 
 constexpr int kWidth = 16;   // floats per vector: outputs of one weight tile block
 
-// How far ahead the decode GEMVs ask for their weights, in bytes (stream_ahead_cpu.cc).
-int64_t stream_ahead();
+// How decode's GEMVs ask for their weights ahead (stream_ahead_cpu.cc): how many bytes on, and
+// with which hint: non-temporal (NTA) or into every cache level (T0).
+struct Ahead {
+  int64_t bytes;
+  bool t0;
+};
+Ahead stream_ahead();
 
-// Asks for the cache lines of [p, p + bytes) moved `ahead` bytes on: decode's GEMVs ask for the
+// Asks for the cache lines of [p, p + bytes) moved `ahead.bytes` on: decode's GEMVs ask for the
 // weight stream they walk ahead of their reads (the hardware prefetchers alone left a token's
-// GEMVs 6-10 % slower; docs/profile.md, "Asking for the weights ahead"). Non-temporal: each
-// weight byte is read once a token, and what the host runs between the GEMVs keeps more of the
-// caches. The address may lie past the end of the weights, so it is formed as an integer: a
-// prefetch never faults. (Stopping at the end of a job's weights instead cost 1-1.6 %.)
-inline void prefetch_ahead(const void *p, int64_t bytes, int64_t ahead) {
-  const uintptr_t at = reinterpret_cast<uintptr_t>(p) + ahead;
-  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char *>(at + line), _MM_HINT_NTA);
+// GEMVs 6-10 % slower; docs/profile.md, "Asking for the weights ahead"). Non-temporal where the
+// CPU's NTA prefetch keeps pace (each weight byte is read once a token, and what the host runs
+// between the GEMVs keeps more of the caches); T0 where it does not (stream_ahead_cpu.cc). The
+// address may lie past the end of the weights, so it is formed as an integer: a prefetch never
+// faults. (Stopping at the end of a job's weights instead cost 1-1.6 %.)
+inline void prefetch_ahead(const void *p, int64_t bytes, Ahead ahead) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(p) + ahead.bytes;
+  if (ahead.t0) {
+    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char *>(at + line), _MM_HINT_T0);
+  } else {
+    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char *>(at + line), _MM_HINT_NTA);
+  }
 }
 
 #if NATIVE_AVX512

@@ -15,6 +15,8 @@
 #include <atomic>
 #include <cstdint>
 
+#include "simd_bf16.h"
+
 namespace {
 
 constexpr int64_t kWideCoreAhead = 5 * 1024;
@@ -30,17 +32,38 @@ int64_t default_ahead() {
   return ahead;
 }
 
+// The hint, by the CPU's maker. On a 2-core Intel Xeon VM (family 6, model 207) the Q4NX GEMV
+// over 48 matrices from memory read 17.5 GB/s with NTA at 5 KiB and 25.1 with T0 (the f32
+// stream: 29 GB/s): an NTA prefetch there fills only the first-level cache, whose few fill
+// buffers then cap the lines in flight. On the AMD VMs T0 was 1-2 % slower than NTA (Zen 5) or
+// the same within the noise (Zen 3) (docs/profile.md, "Asking for the weights ahead").
+bool default_t0() {
+  static const bool t0 = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") != 0;
+  }();
+  return t0;
+}
+
 std::atomic<int64_t> g_ahead{default_ahead()};
+std::atomic<int> g_t0{default_t0() ? 1 : 0};
 
 }  // namespace
 
 namespace native {
 
-int64_t stream_ahead() { return g_ahead.load(std::memory_order_relaxed); }
+Ahead stream_ahead() {
+  return {g_ahead.load(std::memory_order_relaxed), g_t0.load(std::memory_order_relaxed) != 0};
+}
 
 }  // namespace native
 
 // bytes > 0 sets the distance; 0 restores the default.
 extern "C" void stream_ahead_set(int64_t bytes) { g_ahead.store(bytes > 0 ? bytes : default_ahead()); }
 
-extern "C" int64_t stream_ahead_bytes() { return native::stream_ahead(); }
+extern "C" int64_t stream_ahead_bytes() { return native::stream_ahead().bytes; }
+
+// hint 1: T0, 0: NTA, -1: the CPU's default.
+extern "C" void stream_hint_set(int hint) { g_t0.store(hint < 0 ? (default_t0() ? 1 : 0) : hint != 0); }
+
+extern "C" int stream_hint_t0() { return native::stream_ahead().t0 ? 1 : 0; }
