@@ -52,7 +52,8 @@ TILE_CLASSES = frozenset({"amx", "amx-emulated"})
 # gemm_q4nx_int_cpu: fixed-point activations, exact byte sums) instead of dequantizing them to
 # bf16 for the float GEMM: where that measured faster (docs/profile.md, "4-bit weights"). AVX2's
 # FMA GEMM does 16 multiply-adds a cycle where vpmaddubsw does 32 byte products; AVX-512's
-# vdpbf16ps already matches vpdpbusd's rate, and the tiles are far ahead of both.
+# vdpbf16ps already matches vpdpbusd's rate on a Zen 5 (on Intel's cores it does not: there the
+# `avx512` class's FMAs run the float GEMM), and the tiles are far ahead of both.
 INTEGER_Q4NX_GEMM = frozenset({"avx2"})
 # Classes whose Q4NX decode (and integer prefill) takes activations one byte wide (q4nx.NARROW)
 # rather than two (q4nx.WIDE): half the byte products. AVX2's vpmaddubsw forms the two-byte

@@ -22,7 +22,9 @@
 // is reuse: each 32-byte load of values is unpacked once for several rows of A, each activation
 // row is converted once per call, and a task's rows of A and its row-block stay in the core's
 // L2. The AVX-512 classes keep the dequantizing GEMM: with their wide activations vdpbf16ps
-// already runs at vpdpbusd's rate.
+// already runs at vpdpbusd's rate on a Zen 5. (Not on Intel's cores, where vpdpbusd issued 3.8
+// times as often as vdpbf16ps: there the `avx512` class's FMAs run the float GEMM, and an
+// integer GEMM on AVX-512 is a lead not yet built.)
 
 #include <immintrin.h>
 
