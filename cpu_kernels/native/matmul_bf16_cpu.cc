@@ -4,7 +4,7 @@
 // Both read weights in the packed tiles of packed_tiles.h, which the simulated device keeps for
 // every weight matrix W[N][K] it holds. Decoded, a unit is two tile vectors of the layout
 // [N/16][K/2][16][2]: element (n, k) in block n/16, pair k/2, lane n%16, half k%2. A pair dot
-// step (simd_bf16.h: AVX512-BF16's vdpbf16ps, or two FMAs per half on AVX2) multiplies 16 bf16
+// step (simd_bf16.h: AVX512-BF16's vdpbf16ps, or two FMAs: `avx512`, AVX2) multiplies 16 bf16
 // pairs by 16 others and adds each product pair to its own f32 sum, so one tile vector and one
 // broadcast pair of the activation advance 16 outputs at once: no horizontal sums, and the
 // weights of 16 outputs are one sequential stream.
