@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import os
 import threading
+import time
 from functools import partial
 from typing import Callable, Iterator
 
@@ -202,9 +203,7 @@ DOT_MARGIN = 1.15
 
 
 def _gemm_seconds(lib: ctypes.CDLL) -> float:
-    """The fastest of 5 calls of `lib`'s GEMM on a 128 x 512 x 2048 product (about 2 ms each)."""
-    import time
-
+    """The fastest of 6 calls (the first wakes the team) of `lib`'s GEMM on a 128 x 512 x 2048 product (about 2 ms each)."""
     m, n, k = 128, 512, 2048
     _bind(lib)
     w = torch.full((n, k), 0.01, dtype=torch.bfloat16)
