@@ -182,8 +182,9 @@ def _choose() -> ctypes.CDLL | None:
         return None
     if want is None:                       # the best this CPU runs (building no other), else torch
         lib = next((lib for lib in map(_open, ISAS) if lib is not None), None)
-        if lib is not None and lib.native_cpu_isa().decode() == DOT_RIVALS[0] and _open(DOT_RIVALS[1]) is not None:
-            lib = _faster_dot(lib, _open(DOT_RIVALS[1]))
+        rival = _open(DOT_RIVALS[1]) if lib is not None and lib is _open(DOT_RIVALS[0]) else None
+        if rival is not None:
+            lib = _faster_dot(lib, rival)
         return _bind(lib) if lib is not None else None
     lib = _open(want)
     if lib is None:
@@ -203,7 +204,8 @@ DOT_MARGIN = 1.15
 
 
 def _gemm_seconds(lib: ctypes.CDLL) -> float:
-    """The fastest of 6 calls (the first wakes the team) of `lib`'s GEMM on a 128 x 512 x 2048 product (about 2 ms each)."""
+    """The fastest of 6 calls (the first wakes the team) of `lib`'s GEMM on a 128 x 512 x 2048
+    product (about 2 ms each)."""
     m, n, k = 128, 512, 2048
     _bind(lib)
     w = torch.full((n, k), 0.01, dtype=torch.bfloat16)

@@ -62,7 +62,8 @@ def test_the_environment_picks_the_class(monkeypatch):
 
 
 @pytest.mark.skipif(not set(native_cpu.DOT_RIVALS) <= set(NATIVE), reason="this CPU lacks AVX512-BF16 or AVX-512")
-@pytest.mark.parametrize("bf16_s,fma_s,want", [(1.0, 0.5, "avx512"), (1.0, 0.9, "avx512bf16"), (0.5, 1.0, "avx512bf16")])
+@pytest.mark.parametrize("bf16_s,fma_s,want",
+                         [(1.0, 0.5, "avx512"), (1.0, 0.9, "avx512bf16"), (0.5, 1.0, "avx512bf16")])
 def test_of_the_two_dot_classes_the_one_whose_gemm_is_faster_runs(monkeypatch, bf16_s, fma_s, want):
     """Unforced, a CPU with both runs the FMA class only where its GEMM is faster by DOT_MARGIN."""
     _fresh(monkeypatch)

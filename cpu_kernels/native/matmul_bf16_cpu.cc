@@ -65,6 +65,16 @@ constexpr int64_t kPairWords = 1;
 inline nv::X2 pair_at(Pairs a, int64_t i) { return nv::bcast_pair(a[i]); }
 #endif
 
+#if NATIVE_DOT_FMA
+// dst[i] = src[i] as f32, for i < n: a bf16 is the top half of its f32.
+inline void widen_bf16(const uint16_t *src, int64_t n, float *dst) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+    std::memcpy(dst + i, &bits, 4);
+  }
+}
+#endif
+
 // At most this many bytes of A are widened at a time: a 2048-row prompt's 8192-column rows
 // would take 64 MiB at once.
 constexpr int64_t kWidenBytes = 16 << 20;
@@ -78,13 +88,8 @@ void over_row_chunks(const uint16_t *a, int64_t m, int64_t k, Body body) {
   std::vector<float> wide(std::min(chunk, m) * k);
   for (int64_t r0 = 0; r0 < m; r0 += chunk) {
     const int64_t rows = std::min(chunk, m - r0);
-    const uint16_t *src = a + r0 * k;
-    float *dst = wide.data();
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < rows * k; ++i) {
-      const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
-      std::memcpy(dst + i, &bits, 4);
-    }
+    for (int64_t r = 0; r < rows; ++r) widen_bf16(a + (r0 + r) * k, k, wide.data() + r * k);
     body(static_cast<Pairs>(wide.data()), r0, rows);
   }
 #else
@@ -255,12 +260,8 @@ extern "C" void gemv_packed_bf16_cpu_batch(const int64_t *desc, int count) {
     const void *src = reinterpret_cast<const void *>(d[1]);
     const size_t at = std::find(wide_of.begin(), wide_of.end(), src) - wide_of.begin();
     if (at == wide_of.size()) {
-      const uint16_t *x = static_cast<const uint16_t *>(src);
       wide.emplace_back(d[4]);
-      for (int64_t j = 0; j < d[4]; ++j) {
-        const uint32_t bits = static_cast<uint32_t>(x[j]) << 16;
-        std::memcpy(wide.back().data() + j, &bits, 4);
-      }
+      widen_bf16(static_cast<const uint16_t *>(src), d[4], wide.back().data());
       wide_of.push_back(src);
     }
     const Pairs x = wide[at].data();

@@ -56,10 +56,10 @@ Ahead stream_ahead();
 // faults. (Stopping at the end of a job's weights instead cost 1-1.6 %.)
 inline void prefetch_ahead(const void *p, int64_t bytes, Ahead ahead) {
   const uintptr_t at = reinterpret_cast<uintptr_t>(p) + ahead.bytes;
-  if (ahead.t0) {
-    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char *>(at + line), _MM_HINT_T0);
-  } else {
-    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char *>(at + line), _MM_HINT_NTA);
+  for (int64_t line = 0; line < bytes; line += 64) {
+    const char *q = reinterpret_cast<const char *>(at + line);
+    if (ahead.t0) _mm_prefetch(q, _MM_HINT_T0);
+    else _mm_prefetch(q, _MM_HINT_NTA);
   }
 }
 

@@ -34,8 +34,8 @@ int64_t default_ahead() {
 
 // The hint, by the CPU's maker. On a 2-core Intel Xeon VM (family 6, model 207) the Q4NX GEMV
 // over 48 matrices from memory read 17.5 GB/s with NTA at 5 KiB and 25.1 with T0 (the f32
-// stream: 29 GB/s): an NTA prefetch there fills only the first-level cache, whose few fill
-// buffers then cap the lines in flight. On the AMD VMs T0 was 1-2 % slower than NTA (Zen 5) or
+// stream: 29 GB/s), likely because an NTA prefetch there fills only the first-level cache, whose
+// few fill buffers then cap the lines in flight (not measured). On the AMD VMs T0 was 1-2 % slower than NTA (Zen 5) or
 // the same within the noise (Zen 3) (docs/profile.md, "Asking for the weights ahead").
 bool default_t0() {
   static const bool t0 = [] {
