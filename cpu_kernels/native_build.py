@@ -51,16 +51,19 @@ TILE_CLASSES = frozenset({"amx", "amx-emulated"})
 # Classes whose prefill multiplies Q4NX weights on decode's integer contract (q4nx_cpu.cc's
 # gemm_q4nx_int_cpu: fixed-point activations, exact byte sums) instead of dequantizing them to
 # bf16 for the float GEMM: where that measured faster (docs/profile.md, "4-bit weights"). AVX2's
-# FMA GEMM does 16 multiply-adds a cycle where vpmaddubsw does 32 byte products; AVX-512's
-# vdpbf16ps already matches vpdpbusd's rate on a Zen 5 (on Intel's cores it does not: there the
-# `avx512` class's FMAs run the float GEMM), and the tiles are far ahead of both.
-INTEGER_Q4NX_GEMM = frozenset({"avx2"})
+# FMA GEMM does 16 multiply-adds a cycle where vpmaddubsw does 32 byte products. The `avx512`
+# class runs where vdpbf16ps is slow, on Intel's cores, and there vpdpbusd on one-byte
+# activations ran the GEMM at 2.6 times its FMAs' rate. On a Zen 5 vdpbf16ps already matches
+# vpdpbusd on two-byte activations, and the tiles are far ahead of both.
+INTEGER_Q4NX_GEMM = frozenset({"avx2", "avx512"})
 # Classes whose Q4NX decode (and integer prefill) takes activations one byte wide (q4nx.NARROW)
 # rather than two (q4nx.WIDE): half the byte products. AVX2's vpmaddubsw forms the two-byte
-# contract at about a third of AVX-512 VNNI's rate, too slow to keep up with memory
-# (docs/profile.md, "4-bit weights"); AVX-512 keeps the wide width, the closer to the NPU's
-# bf16 products.
-Q4NX_NARROW_ACTIVATIONS = frozenset({"avx2"})
+# contract at about a third of AVX-512 VNNI's rate, too slow to keep up with memory. On Intel's
+# cores (the `avx512` class, and `amx`, whose decode runs the same AVX-512 code) the two-byte
+# GEMV read 86 % of the memory's rate and the one-byte one 95 %: there the vector ports, not
+# memory, held it back (docs/profile.md, "4-bit weights"). A Zen 5's `avx512bf16` keeps the wide
+# width, the closer to the NPU's bf16 products, where it kept pace.
+Q4NX_NARROW_ACTIVATIONS = frozenset({"avx2", "avx512", "amx"})
 # The /proc/cpuinfo flag of each compiler flag above. A class whose flags the CPU lacks is not
 # even built (on an AVX2-only CPU that saves compiling the AVX-512 library, about 15 s of a first
 # run, only for its probe to refuse it); where the flags are listed, the probe decides.

@@ -261,8 +261,8 @@ def test_every_group_matches_the_reference(tiny_config, tiny_weights, sim_path, 
 def test_npu_numerics_hold_every_class_to_the_npus_contract(tiny_config, tiny_weights, sim_path):
     """`SimDevice(npu_numerics=True)`, the side `make verify-mlir` compares the interpreted MLIR
     with: its Q4NX groups meet the NPU's contract (prefill on the dequantized weights, decode's
-    activations wide) on every class, including `avx2`, whose own kernels take one-byte
-    activations and integer prefill, differences that SmolLM2's real weights push past
+    activations wide) on every class, including `avx2` and `avx512`, whose own kernels take
+    one-byte activations and integer prefill, differences that SmolLM2's real weights push past
     verify-mlir's tolerance."""
     cases = [c for c in verify_mlir.cases(tiny_config, 64, q4nx.NAME) if c.group.quantized]
     assert {c.group.seq_len > 1 for c in cases} == {True, False}

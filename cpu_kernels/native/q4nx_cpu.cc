@@ -10,21 +10,21 @@
 // splits into two signed bytes (wide; narrow X is one byte), so the sums are byte dot products:
 // unsigned values times signed activation bytes, 4 per lane (vpdpbusd with AVX512-VNNI;
 // vpmaddubsw into 16-bit sums on AVX2, widened once a group). A 64-byte unit (128 weights, both
-// halves of 16 rows) costs one load, a mask, a shift and four dot products wide, two narrow.
-// With f32 FMAs (as the bf16 GEMV uses) or with 16-bit products the arithmetic, not memory,
-// would set the token rate on a 2-core CPU; on AVX2 even the wide byte products did, which is
-// why that class takes its activations narrow (native_build.Q4NX_NARROW_ACTIVATIONS).
+// halves of 16 rows) costs one load, a mask, a shift and four dot products wide, two narrow
+// (on AVX-512 the mask goes too: below). With f32 FMAs (as the bf16 GEMV uses) or with 16-bit
+// products the arithmetic, not memory, would set the token rate on a 2-core CPU; on AVX2 and on
+// Intel's AVX-512 cores even the wide byte products held it back, which is why those classes
+// take their activations narrow (native_build.Q4NX_NARROW_ACTIVATIONS).
 //
 // Prefill's GEMM on the same contract (gemm_q4nx_int_cpu, below): each output row is what the
 // GEMV computes for that activation row, to the bit. On AVX2 the float GEMM is bound by two
 // 8-wide FMAs a cycle (16 multiply-adds); vpmaddubsw forms 32 byte products a cycle per pipe,
 // twice the multiply-adds at two bytes per activation, four times at one. What makes it pay
-// is reuse: each 32-byte load of values is unpacked once for several rows of A, each activation
-// row is converted once per call, and a task's rows of A and its row-block stay in the core's
-// L2. The AVX-512 classes keep the dequantizing GEMM: with their wide activations vdpbf16ps
-// already runs at vpdpbusd's rate on a Zen 5. (Not on Intel's cores, where vpdpbusd issued 3.8
-// times as often as vdpbf16ps: there the `avx512` class's FMAs run the float GEMM, and an
-// integer GEMM on AVX-512 is a lead not yet built.)
+// is reuse: each load of values is unpacked once for several rows of A, each activation row is
+// converted once per call, and a task's rows of A and its row-block stay in the core's L2. The
+// `avx512` class (Intel's cores, where vdpbf16ps is slow) runs it too, with vpdpbusd on one-byte
+// activations: 2.6 times its FMA GEMM. `avx512bf16` keeps the dequantizing GEMM: with its wide
+// activations vdpbf16ps already runs at vpdpbusd's rate on a Zen 5.
 
 #include <immintrin.h>
 
@@ -64,9 +64,7 @@ void convert_groups(const uint16_t *x, int64_t g0, int64_t g1, int32_t *xh, int3
   }
 }
 
-#if NATIVE_AVX2
 void convert_row_narrow(const uint16_t *x, int64_t k, int32_t *xb, float *unit, float *sum);   // below
-#endif
 
 struct Activations {
   const uint16_t *x;
@@ -75,7 +73,6 @@ struct Activations {
   Activations(const uint16_t *x, int64_t k)
       : x(x), hi(k / 4), lo(q4nx::kActBytes == 2 ? k / 4 : 0), unit(k / kGroup), sum(k / kGroup) {}
   void convert(int64_t g0, int64_t g1) {
-#if NATIVE_AVX2
     // Narrow, the GEMM's vectorized conversion (the same numbers; tests/test_q4nx.py reads
     // them back out of the GEMV): in scalar code a down projection's 8192 columns took most of
     // a small call on a Zen 3.
@@ -84,17 +81,17 @@ struct Activations {
                          unit.data() + g0, sum.data() + g0);
       return;
     }
-#endif
     convert_groups(x, g0, g1, hi.data(), lo.data(), 1, unit.data(), sum.data());
   }
 };
 
 #if NATIVE_AVX512
 
-static_assert(q4nx::kActBytes == 2, "the AVX-512 classes take decode's activations two bytes wide");
-
-// The integer sums of one group for rows 0-15 (lo) and 16-31 (hi): two sets of accumulators
-// take alternate units, to cover the dot product's latency.
+// The integer sums of one group for rows 0-15 (lo) and 16-31 (hi). A byte v of a unit is
+// q_lo + 16 q_hi, so the low nibbles' sums are dot(v) - 16 dot(q_hi): the bytes go into the
+// dot products as loaded, and only the high nibbles need a shift and a mask (a fifth fewer
+// vector operations per unit, where on an Intel core they, not memory, held decode back).
+// Two sets of accumulators take alternate units, to cover the dot product's latency.
 inline void group_sums(const uint8_t *values, const int32_t *xh, const int32_t *xl, __m512i &lo, __m512i &hi) {
   const __m512i nib = _mm512_set1_epi8(15);
   __m512i a[8];
@@ -102,16 +99,17 @@ inline void group_sums(const uint8_t *values, const int32_t *xh, const int32_t *
   for (int64_t u = 0; u < kGroup / q4nx::kUnitCols; u += 2) {
     for (int64_t s = 0; s < 2; ++s) {
       const __m512i v = _mm512_loadu_si512(values + (u + s) * q4nx::kUnitBytes);
-      const __m512i ql = _mm512_and_si512(v, nib), qh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+      const __m512i qh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
       const __m512i h = _mm512_set1_epi32(xh[u + s]), l = _mm512_set1_epi32(xl[u + s]);
-      a[4 * s + 0] = _mm512_dpbusd_epi32(a[4 * s + 0], ql, h);
-      a[4 * s + 1] = _mm512_dpbusd_epi32(a[4 * s + 1], ql, l);
+      a[4 * s + 0] = _mm512_dpbusd_epi32(a[4 * s + 0], v, h);
+      a[4 * s + 1] = _mm512_dpbusd_epi32(a[4 * s + 1], v, l);
       a[4 * s + 2] = _mm512_dpbusd_epi32(a[4 * s + 2], qh, h);
       a[4 * s + 3] = _mm512_dpbusd_epi32(a[4 * s + 3], qh, l);
     }
   }
-  lo = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(a[0], a[4]), 8), _mm512_add_epi32(a[1], a[5]));
+  const __m512i both = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(a[0], a[4]), 8), _mm512_add_epi32(a[1], a[5]));
   hi = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(a[2], a[6]), 8), _mm512_add_epi32(a[3], a[7]));
+  lo = _mm512_sub_epi32(both, _mm512_slli_epi32(hi, 4));
 }
 
 inline void group_f32(const uint8_t *values, const int32_t *xh, const int32_t *xl, native::F16 &lo, native::F16 &hi) {
@@ -119,6 +117,26 @@ inline void group_f32(const uint8_t *values, const int32_t *xh, const int32_t *x
   group_sums(values, xh, xl, il, ih);
   lo = {_mm512_cvtepi32_ps(il)};
   hi = {_mm512_cvtepi32_ps(ih)};
+}
+
+// Narrow (one byte, the classes in native_build.Q4NX_NARROW_ACTIVATIONS): two dot products per
+// unit, not four, by the same identity.
+inline void group_f32_narrow(const uint8_t *values, const int32_t *xb, native::F16 &lo, native::F16 &hi) {
+  const __m512i nib = _mm512_set1_epi8(15);
+  __m512i a[4];   // [unit parity][whole bytes, high nibbles]
+  for (auto &v : a) v = _mm512_setzero_si512();
+  for (int64_t u = 0; u < kGroup / q4nx::kUnitCols; u += 2) {
+    for (int64_t p = 0; p < 2; ++p) {
+      const __m512i v = _mm512_loadu_si512(values + (u + p) * q4nx::kUnitBytes);
+      const __m512i qh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+      const __m512i b = _mm512_set1_epi32(xb[u + p]);
+      a[2 * p] = _mm512_dpbusd_epi32(a[2 * p], v, b);
+      a[2 * p + 1] = _mm512_dpbusd_epi32(a[2 * p + 1], qh, b);
+    }
+  }
+  const __m512i h = _mm512_add_epi32(a[1], a[3]);
+  lo = {_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(a[0], a[2]), _mm512_slli_epi32(h, 4)))};
+  hi = {_mm512_cvtepi32_ps(h)};
 }
 
 #else  // NATIVE_AVX2: 8 rows per vector; 16-bit sums within a group (at most 8 * 2 * 15 * 128 < 2^15)
@@ -185,11 +203,9 @@ void gemv_row_block(const uint8_t *rb, int64_t k, const int32_t *xh, const int32
     native::prefetch_ahead(grp.values, q4nx::kGroupBytes, ahead);
     const int64_t unit0 = g * kGroup / q4nx::kUnitCols;
     native::F16 s_lo, s_hi;
-#if NATIVE_AVX2
     if (q4nx::kActBytes == 1)
       group_f32_narrow(grp.values, xh + unit0, s_lo, s_hi);
     else
-#endif
       group_f32(grp.values, xh + unit0, xl + unit0, s_lo, s_hi);
     const native::F16 u = native::set1(unit[g]), xs = native::set1(sum[g]);
     y_lo = native::fma(s_lo, native::mul(native::load_bf16(grp.scales), u), y_lo);
@@ -261,11 +277,6 @@ extern "C" void gemv_q4nx_cpu_batch(const int64_t *desc, int count) {
 
 namespace {
 
-// Rows of A a register tile takes (int_tile below): as many as 8 sums a row set leave room for.
-constexpr int kTileRows = q4nx::kActBytes == 1 ? 4 : 2;
-
-#if NATIVE_AVX2
-
 // The same numbers for 8 groups at a time, vectorized: with the conversion per element in
 // scalar code a prefill spent a tenth of its GEMM time in it (a GEMM converts M x K values).
 //   - Each group's sum is added in fixed_point's order (element 0 first): the 8 groups are
@@ -318,6 +329,7 @@ inline __m256i pick_low_bytes(int at) {
   return _mm256_load_si256(reinterpret_cast<const __m256i *>(p));
 }
 
+#if NATIVE_AVX2
 void convert_row_wide(const uint16_t *x, int64_t k, int32_t *hl, float *unit, float *sum) {
   const auto scalar = [&](int64_t g0, int64_t g1) { convert_groups(x, g0, g1, hl, hl + 1, 2, unit, sum); };
   const int64_t groups = k / kGroup;
@@ -352,6 +364,7 @@ void convert_row_wide(const uint16_t *x, int64_t k, int32_t *hl, float *unit, fl
   }
   scalar(g, groups);
 }
+#endif
 
 // Narrow (one byte, X = round(x * (127 / top)), u = top / 127): the same maxima, one
 // f32 division per group for each of 127 / top and top / 127, the products rounded by
@@ -397,20 +410,17 @@ void convert_row_narrow(const uint16_t *x, int64_t k, int32_t *xb, float *unit, 
 }
 
 void convert_row(const uint16_t *x, int64_t k, int32_t *words, float *unit, float *sum) {
-  if (q4nx::kActBytes == 1)
+  if (q4nx::kActBytes == 1) {
     convert_row_narrow(x, k, words, unit, sum);
-  else
-    convert_row_wide(x, k, words, unit, sum);
-}
-
+    return;
+  }
+#if NATIVE_AVX2
+  convert_row_wide(x, k, words, unit, sum);
 #else
-
-// Planes, as the GEMV reads them: all of a row's Xh, then all its Xl.
-void convert_row(const uint16_t *x, int64_t k, int32_t *hl, float *unit, float *sum) {
-  convert_groups(x, 0, k / kGroup, hl, hl + k / q4nx::kUnitCols, 1, unit, sum);
-}
-
+  // Planes, as the AVX-512 GEMV reads them: all of a row's Xh, then all its Xl.
+  convert_groups(x, 0, k / kGroup, words, words + k / q4nx::kUnitCols, 1, unit, sum);
 #endif
+}
 
 // Rows first.. of A in decode's fixed point, converted once for every row-block to read, into a
 // buffer that outlives the call: a prefill's GEMM would otherwise fault in fresh pages for it
@@ -441,6 +451,9 @@ struct RowActivations {
 };
 
 #if NATIVE_AVX2
+
+// Rows of A a register tile takes (int_tile below): as many as 8 sums a row set leave room for.
+constexpr int kTileRows = q4nx::kActBytes == 1 ? 4 : 2;
 
 // R rows of A against 16 rows of one row-block, over all K: rows 8 h .. 8 h + 7 (the low nibbles
 // of the 32-byte half h of every unit) and the 8 rows 16 above them (the high nibbles).
@@ -518,11 +531,73 @@ void int_block(const uint8_t *rb, int64_t k, const RowActivations &act, int64_t 
   }
 }
 
+#elif Q4NX_ACT_BYTES == 1
+
+// Rows of A a register tile takes (int_tile below): its 4 R accumulators and the vectors a unit
+// needs fit the 32 zmm registers. On the Xeon (docs/profile.md, "Which CPU") 6 rows ran at
+// 0.71-0.73 TFLOP/s, 4 at 0.69-0.70 and 8, which spill, at 0.67.
+constexpr int kTileRows = 6;
+
+// R rows of A against all 32 rows of one row-block, over all K: each 64-byte unit is loaded and
+// its high nibbles taken once for all R rows, and each row's group sums are group_f32_narrow's
+// (the whole bytes' and the high nibbles' dot products), combined into the f32 outputs in the
+// GEMV's order once a group.
+template <int R>
+void int_tile(const uint8_t *rb, int64_t k, const RowActivations &act, int64_t r0, uint16_t *c, int64_t ldc) {
+  const __m512i nib = _mm512_set1_epi8(15);
+  const int32_t *x[R];
+  const float *unit[R], *sum[R];
+  for (int i = 0; i < R; ++i) {
+    x[i] = act.row(r0 + i);
+    unit[i] = act.unit_row(r0 + i);
+    sum[i] = act.sum_row(r0 + i);
+  }
+  __m512 y[R][2];
+  for (auto &v : y) v[0] = v[1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    const q4nx::Group grp = q4nx::group(rb, g);
+    const int32_t u0 = static_cast<int32_t>(g * (kGroup / q4nx::kUnitCols));
+    __m512i s[R][2];   // [whole bytes, high nibbles]
+    for (auto &v : s) v[0] = v[1] = _mm512_setzero_si512();
+    for (int64_t u = 0; u < kGroup / q4nx::kUnitCols; ++u) {
+      const __m512i v = _mm512_loadu_si512(grp.values + u * q4nx::kUnitBytes);
+      const __m512i qh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+      for (int i = 0; i < R; ++i) {
+        const __m512i b = _mm512_set1_epi32(x[i][u0 + u]);
+        s[i][0] = _mm512_dpbusd_epi32(s[i][0], v, b);
+        s[i][1] = _mm512_dpbusd_epi32(s[i][1], qh, b);
+      }
+    }
+    const native::F16 scale[2] = {native::load_bf16(grp.scales), native::load_bf16(grp.scales + native::kWidth)};
+    const native::F16 mins[2] = {native::load_bf16(grp.mins), native::load_bf16(grp.mins + native::kWidth)};
+    for (int i = 0; i < R; ++i) {
+      const __m512 sums[2] = {_mm512_cvtepi32_ps(_mm512_sub_epi32(s[i][0], _mm512_slli_epi32(s[i][1], 4))),
+                              _mm512_cvtepi32_ps(s[i][1])};
+      const __m512 uu = _mm512_set1_ps(unit[i][g]), xs = _mm512_set1_ps(sum[i][g]);
+      for (int j = 0; j < 2; ++j) y[i][j] = _mm512_fmadd_ps(sums[j], _mm512_mul_ps(scale[j].v, uu), y[i][j]);
+      for (int j = 0; j < 2; ++j) y[i][j] = _mm512_fmadd_ps(mins[j].v, xs, y[i][j]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < 2; ++j) native::store_bf16(c + i * ldc + j * native::kWidth, {y[i][j]});
+}
+
+// Rows r0..r1 of A against one row-block (32 outputs).
+void int_block(const uint8_t *rb, int64_t k, const RowActivations &act, int64_t r0, int64_t r1, uint16_t *c,
+               int64_t ldc) {
+  int64_t r = r0;
+  for (; r + kTileRows <= r1; r += kTileRows) int_tile<kTileRows>(rb, k, act, r, c + r * ldc, ldc);
+  for (; r < r1; ++r) int_tile<1>(rb, k, act, r, c + r * ldc, ldc);
+}
+
 #else
 
-// Without the AVX2 tile: each row of A through the GEMV's own row-block, so the bits are the
-// GEMV's by construction. Slow (nothing is reused between rows): this class's prefill keeps the
-// dequantizing GEMM, and this serves the tests that hold every class to one contract.
+constexpr int kTileRows = 2;
+
+// AVX-512 with wide activations has no tile: each row of A through the GEMV's own row-block, so
+// the bits are the GEMV's by construction. Slow (nothing is reused between rows): those classes'
+// prefill keeps the dequantizing GEMM, and this serves the tests that hold every class to one
+// contract.
 void int_block(const uint8_t *rb, int64_t k, const RowActivations &act, int64_t r0, int64_t r1, uint16_t *c,
                int64_t ldc) {
   for (int64_t r = r0; r < r1; ++r)

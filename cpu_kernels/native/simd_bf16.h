@@ -63,6 +63,9 @@ inline void prefetch_ahead(const void *p, int64_t bytes, Ahead ahead) {
   }
 }
 
+// 8 bf16 as f32: every class has AVX2, and the row conversions of the Q4NX kernels use it.
+inline __m256 widen8(__m128i bits) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16)); }
+
 #if NATIVE_AVX512
 
 struct F16 { __m512 v; };      // 16 floats
@@ -252,7 +255,6 @@ inline void store_f32(float *p, F16 a, int64_t left = kWidth) {
   _mm256_store_ps(t + 8, a.hi);
   if (left > 0) std::memcpy(p, t, left * sizeof(float));
 }
-inline __m256 widen8(__m128i bits) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16)); }
 inline F16 load_bf16(const uint16_t *p, int64_t left = kWidth) {
   if (left >= kWidth) {
     return {widen8(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p))),

@@ -200,7 +200,7 @@ def bind(step: Launch | list[Launch], views: dict[str, torch.Tensor],
     A batch of independent GEMVs (see `plan`) becomes one native dispatch.
 
     `npu_numerics`: where a class's native kernel takes a cheaper contract than the NPU's (Q4NX
-    on `avx2`: one-byte activations, prefill on decode's integer contract), bind the NPU's form
+    on `avx2` and `avx512`: one-byte activations, prefill on decode's integer contract), bind the NPU's form
     instead (`_NPU_NATIVE`, or the torch body), so the interpreted MLIR can be held to the
     numbers the NPU computes on every class.
 
