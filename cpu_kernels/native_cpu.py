@@ -197,8 +197,10 @@ def _choose() -> ctypes.CDLL | None:
 # on activations widened once. Which is faster is the CPU's: on a Xeon (family 6, model 207)
 # vdpbf16ps issued at half the rate of vfmadd231ps and the FMA GEMM ran 1.2-1.65x faster; a
 # core that issues vdpbf16ps as fast as an FMA (Zen 5) runs it at about twice the FMAs' rate.
-# So a CPU that has both runs whichever GEMM it times faster, the FMAs only by a clear margin
-# (the two give the same bits: the choice never changes a result).
+# So a CPU that has both runs whichever GEMM it times faster, the FMAs only by a clear margin.
+# On bf16 weights the two give the same bits. On Q4NX weights they do not: `avx512` takes
+# decode's activations one byte wide and prefills on byte products (native_build), because the
+# cores it wins on are the ones whose vector ports held the two-byte kernels below memory's rate.
 DOT_RIVALS = ("avx512bf16", "avx512")
 DOT_MARGIN = 1.15
 

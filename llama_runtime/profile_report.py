@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from cpu_kernels import native_cpu
+from llama_base import q4nx
 
 
 def isa_line() -> str:
@@ -19,6 +20,14 @@ def stream_ahead_line() -> str | None:
         return None
     how = f"set by {native_cpu.ENV_AHEAD}" if native_cpu.ahead_from_env() else f"the default; {native_cpu.ENV_AHEAD} sets it"
     return f"decode GEMVs prefetch {ahead / 1024:g} KiB ahead ({how}), hint {native_cpu.stream_hint().upper()}"
+
+
+def q4nx_line(isa: str) -> str:
+    """Which of Q4NX's CPU contracts class `isa`'s kernels compute: the class decides, and the
+    two differ in perplexity (docs/explain.md, "The format"), so a profile names it."""
+    width = "one byte" if native_cpu.q4nx_activation_bytes(isa) == q4nx.NARROW else "two bytes"
+    prefill = "byte products, decode's contract" if native_cpu.integer_q4nx_gemm(isa) else "the dequantized bf16 weights"
+    return f"Q4NX on {isa}: decode's activations {width} wide; prefill on {prefill}"
 
 
 def report(session, result) -> str:
@@ -41,6 +50,8 @@ def report(session, result) -> str:
     ahead = stream_ahead_line() if dev.kind == "sim" else None
     if ahead:
         lines.insert(2, ahead)
+    if dev.kind == "sim" and session.model.quant == q4nx.NAME and not dev.npu_numerics:
+        lines.insert(2, q4nx_line(native_cpu.isa()))
     if dev.kind == "interp":
         lines.append(npu_estimate(session, result))
     return "\n".join(lines)

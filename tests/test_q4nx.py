@@ -17,6 +17,7 @@ from llama_base import q4nx
 from llama_runtime import quantize
 from llama_runtime import reference as ref
 from llama_runtime.weight_slots import static_tensors
+from llama_runtime.profile_report import q4nx_line
 from llama_runtime.weights import synthetic_weights
 from seeded import rand_bf16
 
@@ -271,6 +272,35 @@ def test_native_q4nx_gemv_and_gemm_match_the_reference_on_every_class(native_isa
     c = torch.empty(37, n, dtype=torch.bfloat16)
     native_cpu.gemm_q4nx_call(a, dev, c)()
     _matches_prefill_of(native_isa, c, a, buf, n, k)
+
+
+def test_a_profile_names_the_contract_the_class_s_kernels_compute(native_isa):
+    """`make profile`'s Q4NX line, read back and held against the kernels: the width it names is
+    the one the GEMV meets (and not the other), the prefill it names the one the GEMM meets."""
+    if native_isa == native_cpu.TORCH:
+        pytest.skip("no native library")
+    line = q4nx_line(native_isa)
+    width = q4nx.NARROW if "activations one byte wide" in line else q4nx.WIDE
+    assert width == q4nx.NARROW or "activations two bytes wide" in line
+    n, k = 64, 576
+    buf = quantize.quantize(_rand(n, k, seed=21))
+    dev = Q4nxPacking(n, k).pack(buf, _alloc)
+    x = (_rand(k, seed=22, scale=1.0).float() * torch.linspace(0.01, 3, k)).to(torch.bfloat16)
+    y = torch.empty(n, dtype=torch.bfloat16)
+    native_cpu.gemv_q4nx_batch_call([(dev, x, y)])()
+    want, floor = ref.gemv_q4nx(x, buf, width), ref.sum_floor(x, q4nx.dequantize(buf, n, k))
+    ref.assert_within_ulps(y, want, 1, ref.REORDERED, floor=floor)
+    a = _rand(9, k, seed=23, scale=1.0)
+    c = torch.empty(9, n, dtype=torch.bfloat16)
+    native_cpu.gemm_q4nx_call(a, dev, c)()
+    if "prefill on byte products" in line:
+        deq = q4nx.dequantize(buf, n, k)
+        for row in range(a.shape[0]):
+            ref.assert_within_ulps(c[row], ref.gemv_q4nx(a[row], buf, width), 1, ref.REORDERED,
+                                   floor=ref.sum_floor(a[row], deq))
+    else:
+        assert "prefill on the dequantized bf16 weights" in line
+        _matches_prefill(c, a, buf, n, k)
 
 
 @pytest.mark.parametrize("k", [576, 2048])
