@@ -450,6 +450,20 @@ struct RowActivations {
   float *sum_row(int64_t r) const { return sum + (r - first) * groups; }
 };
 
+// Rows r0.. r0 + R - 1 of a register tile: each one's activation words, units and sums.
+template <int R>
+struct TileRows {
+  const int32_t *x[R];
+  const float *unit[R], *sum[R];
+  TileRows(const RowActivations &act, int64_t r0) {
+    for (int i = 0; i < R; ++i) {
+      x[i] = act.row(r0 + i);
+      unit[i] = act.unit_row(r0 + i);
+      sum[i] = act.sum_row(r0 + i);
+    }
+  }
+};
+
 #if NATIVE_AVX2
 
 // Rows of A a register tile takes (int_tile below): as many as 8 sums a row set leave room for.
@@ -472,13 +486,7 @@ void int_tile(const uint8_t *rb, int64_t k, int half, const RowActivations &act,
   static_assert(kGroup / q4nx::kUnitCols * 2 * 15 * 128 < 32768, "16-bit group sums would saturate");
   constexpr int B = q4nx::kActBytes;   // sums per row set, and int32 words per unit
   const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), x256 = _mm256_set1_epi16(256);
-  const int32_t *x[R];
-  const float *unit[R], *sum[R];
-  for (int i = 0; i < R; ++i) {
-    x[i] = act.row(r0 + i);
-    unit[i] = act.unit_row(r0 + i);
-    sum[i] = act.sum_row(r0 + i);
-  }
+  const TileRows<R> t(act, r0);
   __m256 y[R][2];
   for (auto &v : y) v[0] = v[1] = _mm256_setzero_ps();
   const int64_t groups = k / kGroup;
@@ -494,7 +502,7 @@ void int_tile(const uint8_t *rb, int64_t k, int half, const RowActivations &act,
       const __m256i q[2] = {_mm256_and_si256(v, nib), _mm256_and_si256(_mm256_srli_epi16(v, 4), nib)};
       for (int i = 0; i < R; ++i)
         for (int b = 0; b < B; ++b) {
-          const __m256i xb = _mm256_set1_epi32(x[i][B * (u0 + u) + b]);
+          const __m256i xb = _mm256_set1_epi32(t.x[i][B * (u0 + u) + b]);
           for (int n = 0; n < 2; ++n) s[i][B * n + b] = _mm256_add_epi16(s[i][B * n + b], _mm256_maddubs_epi16(q[n], xb));
         }
       // Each unit's sums stay in their registers: left alone, GCC unrolls the group and forms
@@ -511,8 +519,8 @@ void int_tile(const uint8_t *rb, int64_t k, int half, const RowActivations &act,
         const __m256i s32 = B == 2 ? _mm256_add_epi32(_mm256_madd_epi16(s[i][2 * j], x256),
                                                       _mm256_madd_epi16(s[i][2 * j + 1], ones))
                                    : _mm256_madd_epi16(s[i][j], ones);
-        y[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(scale, _mm256_set1_ps(unit[i][g])), y[i][j]);
-        y[i][j] = _mm256_fmadd_ps(mins, _mm256_set1_ps(sum[i][g]), y[i][j]);
+        y[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(scale, _mm256_set1_ps(t.unit[i][g])), y[i][j]);
+        y[i][j] = _mm256_fmadd_ps(mins, _mm256_set1_ps(t.sum[i][g]), y[i][j]);
       }
     }
   }
@@ -545,13 +553,7 @@ constexpr int kTileRows = 6;
 template <int R>
 void int_tile(const uint8_t *rb, int64_t k, const RowActivations &act, int64_t r0, uint16_t *c, int64_t ldc) {
   const __m512i nib = _mm512_set1_epi8(15);
-  const int32_t *x[R];
-  const float *unit[R], *sum[R];
-  for (int i = 0; i < R; ++i) {
-    x[i] = act.row(r0 + i);
-    unit[i] = act.unit_row(r0 + i);
-    sum[i] = act.sum_row(r0 + i);
-  }
+  const TileRows<R> t(act, r0);
   __m512 y[R][2];
   for (auto &v : y) v[0] = v[1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < k / kGroup; ++g) {
@@ -563,7 +565,7 @@ void int_tile(const uint8_t *rb, int64_t k, const RowActivations &act, int64_t r
       const __m512i v = _mm512_loadu_si512(grp.values + u * q4nx::kUnitBytes);
       const __m512i qh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
       for (int i = 0; i < R; ++i) {
-        const __m512i b = _mm512_set1_epi32(x[i][u0 + u]);
+        const __m512i b = _mm512_set1_epi32(t.x[i][u0 + u]);
         s[i][0] = _mm512_dpbusd_epi32(s[i][0], v, b);
         s[i][1] = _mm512_dpbusd_epi32(s[i][1], qh, b);
       }
@@ -573,7 +575,7 @@ void int_tile(const uint8_t *rb, int64_t k, const RowActivations &act, int64_t r
     for (int i = 0; i < R; ++i) {
       const __m512 sums[2] = {_mm512_cvtepi32_ps(_mm512_sub_epi32(s[i][0], _mm512_slli_epi32(s[i][1], 4))),
                               _mm512_cvtepi32_ps(s[i][1])};
-      const __m512 uu = _mm512_set1_ps(unit[i][g]), xs = _mm512_set1_ps(sum[i][g]);
+      const __m512 uu = _mm512_set1_ps(t.unit[i][g]), xs = _mm512_set1_ps(t.sum[i][g]);
       for (int j = 0; j < 2; ++j) y[i][j] = _mm512_fmadd_ps(sums[j], _mm512_mul_ps(scale[j].v, uu), y[i][j]);
       for (int j = 0; j < 2; ++j) y[i][j] = _mm512_fmadd_ps(mins[j].v, xs, y[i][j]);
     }
