@@ -195,7 +195,7 @@ def _choose() -> ctypes.CDLL | None:
 
 # Two classes that differ only in their pair dot products (simd_bf16.h): vdpbf16ps, or two FMAs
 # on activations widened once. Which is faster is the CPU's: on a Xeon (family 6, model 207)
-# vdpbf16ps issued at half the rate of vfmadd231ps and the FMA GEMM ran 1.2-1.65x faster; a
+# vdpbf16ps issued at a quarter of the rate of vfmadd231ps and the FMA GEMM ran 1.2-1.65x faster; a
 # core that issues vdpbf16ps as fast as an FMA (Zen 5) runs it at about twice the FMAs' rate.
 # So a CPU that has both runs whichever GEMM it times faster, the FMAs only by a clear margin.
 # On bf16 weights the two give the same bits. On Q4NX weights they do not: `avx512` takes

@@ -4,10 +4,10 @@
 // time), so the kernels say what they compute in 16-float vectors and this header says how:
 //   - AVX512-BF16 (-mavx512bf16): one __m512; bf16 pair dot products by vdpbf16ps.
 //   - AVX-512 without it (the `avx512` class): one __m512; a pair dot product as two FMAs on
-//     pairs widened in registers, as AVX2 does. On Intel's cores vdpbf16ps issues at half the
-//     rate of vfmadd231ps and does two of its multiply-adds, so where the activation's halves
-//     come widened from memory (a_f32 below) the FMAs do the same work in about half the time
-//     (native_cpu._dot_rates measures it; docs/profile.md, "CPU classes").
+//     activations widened to f32 once per call (bcast_f32 below). On the Xeon of
+//     docs/profile.md, "CPU classes", vdpbf16ps issued at a quarter of vfmadd231ps's rate and
+//     does two of its multiply-adds, so the FMAs ran the GEMM 1.5 times as fast
+//     (native_cpu._faster_dot times the two on each CPU that has both).
 //   - AVX2 + FMA (no AVX-512 at all): two __m256; a bf16 pair widened to f32 in registers by a
 //     shift (the even element) and a mask (the odd one), then two FMAs.
 // Both ISAs round the same way wherever the operation order is fixed here: the tail masks,
