@@ -283,22 +283,28 @@ def pinned_stream_ahead(nbytes: int) -> Iterator[None]:
             lib.stream_ahead_set(ahead_from_env())
 
 
+# The decode GEMVs' prefetch hints by name, as __builtin_prefetch's locality (stream_ahead_cpu.cc).
+STREAM_HINTS = {"nta": 0, "t1": 2, "t0": 3}
+
+
 def stream_hint() -> str:
-    """The decode GEMVs' prefetch hint, "t0" or "nta" (stream_ahead_cpu.cc chooses it by the
-    CPU's maker); "" without the native library."""
+    """The decode GEMVs' prefetch hint, a key of STREAM_HINTS (stream_ahead_cpu.cc chooses it by
+    the CPU's maker); "" without the native library."""
     lib = _library()
-    return ("t0" if lib.stream_hint_t0() else "nta") if lib is not None else ""
+    if lib is None:
+        return ""
+    return next(name for name, level in STREAM_HINTS.items() if level == lib.stream_hint_locality())
 
 
 @contextlib.contextmanager
 def pinned_stream_hint(hint: str) -> Iterator[None]:
-    """The decode GEMVs prefetch with `hint` ("t0" or "nta") inside the block (A/B measurements,
-    tests), then with the CPU's default."""
-    if hint not in ("t0", "nta"):
-        raise ValueError(f"prefetch hint {hint!r}: expected t0 or nta")
+    """The decode GEMVs prefetch with `hint` (a key of STREAM_HINTS) inside the block (A/B
+    measurements, tests), then with the CPU's default."""
+    if hint not in STREAM_HINTS:
+        raise ValueError(f"prefetch hint {hint!r}: expected one of {', '.join(STREAM_HINTS)}")
     lib = _library()
     if lib is not None:
-        lib.stream_hint_set(1 if hint == "t0" else 0)
+        lib.stream_hint_set(STREAM_HINTS[hint])
     try:
         yield
     finally:

@@ -40,10 +40,12 @@ namespace native {
 constexpr int kWidth = 16;   // floats per vector: outputs of one weight tile block
 
 // How decode's GEMVs ask for their weights ahead (stream_ahead_cpu.cc): how many bytes on, and
-// with which hint: non-temporal (NTA) or into every cache level (T0).
+// with which hint: non-temporal (NTA), into every cache level (T0), or into the second level and
+// beyond (T1). The values are the hints' locality as __builtin_prefetch numbers it.
+enum class Hint : int { kNta = 0, kT1 = 2, kT0 = 3 };
 struct Ahead {
   int64_t bytes;
-  bool t0;
+  Hint hint;
 };
 Ahead stream_ahead();
 
@@ -51,14 +53,16 @@ Ahead stream_ahead();
 // weight stream they walk ahead of their reads (the hardware prefetchers alone left a token's
 // GEMVs 6-10 % slower; docs/profile.md, "Asking for the weights ahead"). Non-temporal where the
 // CPU's NTA prefetch keeps pace (each weight byte is read once a token, and what the host runs
-// between the GEMVs keeps more of the caches); T0 where it does not (stream_ahead_cpu.cc). The
+// between the GEMVs keeps more of the caches); T1 where it does not (stream_ahead_cpu.cc). The
 // address may lie past the end of the weights, so it is formed as an integer: a prefetch never
 // faults. (Stopping at the end of a job's weights instead cost 1-1.6 %.)
+// (The hint is chosen per line: GCC 12 dropped the prefetches of a loop per hint.)
 inline void prefetch_ahead(const void *p, int64_t bytes, Ahead ahead) {
   const uintptr_t at = reinterpret_cast<uintptr_t>(p) + ahead.bytes;
   for (int64_t line = 0; line < bytes; line += 64) {
     const char *q = reinterpret_cast<const char *>(at + line);
-    if (ahead.t0) _mm_prefetch(q, _MM_HINT_T0);
+    if (ahead.hint == Hint::kT1) _mm_prefetch(q, _MM_HINT_T1);
+    else if (ahead.hint == Hint::kT0) _mm_prefetch(q, _MM_HINT_T0);
     else _mm_prefetch(q, _MM_HINT_NTA);
   }
 }

@@ -33,27 +33,31 @@ int64_t default_ahead() {
 }
 
 // The hint, by the CPU's maker. On a 2-core Intel Xeon VM (family 6, model 207) the Q4NX GEMV
-// over 48 matrices from memory read 17.5 GB/s with NTA at 5 KiB and 25.1 with T0 (the f32
-// stream: 29 GB/s), likely because an NTA prefetch there fills only the first-level cache, whose
-// few fill buffers then cap the lines in flight (not measured). On the AMD VMs T0 was 1-2 % slower than NTA (Zen 5) or
-// the same within the noise (Zen 3) (docs/profile.md, "Asking for the weights ahead").
-bool default_t0() {
-  static const bool t0 = [] {
+// over 48 matrices from memory (huge pages, 5 KiB ahead, 2 threads) read, against the f32
+// stream's 29-31 GB/s: `avx2` 18.7-19.3 GB/s with NTA, 25.3-27.0 with T0, 28.3-28.9 with T1;
+// `avx512` 27.9-28.5 with T0, 29.6-30.4 with T1; the bf16 GEMV 24-26 and 26-26.6 with T0,
+// 25-28 and 28-29 with T1. Likely because an NTA or a T0 prefetch holds one of the first-level
+// cache's few fill buffers until its line arrives, which caps the lines in flight, while T1
+// hands the request to the second level, whose queue holds more (not measured). On the AMD
+// VMs T0 was 1-2 % slower than NTA (Zen 5) or the same within the noise (Zen 3)
+// (docs/profile.md, "Asking for the weights ahead"); T1 was not tried there.
+native::Hint default_hint() {
+  static const native::Hint hint = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_is("intel") != 0;
+    return __builtin_cpu_is("intel") != 0 ? native::Hint::kT1 : native::Hint::kNta;
   }();
-  return t0;
+  return hint;
 }
 
 std::atomic<int64_t> g_ahead{default_ahead()};
-std::atomic<int> g_t0{default_t0() ? 1 : 0};
+std::atomic<int> g_hint{static_cast<int>(default_hint())};
 
 }  // namespace
 
 namespace native {
 
 Ahead stream_ahead() {
-  return {g_ahead.load(std::memory_order_relaxed), g_t0.load(std::memory_order_relaxed) != 0};
+  return {g_ahead.load(std::memory_order_relaxed), static_cast<Hint>(g_hint.load(std::memory_order_relaxed))};
 }
 
 }  // namespace native
@@ -63,7 +67,9 @@ extern "C" void stream_ahead_set(int64_t bytes) { g_ahead.store(bytes > 0 ? byte
 
 extern "C" int64_t stream_ahead_bytes() { return native::stream_ahead().bytes; }
 
-// hint 1: T0, 0: NTA, -1: the CPU's default.
-extern "C" void stream_hint_set(int hint) { g_t0.store(hint < 0 ? (default_t0() ? 1 : 0) : hint != 0); }
+// The hint as __builtin_prefetch's locality (0: NTA, 2: T1, 3: T0); -1 restores the CPU's default.
+extern "C" void stream_hint_set(int locality) {
+  g_hint.store(locality < 0 ? static_cast<int>(default_hint()) : locality);
+}
 
-extern "C" int stream_hint_t0() { return native::stream_ahead().t0 ? 1 : 0; }
+extern "C" int stream_hint_locality() { return static_cast<int>(native::stream_ahead().hint); }
