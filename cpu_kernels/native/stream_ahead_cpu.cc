@@ -34,8 +34,8 @@ int64_t default_ahead() {
 
 // The hint, by the CPU's maker. On a 2-core Intel Xeon VM (family 6, model 207) the Q4NX GEMV
 // over 48 matrices from memory (huge pages, 5 KiB ahead, 2 threads) read, against the f32
-// stream's 29-31 GB/s: `avx2` 18.7-19.3 GB/s with NTA, 25.3-27.0 with T0, 28.3-28.9 with T1;
-// `avx512` 27.9-28.5 with T0, 29.6-30.4 with T1; the bf16 GEMV 24-26 and 26-26.6 with T0,
+// stream's 29-31 GB/s: `avx2` 18.7-19.3 GB/s with NTA, 25.3-27.0 with T0, 28.2-28.9 with T1;
+// `avx512` 27.9-28.5 with T0, 28.6-30.4 with T1; the bf16 GEMV 24-26 and 26-26.6 with T0,
 // 25-28 and 28-29 with T1. Likely because an NTA or a T0 prefetch holds one of the first-level
 // cache's few fill buffers until its line arrives, which caps the lines in flight, while T1
 // hands the request to the second level, whose queue holds more (not measured). On the AMD
