@@ -74,8 +74,8 @@ def test_every_class_starts_from_the_distance_of_this_cpu(monkeypatch):
 
 
 def test_the_hint_follows_the_cpus_maker():
-    """T1 on Intel (measured on a Xeon, where NTA prefetches held the Q4NX GEMV to 70 % of T1's
-    rate and T0 to 90-95 %), NTA elsewhere (as fast or faster than T0 on the AMD VMs): for every
+    """T1 on Intel (measured on a Xeon, where NTA prefetches held the Q4NX GEMV to two thirds of
+    T1's rate and T0 to 89-96 %), NTA elsewhere (as fast or faster than T0 on the AMD VMs): for every
     class, since the hint is the core's, not the instructions'."""
     try:
         text = open("/proc/cpuinfo").read()
@@ -93,7 +93,7 @@ def test_the_hint_follows_the_cpus_maker():
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump is not installed")
 def test_every_class_s_decode_gemvs_hold_a_prefetch_of_each_hint():
     """A prefetch changes no result, so nothing else would notice a compiler dropping one: GCC 12
-    removed every prefetch of a loop written per hint, and decode read about 30 % slower."""
+    removed every prefetch of a loop written per hint, and the GEMVs read about 30 % slower."""
     from cpu_kernels import native_build
 
     paths = {isa: native_build.library_path(isa) for isa in native_build.ALL_CLASSES}
