@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 
 import pytest
 
@@ -59,3 +61,18 @@ def sim_path(request):
 
     with native_cpu.use_isa(request.param):
         yield request.param
+
+
+@pytest.fixture(scope="session")
+def class_disassembly() -> dict[str, str]:
+    """`objdump -d` of every class's library, built if need be: what tests read for the
+    instructions a class holds. Skips without objdump or a compiler that builds every class."""
+    from cpu_kernels import native_build
+
+    if shutil.which("objdump") is None:
+        pytest.skip("objdump is not installed")
+    paths = {isa: native_build.library_path(isa) for isa in native_build.ALL_CLASSES}
+    if None in paths.values():
+        pytest.skip("no C++ compiler (or none that knows AMX)")
+    return {isa: subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(p)], capture_output=True, text=True,
+                                check=True).stdout for isa, p in paths.items()}

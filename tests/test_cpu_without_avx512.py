@@ -1,5 +1,5 @@
 """The runtime on a CPU with no AVX-512 at all, where an AVX-512 instruction faults: the native
-kernel, tile and ISA tests (a greedy generation on the embedded model included) rerun in a child
+kernel, tile and ISA tests (less the greedy generation across classes, below) rerun in a child
 under QEMU's user-mode emulation of an Intel Haswell, whose CPUID reports AVX2, FMA and F16C and
 nothing newer. What this shows is the instruction set and the class the probes pick; QEMU's speed
 says nothing about a real CPU's (docs/profile.md has the measured figures and their machine).

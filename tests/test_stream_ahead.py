@@ -4,8 +4,6 @@ or rejects in one line."""
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 
 import pytest
 import torch
@@ -90,22 +88,14 @@ def test_the_hint_follows_the_cpus_maker():
             pass
 
 
-@pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump is not installed")
-def test_every_class_s_decode_gemvs_hold_a_prefetch_of_each_hint():
+def test_every_class_s_decode_gemvs_hold_a_prefetch_of_each_hint(class_disassembly):
     """A prefetch changes no result, so nothing else would notice a compiler dropping one: GCC 12
     removed every prefetch of a loop written per hint, and the GEMVs read about 30 % slower."""
-    from cpu_kernels import native_build
-
-    paths = {isa: native_build.library_path(isa) for isa in native_build.ALL_CLASSES}
-    if None in paths.values():
-        pytest.skip("no C++ compiler (or none that knows AMX)")
     wanted = {f"prefetch{h}" for h in native_cpu.STREAM_HINTS}
     # Each GEMV's entry point and the row-block functions GCC may keep out of line.
     gemvs = {"q4nx": re.compile(r"gemv_q4nx_cpu_batch|gemv_row_block"),
              "bf16": re.compile(r"gemv_packed_bf16_cpu_batch|gemv_block")}
-    for isa, path in paths.items():
-        text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(path)], capture_output=True, text=True,
-                              check=True).stdout
+    for isa, text in class_disassembly.items():
         found, function = {fmt: set() for fmt in gemvs}, ""
         for line in text.splitlines():
             if (head := re.match(r"[0-9a-f]+ <(.*)>:$", line)) is not None:
