@@ -1,0 +1,77 @@
+"""The bench's bandwidth probe: the decode bound's denominator, so every way it may read must
+compute its GEMV right, and a stream must keep the way that reads fastest."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+
+import pytest
+
+import bench.bandwidth as bandwidth
+from bench.bandwidth import NUMPY, WAYS, Stream, native_isa, ways_of
+from bench.machine import cpu_flags
+
+_BUILDS = [isa for isa, needs in (("AVX-512", {"avx512f"}), ("AVX2", {"avx2", "fma"})) if needs <= cpu_flags()]
+
+
+@pytest.mark.parametrize("isa", [*_BUILDS, "none"])
+def test_every_way_of_every_build_computes_the_gemv_over_every_row(isa):
+    """`sample` checks each row's sum; a pass that skipped a line or a row's tail fails it."""
+    native = None if isa == "none" else isa
+    labels = ways_of(native)
+    assert len(labels) == (len(WAYS) if native else 1)
+    for label in labels:
+        stream = Stream(3 << 20, ways=(label,), isa=isa)
+        assert stream.way == label and stream.method.startswith(label)
+        assert stream.sample(1).bytes_per_s > 0
+
+
+def test_a_sample_refuses_a_pass_that_left_a_row_wrong():
+    stream = Stream(1 << 20)
+    stream.sample(1)
+    stream.y[7] = 0
+    stream._run = lambda: None          # a pass that wrote nothing
+    with pytest.raises(RuntimeError, match="wrong result"):
+        stream.sample(1)
+
+
+def test_a_stream_chooses_among_every_way_and_names_its_choice():
+    stream = Stream(1 << 20)
+    assert stream.way in ways_of(native_isa()) and stream.method.startswith(stream.way)
+    if stream.way != NUMPY:          # numpy's GEMV is the only way where no native pass builds
+        assert f"fastest of {len(WAYS)} ways" in stream.method
+
+
+def test_the_fastest_way_is_kept():
+    runs = {"slow": lambda: time.sleep(0.004), "fast": lambda: time.sleep(0.001), "slower": lambda: time.sleep(0.008)}
+    assert bandwidth._fastest(runs, 2) == "fast"
+
+
+def test_ways_that_are_not_on_this_machine_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="no bandwidth GEMV among"):
+        Stream(1 << 20, ways=("native AVX-1024 f32 GEMV, no prefetch",))
+
+
+@pytest.mark.skipif(not _BUILDS, reason="no AVX2 or AVX-512 here")
+def test_an_unknown_hint_is_an_error_not_a_pass_without_prefetch():
+    lib = bandwidth._native_gemv(bandwidth._ISA_FLAGS[_BUILDS[-1]])
+    if lib is None:
+        pytest.skip("no C++ compiler")
+    assert lib.gemv_f32_stream(None, None, None, 0, 0, 1, 0) == -1
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump is not installed")
+@pytest.mark.parametrize("isa", _BUILDS)
+def test_each_build_holds_a_prefetch_of_each_hint(isa):
+    """A prefetch changes no result, so a compiler that dropped one would go unseen by the
+    sums; decode's GEMVs once lost theirs that way (tests/test_stream_ahead.py)."""
+    from cpu_kernels.native_build import build_shared
+
+    path = build_shared(bandwidth._SRC, bandwidth._COMMON_FLAGS + bandwidth._ISA_FLAGS[isa])
+    if path is None:
+        pytest.skip("no C++ compiler")
+    asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(path)], capture_output=True, text=True,
+                         check=True).stdout
+    for op in ("prefetchnta", "prefetcht1", "prefetcht0"):
+        assert op in asm, f"the {isa} bandwidth GEMV lost its {op}"
