@@ -8,8 +8,8 @@ A native kernel (AVX-512, else AVX2 + FMA) is used, because library GEMVs fall s
 hardware's streaming rate here; numpy's BLAS GEMV only where neither builds. The native pass
 can also ask for its lines ahead (no hint, NTA, T1 or T0): which reads fastest depends on the
 CPU (on an Intel Xeon, T1 read 9 % above the hardware prefetchers alone), so a stream times
-each twice, alternated, and keeps the fastest for all its samples. The report says which method and which
-way produced the number.
+each twice, alternated, and keeps the fastest for all its samples. The report says which
+method and which way produced the number.
 
 A sample's rate is the fastest of several passes, not their median: this is the ceiling a
 decode is held against, and anything else running on the host can only slow a pass down. On a
