@@ -54,17 +54,19 @@ class Bandwidth:
         return asdict(self)
 
 
-_ISA_FLAGS = {"AVX-512": ["-mavx512f"], "AVX2": ["-mavx2", "-mfma"]}
+# The native pass's builds, widest first: the CPU flags each needs, and its compiler flags.
+_ISAS = {"AVX-512": ({"avx512f"}, ["-mavx512f"]), "AVX2": ({"avx2", "fma"}, ["-mavx2", "-mfma"])}
+
+
+def buildable_isas(flags: frozenset[str] | None = None) -> list[str]:
+    """The builds of the native pass this CPU can run, widest first."""
+    flags = cpu_flags() if flags is None else flags
+    return [isa for isa, (needs, _) in _ISAS.items() if needs <= flags]
 
 
 def native_isa(flags: frozenset[str] | None = None) -> str | None:
-    """The widest vector ISA of `_ISA_FLAGS` the native pass can be built for on this CPU."""
-    flags = cpu_flags() if flags is None else flags
-    if "avx512f" in flags:
-        return "AVX-512"
-    if {"avx2", "fma"} <= flags:
-        return "AVX2"
-    return None
+    """The widest build of the native pass this CPU can run, or None."""
+    return next(iter(buildable_isas(flags)), None)
 
 
 def _native_gemv(isa_flags: list[str]):
@@ -117,7 +119,7 @@ class Stream:
         self.matrix_bytes = a.nbytes
         runs = {}
         native = native_isa() if isa is None else None if isa == "none" else isa
-        lib = _native_gemv(_ISA_FLAGS[native]) if native is not None else None
+        lib = _native_gemv(_ISAS[native][1]) if native is not None else None
         if lib is not None:
             def way(hint: int, ahead: int):
                 def run():

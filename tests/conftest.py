@@ -64,15 +64,22 @@ def sim_path(request):
 
 
 @pytest.fixture(scope="session")
-def class_disassembly() -> dict[str, str]:
+def disassemble():
+    """`objdump -d` of a library, as the tests that read instructions want it. Skips without
+    objdump."""
+    if shutil.which("objdump") is None:
+        pytest.skip("objdump is not installed")
+    return lambda path: subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(path)], capture_output=True,
+                                       text=True, check=True).stdout
+
+
+@pytest.fixture(scope="session")
+def class_disassembly(disassemble) -> dict[str, str]:
     """`objdump -d` of every class's library, built if need be: what tests read for the
     instructions a class holds. Skips without objdump or a compiler that builds every class."""
     from cpu_kernels import native_build
 
-    if shutil.which("objdump") is None:
-        pytest.skip("objdump is not installed")
     paths = {isa: native_build.library_path(isa) for isa in native_build.ALL_CLASSES}
     if None in paths.values():
         pytest.skip("no C++ compiler (or none that knows AMX)")
-    return {isa: subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(p)], capture_output=True, text=True,
-                                check=True).stdout for isa, p in paths.items()}
+    return {isa: disassemble(p) for isa, p in paths.items()}
