@@ -79,6 +79,9 @@ def _native_gemv(isa_flags: list[str]):
     lib.gemv_f32_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                     ctypes.c_int64, ctypes.c_int, ctypes.c_int64]
     lib.gemv_f32_stream.restype = ctypes.c_int
+    lib.gemv_f32_stream_calls.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                                                                   ctypes.c_int64]
+    lib.gemv_f32_stream_calls.restype = ctypes.c_int
     return lib
 
 
@@ -120,18 +123,30 @@ class Stream:
         runs = {}
         native = native_isa() if isa is None else None if isa == "none" else isa
         lib = _native_gemv(_ISAS[native][1]) if native is not None else None
+        cut_runs = {}
         if lib is not None:
             def way(hint: int, ahead: int):
                 def run():
                     if lib.gemv_f32_stream(a.ctypes.data, x.ctypes.data, y.ctypes.data, rows, _ROW_FLOATS, hint, ahead):
                         raise RuntimeError(f"the bandwidth GEMV does not know prefetch hint {hint}")
-                return run
 
-            runs = {f"native {native} f32 GEMV, {label}": way(hint, ahead) for label, hint, ahead in WAYS}
+                def run_calls(starts: np.ndarray, counts: np.ndarray):
+                    if lib.gemv_f32_stream_calls(a.ctypes.data, x.ctypes.data, y.ctypes.data, starts.ctypes.data,
+                                                 counts.ctypes.data, len(starts), _ROW_FLOATS, hint, ahead):
+                        raise RuntimeError(f"the bandwidth GEMV does not know prefetch hint {hint}")
+                return run, run_calls
+
+            for label, hint, ahead in WAYS:
+                runs[f"native {native} f32 GEMV, {label}"], cut_runs[f"native {native} f32 GEMV, {label}"] = way(hint, ahead)
         if not runs:
             # Not alternated with the native ways: OpenBLAS's threads spin on the cores after a
             # call and halve the rate of whatever runs next (docs/profile.md).
             runs[NUMPY] = lambda: np.matmul(a, x, out=y)
+
+            def numpy_calls(starts: np.ndarray, counts: np.ndarray):
+                for r0, n in zip(starts.tolist(), counts.tolist()):
+                    np.matmul(a[r0:r0 + n], x, out=y[r0:r0 + n])
+            cut_runs[NUMPY] = numpy_calls
         runs = {label: run for label, run in runs.items() if ways is None or label in ways}
         if not runs:
             raise ValueError(f"no bandwidth GEMV among {ways}; this machine has {list(ways_of(native))}")
@@ -144,6 +159,8 @@ class Stream:
             self.threads = lib.gemv_f32_stream_threads()
             self.method = f"{self.way} ({_SRC.name}, OpenMP, {self.threads} threads; the fastest of {len(runs)} ways)"
         self._run = runs[self.way]
+        self._run_calls = cut_runs[self.way]
+        self._rows = rows
 
     def sample(self, passes: int) -> Bandwidth:
         """The fastest of `passes` timed passes."""
@@ -155,6 +172,40 @@ class Stream:
         if not np.all(self.y == _ROW_FLOATS):   # every row of ones · ones sums to its length, exactly in f32
             raise RuntimeError("the bandwidth GEMV computed a wrong result")
         return Bandwidth(self.matrix_bytes / min(times), self.matrix_bytes, self.method, self.threads, times)
+
+    def sample_calls(self, call_bytes: list[int], passes: int) -> dict:
+        """The same way cut into calls of `call_bytes` (a decode step's GEMV dispatches,
+        `bench.bound.decode_call_bytes`), alternated with whole passes: the fastest of `passes`
+        each, and their ratio, the ceiling that starting and ending that many calls alone sets.
+
+        Call c reads the rows after call c - 1's, in whole rows (at least one); a call that would
+        run past the matrix's end starts again at row 0, which the whole matrix has long since
+        pushed out of every cache."""
+        counts = np.array([max(1, -(-b // (_ROW_FLOATS * 4))) for b in call_bytes], dtype=np.int64)
+        if counts.max(initial=0) > self._rows:
+            raise ValueError(f"a call of {int(counts.max()) * _ROW_FLOATS * 4} bytes does not fit the "
+                             f"{self.matrix_bytes}-byte matrix")
+        starts, at = np.zeros_like(counts), 0
+        for c, n in enumerate(counts.tolist()):
+            at = 0 if at + n > self._rows else at
+            starts[c], at = at, at + n
+        covered = np.zeros(self._rows, dtype=bool)
+        for r0, n in zip(starts.tolist(), counts.tolist()):
+            covered[r0:r0 + n] = True
+        whole, cut = [], []
+        for _ in range(passes):
+            for run, rows, times in ((self._run, slice(None), whole),
+                                     (lambda: self._run_calls(starts, counts), covered, cut)):
+                self.y.fill(0.0)
+                t0 = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - t0)
+                if not np.all(self.y[rows] == _ROW_FLOATS):
+                    raise RuntimeError("the bandwidth GEMV computed a wrong result")
+        cut_bytes = int(counts.sum()) * _ROW_FLOATS * 4
+        whole_rate, cut_rate = self.matrix_bytes / min(whole), cut_bytes / min(cut)
+        return {"calls": len(counts), "call_bytes": cut_bytes, "passes": passes, "method": self.method,
+                "whole_bytes_per_s": whole_rate, "calls_bytes_per_s": cut_rate, "ratio": cut_rate / whole_rate}
 
 
 def measure_bandwidth(matrix_bytes: int = GIB, passes: int = 8) -> Bandwidth:

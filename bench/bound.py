@@ -47,6 +47,24 @@ def decode_bytes_per_token(cfg: LlamaConfig, quant: str = "bf16") -> int:
     return (linear + cfg.vocab_size * cfg.hidden_size + cfg.hidden_size) * BF16
 
 
+def decode_call_bytes(cfg: LlamaConfig, quant: str = "bf16") -> list[int]:
+    """The weight bytes of each GEMV dispatch of one decode step on the simulated device, in
+    order: each decode group's launches as the device plans them (`npu_runtime.sim.ops.plan`
+    batches independent GEMVs into one native call: Q/K/V, gate and up, the head's partitions),
+    layer after layer, then the LM head. Their sum is the step's linear weights and head as the
+    groups declare them (the head's partitions padded to whole rows)."""
+    from kernel_builder import groups
+    from npu_runtime.sim.ops import plan
+
+    def calls(kind: str) -> list[int]:
+        group = groups.build_group(kind, cfg, 1, quant=quant)
+        return [sum(group.slot(l.reads[1]).nbytes for l in step) for step in plan(group.launches)
+                if isinstance(step, list)]
+
+    layer = [b for kind in groups.DECODE_KINDS for b in calls(kind)]
+    return layer * cfg.num_hidden_layers + calls("lm_head_gemv")
+
+
 def kv_cache_bytes(cfg: LlamaConfig, positions: int) -> int:
     """bf16 K and V for every layer and KV head over `positions` positions."""
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * positions * cfg.head_dim * BF16

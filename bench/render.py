@@ -131,6 +131,16 @@ def markdown(data: dict) -> str:
                          f"round 1, profiler on): {hs['host_s'] * 1e3:.2f} of {hs['step_s'] * 1e3:.2f} ms. "
                          f"Even with the device's runs taking exactly the bound's time, that share holds decode "
                          f"to {hs['ceiling']:.0%} of the bound at {hs['bandwidth_bytes_per_s'] / GB:.1f} GB/s.")
+        calls = m.get("call_structure")
+        if calls and not calls.get("error"):
+            both = (f" With the host's share as well, decode can reach {calls['ceiling_with_host']:.0%} of the bound."
+                    if "ceiling_with_host" in calls else "")
+            lines.append(f"Our decode step makes {calls['calls']} GEMV calls on the simulated device (Q/K/V, O, gate "
+                         f"and up, down a layer, then the LM head). The bandwidth pass cut into calls of the same "
+                         f"sizes, alternated with whole passes (the fastest of {calls['passes']} each), read "
+                         f"{calls['calls_bytes_per_s'] / GB:.1f} against {calls['whole_bytes_per_s'] / GB:.1f} GB/s: "
+                         f"**{calls['ratio']:.1%}**, what starting and ending the calls costs a stream that does "
+                         f"nothing else.{both}")
         if m.get("quant", "bf16") == "bf16":
             lines.append(f"Memory budget: 1.5 × (weights {m['weight_bytes'] / GIB:.2f} GiB + KV cache "
                          f"{m['kv_cache_bytes'] / GIB:.2f} GiB) = "

@@ -19,8 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench import BenchError
-from bench.bandwidth import Bandwidth, measure_bandwidth
+from bench.bandwidth import Bandwidth, Stream, measure_bandwidth
 from bench.bandwidth import summarize as summarize_bandwidth
+from bench.bound import decode_call_bytes
 from bench.machine import cpu_sample, describe, other_cores
 from bench.plan import Plan, prompt_ids
 from bench.protocol import (DECODE_SPLIT, JOB_FILE, PERPLEXITY, PREPARE, PROJECT_ROOT, RESULT_FILE, child_env,
@@ -30,10 +31,12 @@ from bench.summary import HF, OURS, OURS_BF16, summarize_model
 from bench.turns import BANDWIDTH, decode_turns
 from llama_base.config import LlamaConfig
 from llama_runtime.models import EMBEDDED, LLAMA1B_SHAPE, TINY, resolve_checkpoint
+from npu_runtime.xrt import device as xrt_device
 from verify.report import write_report
 
 BUSY_CORES = 0.1   # other processes' average CPU use above which a runtime's times are flagged
 BANDWIDTH_SPREAD = 1.15   # max/min of the bandwidth samples above which the report says the bound is soft
+CALL_PASSES = 4       # the cut bandwidth pass: the fastest of this many, alternated with as many whole ones
 SIDE_TIMEOUT_S = 3600   # a runtime that has not finished by then is hung, not slow
 RANDOM_WEIGHT_MODELS = (LLAMA1B_SHAPE, TINY)
 OURS_MODULE = "bench.side_ours"
@@ -215,6 +218,25 @@ def bench_model(model: str, plan: Plan, device: str, llamacpp, work: Path, notes
     return cfg, raw, str(folder), turn_bandwidth
 
 
+def decode_calls(measured: list, plan: Plan, device: str, log: Callable[[str], None]) -> dict[str, dict]:
+    """Per model, the bandwidth pass cut into our decode step's GEMV calls on the simulated
+    device (`Stream.sample_calls`), after every runtime has finished: the share of the bound
+    that starting and ending that many calls costs before any kernel's own work. On the NPU
+    the calls are the device's, which this cannot stand in for."""
+    if device == "npu" or (device == "auto" and xrt_device.probe()[0]):
+        return {}
+    stream, out = Stream(plan.bandwidth_bytes), {}
+    for model, cfg, *_ in measured:
+        try:
+            out[model] = stream.sample_calls(decode_call_bytes(cfg, plan.quant), CALL_PASSES)
+        except ValueError as e:        # a call larger than the matrix (a short run's small one)
+            out[model] = {"error": str(e)}
+            continue
+        log(f"[bench] {model}: the bandwidth pass cut into {out[model]['calls']} decode calls read "
+            f"{out[model]['ratio']:.1%} of its whole rate")
+    return out
+
+
 def run_bench(models: list[str], plan: Plan, device: str = "auto", skip_llamacpp: bool = False,
               rebuild_llamacpp: bool = False, log: Callable[[str], None] = print,
               cpu_class: str = "native") -> tuple[dict, str, tuple[Path, Path]]:
@@ -243,9 +265,11 @@ def run_bench(models: list[str], plan: Plan, device: str = "auto", skip_llamacpp
     if bw["max_bytes_per_s"] > BANDWIDTH_SPREAD * bw["min_bytes_per_s"]:
         notes.append(f"memory bandwidth varied from {bw['min_bytes_per_s'] / 1e9:.1f} to {bw['max_bytes_per_s'] / 1e9:.1f} "
                      "GB/s during the run (a shared host): the bound and the % of it are approximate.")
+    calls = decode_calls(measured, plan, device, log)
     for model, cfg, raw, folder, turn_bandwidth in measured:
         summary = summarize_model(model, cfg, model == EMBEDDED, plan.prompt_lengths, plan.max_context, raw,
-                                  bw["bytes_per_s"], quant=plan.quant, turn_bandwidth=turn_bandwidth)
+                                  bw["bytes_per_s"], quant=plan.quant, turn_bandwidth=turn_bandwidth,
+                                  call_structure=calls.get(model))
         data["models"].append({**summary, "folder": folder})
         for name in summary["bound_readers"]:
             frac = summary["bound_fraction"].get(name)

@@ -77,8 +77,17 @@ def host_share(side: dict, bytes_per_token: int, bandwidth_bytes_per_s: float | 
         return None
     host = max(split["step_s"] - split["device_run_s"], 0.0)
     bound_s = bytes_per_token / bandwidth_bytes_per_s
-    return {**split, "host_s": host, "bandwidth_bytes_per_s": bandwidth_bytes_per_s,
+    return {**split, "host_s": host, "bandwidth_bytes_per_s": bandwidth_bytes_per_s, "bytes_per_token": bytes_per_token,
             "ceiling": bound_s / (bound_s + host)}
+
+
+def with_calls(calls: dict | None, share: dict | None) -> dict | None:
+    """The cut pass's result, with the ceiling it and the host's share set together: the
+    device's runs reading at the cut pass's rate, the host's time added."""
+    if not calls or calls.get("error") or not share:
+        return calls
+    bound_s = share["bytes_per_token"] / share["bandwidth_bytes_per_s"]
+    return {**calls, "ceiling_with_host": bound_s / (bound_s / calls["ratio"] + share["host_s"])}
 
 
 def side_summary(raw: dict) -> dict:
@@ -196,9 +205,10 @@ def perplexities(raw: dict[str, dict], reference: str) -> dict[str, dict]:
 
 def summarize_model(name: str, cfg: LlamaConfig, embedded: bool, lengths: tuple[int, ...], max_context: int,
                     raw: dict[str, dict], bandwidth_bytes_per_s: float | None, quant: str = "bf16",
-                    turn_bandwidth: list[float | None] | None = None) -> dict:
+                    turn_bandwidth: list[float | None] | None = None, call_structure: dict | None = None) -> dict:
     """`turn_bandwidth`: the bandwidth sampled in each decode turn, which bounds the bursts of
-    the same turn (`bench.turns`); None where the turns did not sample it."""
+    the same turn (`bench.turns`); None where the turns did not sample it. `call_structure`:
+    the bandwidth pass cut into our decode step's calls (`Stream.sample_calls`), if measured."""
     reference = OURS if quant == "bf16" else OURS_BF16
     scored = perplexities(raw, reference)
     sides = {k: {**side_summary({kk: vv for kk, vv in v.items() if kk != PERPLEXITY}),
@@ -237,6 +247,7 @@ def summarize_model(name: str, cfg: LlamaConfig, embedded: bool, lengths: tuple[
         "bound_fraction_turns": fraction_turns,
         "turn_bandwidth": turn_bandwidth or [],
         "host_share": share,
+        "call_structure": with_calls(call_structure, share),
         "perplexity_reference": reference,
         "runtimes": sides,
         "ratios": rat,

@@ -70,3 +70,44 @@ def test_each_build_holds_a_prefetch_of_each_hint(isa, disassemble):
     asm = disassemble(path)
     for op in ("prefetchnta", "prefetcht1", "prefetcht0"):
         assert op in asm, f"the {isa} bandwidth GEMV lost its {op}"
+
+
+@pytest.mark.parametrize("isa", [*_BUILDS, "none"])
+def test_the_pass_cut_into_calls_reads_every_call_s_rows_and_starts_again_at_the_matrix_s_end(isa):
+    """`sample_calls` checks the sums of every row a call read. Six calls of 1.25 MiB over a
+    3 MiB matrix: two fit, the third starts again at row 0, and so on."""
+    stream = Stream(3 << 20, isa=isa)
+    calls = stream.sample_calls([5 << 18] * 6, 1)
+    assert calls["calls"] == 6 and calls["call_bytes"] == 6 * (5 << 18) and calls["passes"] == 1
+    assert calls["ratio"] == pytest.approx(calls["calls_bytes_per_s"] / calls["whole_bytes_per_s"])
+    assert calls["method"] == stream.method
+
+
+def test_a_cut_pass_that_left_a_call_s_row_wrong_is_refused():
+    stream = Stream(1 << 20)
+    stream._run_calls = lambda starts, counts: stream.y.fill(bandwidth._ROW_FLOATS) or stream.y.__setitem__(200, 0)
+    with pytest.raises(RuntimeError, match="wrong result"):
+        stream.sample_calls([1 << 19, 1 << 19], 1)
+
+
+def test_a_call_larger_than_the_matrix_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="does not fit"):
+        Stream(1 << 20).sample_calls([2 << 20], 1)
+
+
+@pytest.mark.parametrize("quant", ["bf16", "q4nx"])
+def test_a_decode_step_s_calls_are_the_device_s_batches_of_the_declared_weights(quant):
+    """Llama-3.2-1B: Q/K/V, O, gate and up, down a layer as the simulated device batches them,
+    then the head's partitions in one call; together every declared weight of the step once."""
+    from bench.bound import decode_call_bytes
+    from kernel_builder import groups
+    from llama_base.config import LlamaConfig
+
+    cfg = LlamaConfig()
+    calls = decode_call_bytes(cfg, quant)
+    assert len(calls) == 4 * cfg.num_hidden_layers + 1
+    size = {s.name: s.nbytes for kind in groups.DECODE_KINDS for s in groups.build_group(kind, cfg, 1, quant=quant).slots}
+    assert calls[:4] == [size["wq"] + size["wk"] + size["wv"], size["wo"], size["w_gate"] + size["w_up"], size["w_down"]]
+    head = groups.build_group("lm_head_gemv", cfg, 1, quant=quant)
+    assert calls[-1] == sum(s.nbytes for s in head.slots if s.name.startswith("w_p"))
+    assert calls[4:8] == calls[:4] and sum(calls) == cfg.num_hidden_layers * sum(calls[:4]) + calls[-1]

@@ -29,7 +29,8 @@ from bench.protocol import (DECODE_SPLIT, JOB_FILE, PREPARE, PROJECT_ROOT, RESUL
                             serve_turns)
 from bench.render import model_table as render_model_table
 from bench.run import merge_rounds, run_side
-from bench.summary import HF, LLAMACPP_BF16, OURS, OURS_BF16, host_share, paired_ratio, ratio, summarize_model
+from bench.summary import (HF, LLAMACPP_BF16, OURS, OURS_BF16, host_share, paired_ratio, ratio, summarize_model,
+                           with_calls)
 from bench.turns import BANDWIDTH, decode_turns
 from llama_base.config import LlamaConfig
 from llama_runtime.fixtures import ensure_embedded_model, llama_tokenizer_dir
@@ -152,6 +153,16 @@ def test_the_host_share_caps_the_fraction_of_the_bound():
     share = host_share(side, 772_000_000, 80e9)
     assert share["host_s"] == pytest.approx(0.002) and share["ceiling"] == pytest.approx(9.65 / 11.65)
     assert host_share({}, 772_000_000, 80e9) is None and host_share(side, 772_000_000, None) is None
+
+
+def test_the_cut_pass_and_the_host_share_cap_the_fraction_together():
+    """Calls read at 90 % of the whole pass: the device's runs take 9.65 / 0.9 ms, plus the
+    host's 2 ms. A cut pass that failed, or no host share, is passed on as it is."""
+    share = host_share({DECODE_SPLIT: {"steps": 8, "step_s": 0.012, "device_run_s": 0.010}}, 772_000_000, 80e9)
+    calls = with_calls({"calls": 65, "ratio": 0.9}, share)
+    assert calls["ceiling_with_host"] == pytest.approx(9.65 / (9.65 / 0.9 + 2.0))
+    assert with_calls({"error": "too big"}, share) == {"error": "too big"}
+    assert with_calls({"calls": 65, "ratio": 0.9}, None) == {"calls": 65, "ratio": 0.9} and with_calls(None, share) is None
 
 
 def test_turns_decode_bursts_within_the_positions_the_rounds_time():
@@ -557,6 +568,9 @@ def test_quick_bench_on_the_embedded_model_writes_both_reports(reports, capsys):
     assert hs["steps"] == QUICK.n_decode and 0 < hs["device_run_s"] < hs["step_s"] and 0 < hs["ceiling"] < 1
     assert hs["bandwidth_bytes_per_s"] == statistics.median(turn_bw)
     assert "Our decode step outside the device's runs" in md
+    calls = m["call_structure"]          # the bandwidth pass cut into ours' decode calls (simulated device)
+    assert calls["calls"] == 4 * data["models"][0]["config"]["layers"] + 1 and calls["ratio"] > 0
+    assert 0 < calls["ceiling_with_host"] and f"makes {calls['calls']} GEMV calls on the simulated device" in md
     assert math.isclose(m["decode_bound_tok_s"], data["bandwidth"]["bytes_per_s"] / m["decode_bytes_per_token"])
     assert [t["name"] for t in m["targets"]] == ["decode ≥ 1.0× HF", "load ≤ 3 s (warm cache)"]
     assert all(t["status"] in ("PASS", "MISS") for t in m["targets"])
