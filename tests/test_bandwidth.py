@@ -84,8 +84,13 @@ def test_the_pass_cut_into_calls_reads_every_call_s_rows_and_starts_again_at_the
 
 
 def test_a_cut_pass_that_left_a_call_s_row_wrong_is_refused():
+    """Two calls of 512 KiB over a 1 MiB matrix (256 rows): row 200 is the second call's."""
     stream = Stream(1 << 20)
-    stream._run_calls = lambda starts, counts: stream.y.fill(bandwidth._ROW_FLOATS) or stream.y.__setitem__(200, 0)
+
+    def one_row_short(starts, counts):
+        stream.y.fill(bandwidth._ROW_FLOATS)
+        stream.y[200] = 0
+    stream._run_calls = one_row_short
     with pytest.raises(RuntimeError, match="wrong result"):
         stream.sample_calls([1 << 19, 1 << 19], 1)
 
