@@ -24,6 +24,7 @@ import ctypes
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -76,12 +77,9 @@ def _native_gemv(isa_flags: list[str]):
     if path is None:
         return None
     lib = ctypes.CDLL(str(path))
-    lib.gemv_f32_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                    ctypes.c_int64, ctypes.c_int, ctypes.c_int64]
+    lib.gemv_f32_stream.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                                                             ctypes.c_int64]
     lib.gemv_f32_stream.restype = ctypes.c_int
-    lib.gemv_f32_stream_calls.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-                                                                   ctypes.c_int64]
-    lib.gemv_f32_stream_calls.restype = ctypes.c_int
     return lib
 
 
@@ -120,34 +118,29 @@ class Stream:
         # the cyclic collector ran, a GiB per sample of a run.
         self.y = y = np.empty(rows, dtype=np.float32)
         self.matrix_bytes = a.nbytes
-        runs = {}
         native = native_isa() if isa is None else None if isa == "none" else isa
         lib = _native_gemv(_ISAS[native][1]) if native is not None else None
-        cut_runs = {}
+        # Each way is a cut pass, `run(starts, counts)`; the whole pass is one call over every row.
+        runs = {}
         if lib is not None:
             def way(hint: int, ahead: int):
-                def run():
-                    if lib.gemv_f32_stream(a.ctypes.data, x.ctypes.data, y.ctypes.data, rows, _ROW_FLOATS, hint, ahead):
+                def run(starts: np.ndarray, counts: np.ndarray):
+                    if lib.gemv_f32_stream(a.ctypes.data, x.ctypes.data, y.ctypes.data, starts.ctypes.data,
+                                           counts.ctypes.data, len(starts), _ROW_FLOATS, hint, ahead):
                         raise RuntimeError(f"the bandwidth GEMV does not know prefetch hint {hint}")
-
-                def run_calls(starts: np.ndarray, counts: np.ndarray):
-                    if lib.gemv_f32_stream_calls(a.ctypes.data, x.ctypes.data, y.ctypes.data, starts.ctypes.data,
-                                                 counts.ctypes.data, len(starts), _ROW_FLOATS, hint, ahead):
-                        raise RuntimeError(f"the bandwidth GEMV does not know prefetch hint {hint}")
-                return run, run_calls
+                return run
 
             for label, hint, ahead in WAYS:
-                runs[f"native {native} f32 GEMV, {label}"], cut_runs[f"native {native} f32 GEMV, {label}"] = way(hint, ahead)
+                runs[f"native {native} f32 GEMV, {label}"] = way(hint, ahead)
         if not runs:
             # Not alternated with the native ways: OpenBLAS's threads spin on the cores after a
             # call and halve the rate of whatever runs next (docs/profile.md).
-            runs[NUMPY] = lambda: np.matmul(a, x, out=y)
-
-            def numpy_calls(starts: np.ndarray, counts: np.ndarray):
+            def numpy_run(starts: np.ndarray, counts: np.ndarray):
                 for r0, n in zip(starts.tolist(), counts.tolist()):
                     np.matmul(a[r0:r0 + n], x, out=y[r0:r0 + n])
-            cut_runs[NUMPY] = numpy_calls
-        runs = {label: run for label, run in runs.items() if ways is None or label in ways}
+            runs[NUMPY] = numpy_run
+        every_row = (np.zeros(1, dtype=np.int64), np.array([rows], dtype=np.int64))
+        runs = {label: partial(run, *every_row) for label, run in runs.items() if ways is None or label in ways}
         if not runs:
             raise ValueError(f"no bandwidth GEMV among {ways}; this machine has {list(ways_of(native))}")
         for run in runs.values():
@@ -159,7 +152,7 @@ class Stream:
             self.threads = lib.gemv_f32_stream_threads()
             self.method = f"{self.way} ({_SRC.name}, OpenMP, {self.threads} threads; the fastest of {len(runs)} ways)"
         self._run = runs[self.way]
-        self._run_calls = cut_runs[self.way]
+        self._run_calls = runs[self.way].func
         self._rows = rows
 
     def sample(self, passes: int) -> Bandwidth:

@@ -55,7 +55,7 @@ def test_an_unknown_hint_is_an_error_not_a_pass_without_prefetch():
     lib = bandwidth._native_gemv(bandwidth._ISAS[_BUILDS[-1]][1])
     if lib is None:
         pytest.skip("no C++ compiler")
-    assert lib.gemv_f32_stream(None, None, None, 0, 0, 1, 0) == -1
+    assert lib.gemv_f32_stream(None, None, None, None, None, 0, 0, 1, 0) == -1
 
 
 @pytest.mark.parametrize("isa", _BUILDS)

@@ -78,41 +78,23 @@ void pass(const float *a, const float *x, float *y, int64_t m, int64_t k, int64_
 
 }  // namespace
 
+// n calls, call c over rows start[c] .. start[c] + rows[c] - 1, one after another, each splitting
+// its rows over the threads afresh: a decode step's GEMV dispatches stream their weights that
+// way, each call starting both threads' streams anew and ending when the slower one is done
+// (bench/bandwidth.py, `Stream.sample_calls`). The whole pass is one call over every row.
 // Columns k must be a multiple of 32 (the caller shapes the matrix).
 // hint: -1 none, else a prefetch locality (0 NTA, 2 T1, 3 T0) `ahead` bytes on. Returns 0, or
 // -1 for a hint it does not know.
-extern "C" int gemv_f32_stream(const float *a, const float *x, float *y, int64_t m, int64_t k, int hint,
-                               int64_t ahead) {
+extern "C" int gemv_f32_stream(const float *a, const float *x, float *y, const int64_t *start, const int64_t *rows,
+                               int64_t n, int64_t k, int hint, int64_t ahead) {
+  void (*one)(const float *, const float *, float *, int64_t, int64_t, int64_t);
   switch (hint) {
-    case -1: pass<-1>(a, x, y, m, k, ahead); return 0;
-    case 0: pass<_MM_HINT_NTA>(a, x, y, m, k, ahead); return 0;
-    case 2: pass<_MM_HINT_T1>(a, x, y, m, k, ahead); return 0;
-    case 3: pass<_MM_HINT_T0>(a, x, y, m, k, ahead); return 0;
+    case -1: one = pass<-1>; break;
+    case 0: one = pass<_MM_HINT_NTA>; break;
+    case 2: one = pass<_MM_HINT_T1>; break;
+    case 3: one = pass<_MM_HINT_T0>; break;
     default: return -1;
   }
-}
-
-namespace {
-
-template <int Hint>
-void calls(const float *a, const float *x, float *y, const int64_t *start, const int64_t *rows, int64_t n, int64_t k,
-           int64_t ahead) {
-  for (int64_t c = 0; c < n; ++c) pass<Hint>(a + start[c] * k, x, y + start[c], rows[c], k, ahead);
-}
-
-}  // namespace
-
-// The same pass cut into n calls, call c over rows start[c] .. start[c] + rows[c] - 1, one after
-// another, each splitting its rows over the threads afresh: a decode step's GEMV dispatches
-// stream their weights that way, each call starting both threads' streams anew and ending when
-// the slower one is done (bench/bandwidth.py, `Stream.sample_calls`). Returns as above.
-extern "C" int gemv_f32_stream_calls(const float *a, const float *x, float *y, const int64_t *start,
-                                     const int64_t *rows, int64_t n, int64_t k, int hint, int64_t ahead) {
-  switch (hint) {
-    case -1: calls<-1>(a, x, y, start, rows, n, k, ahead); return 0;
-    case 0: calls<_MM_HINT_NTA>(a, x, y, start, rows, n, k, ahead); return 0;
-    case 2: calls<_MM_HINT_T1>(a, x, y, start, rows, n, k, ahead); return 0;
-    case 3: calls<_MM_HINT_T0>(a, x, y, start, rows, n, k, ahead); return 0;
-    default: return -1;
-  }
+  for (int64_t c = 0; c < n; ++c) one(a + start[c] * k, x, y + start[c], rows[c], k, ahead);
+  return 0;
 }
