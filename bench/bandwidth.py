@@ -151,8 +151,7 @@ class Stream:
         else:
             self.threads = lib.gemv_f32_stream_threads()
             self.method = f"{self.way} ({_SRC.name}, OpenMP, {self.threads} threads; the fastest of {len(runs)} ways)"
-        self._run = runs[self.way]
-        self._run_calls = runs[self.way].func
+        self._pass, self._every_row = runs[self.way].func, every_row     # the kept way's `run(starts, counts)`
         self._rows = rows
 
     def sample(self, passes: int) -> Bandwidth:
@@ -160,7 +159,7 @@ class Stream:
         times = []
         for _ in range(passes):
             t0 = time.perf_counter()
-            self._run()
+            self._pass(*self._every_row)
             times.append(time.perf_counter() - t0)
         if not np.all(self.y == _ROW_FLOATS):   # every row of ones · ones sums to its length, exactly in f32
             raise RuntimeError("the bandwidth GEMV computed a wrong result")
@@ -187,11 +186,10 @@ class Stream:
             covered[r0:r0 + n] = True
         whole, cut = [], []
         for _ in range(passes):
-            for run, rows, times in ((self._run, slice(None), whole),
-                                     (lambda: self._run_calls(starts, counts), covered, cut)):
+            for calls, rows, times in ((self._every_row, slice(None), whole), ((starts, counts), covered, cut)):
                 self.y.fill(0.0)
                 t0 = time.perf_counter()
-                run()
+                self._pass(*calls)
                 times.append(time.perf_counter() - t0)
                 if not np.all(self.y[rows] == _ROW_FLOATS):
                     raise RuntimeError("the bandwidth GEMV computed a wrong result")
