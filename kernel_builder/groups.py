@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from functools import cached_property
 from typing import Any
@@ -55,6 +55,9 @@ class Slot:
     dtype: str
     role: Role
     token_major: bool = False   # [seq, features] activation: rows past a prompt's length are padding
+    # [kv_heads, ctx, head_dim] view of the KV cache: positions past those written so far hold
+    # nothing, and no real row attends to them (causality), so the host does not read them.
+    cache_positions: bool = False
 
     @property
     def numel(self) -> int:
@@ -160,7 +163,8 @@ class KernelGroup:
             "kind": self.kind,
             "seq_len": self.seq_len,
             "ctx_len": self.ctx_len,
-            "slots": [[s.name, list(s.shape), s.dtype, s.role.value, s.token_major] for s in self.slots],
+            "slots": [[s.name, list(s.shape), s.dtype, s.role.value, s.token_major, s.cache_positions]
+                      for s in self.slots],
             "launches": [
                 {"name": l.name, "op": l.op, "reads": list(l.reads), "writes": list(l.writes),
                  "params": {k: v for k, v in l.params}}
@@ -196,6 +200,8 @@ class KernelGroup:
                 raise ValueError(f"{self.name}: slot {s.name} is used by no launch")
             if s.role in (Role.INTERMEDIATE, Role.OUTPUT) and s.name not in written:
                 raise ValueError(f"{self.name}: {s.role.value} slot {s.name} is never written")
+            if s.cache_positions and (s.role is not Role.INPUT or len(s.shape) != 3 or s.shape[1] != self.ctx_len):
+                raise ValueError(f"{self.name}: cache slot {s.name} is not an input [heads, {self.ctx_len}, dim]")
 
 
 PREFILL_KINDS = ("rms_gemms_rope", "flash_attn", "o_ffn")
@@ -214,8 +220,8 @@ def _launch(name: str, op: str, reads, writes, **params) -> Launch:
     return Launch(name, op, tuple(reads), tuple(writes), tuple(sorted(params.items())))
 
 
-def _slot(name: str, shape, role: Role, dtype: str = "bf16") -> Slot:
-    return Slot(name, tuple(int(d) for d in shape), dtype, role)
+def _slot(name: str, shape, role: Role, dtype: str = "bf16", cache_positions: bool = False) -> Slot:
+    return Slot(name, tuple(int(d) for d in shape), dtype, role, cache_positions=cache_positions)
 
 
 def _weight(name: str, shape, quant: str) -> Slot:
@@ -247,8 +253,8 @@ def _gemv(n: int, k: int, quant: str) -> dict:
 
 def _group(kind: str, seq: int, slots, launches, ctx: int = 0, quant: str = "bf16") -> KernelGroup:
     if kind in PREFILL_KINDS:
-        slots = [Slot(s.name, s.shape, s.dtype, s.role,
-                      s.role is not Role.STATIC and len(s.shape) == 2 and s.shape[0] == seq) for s in slots]
+        slots = [replace(s, token_major=s.role is not Role.STATIC and len(s.shape) == 2 and s.shape[0] == seq)
+                 for s in slots]
     wide = tuple(s.name for s in slots if s.role is Role.STATIC and len(s.shape) == 2 and s.dtype != quant)
     g = KernelGroup(kind, seq, tuple(slots), tuple(launches), tuple(sorted(presets.group_options(kind).items())), ctx,
                     quant, tuple(sorted(wide)) if quant != "bf16" else ())
@@ -305,7 +311,9 @@ def flash_attn(cfg: LlamaConfig, seq: int, ctx: int | None = None) -> KernelGrou
     I, O = Role.INPUT, Role.OUTPUT
     kvh, d = cfg.num_key_value_heads, cfg.head_dim
     slots = [
-        _slot("q", (seq, cfg.q_dim), I), _slot("k_cache", (kvh, ctx, d), I), _slot("v_cache", (kvh, ctx, d), I),
+        _slot("q", (seq, cfg.q_dim), I),
+        _slot("k_cache", (kvh, ctx, d), I, cache_positions=True),
+        _slot("v_cache", (kvh, ctx, d), I, cache_positions=True),
         _slot("q_start", (1,), I, "i32"),
         _slot("attn", (seq, cfg.q_dim), O),
     ]

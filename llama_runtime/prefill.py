@@ -40,11 +40,12 @@ def prefill_layer(model: DeviceModel, layer: int, x: torch.Tensor, start: int, n
     kc, g = model.kc, model.prefill_groups[bucket][layer]
     qkv = qkv_to_cache(model, layer, x, start, n, bucket)
     ga = model.attention_group(bucket, start, n)
-    ctx = ga.ctx_len
-    att = kc.load_and_run(ga.name, {"q": qkv["q"], "k_cache": model.kv.k[layer, :, :ctx],
-                                    "v_cache": model.kv.v[layer, :, :ctx],
+    # Only the positions written so far: the cache's later ones stay untouched (`context`).
+    end = start + n
+    att = kc.load_and_run(ga.name, {"q": qkv["q"], "k_cache": model.kv.k[layer, :, :end],
+                                    "v_cache": model.kv.v[layer, :, :end],
                                     "q_start": torch.tensor([start], dtype=torch.int32)},
-                          bo_key(ga, layer), rows=n)
+                          bo_key(ga, layer), rows=n, context=end)
     if capture:
         for name in ("q", "k", "v"):
             capture(layer, name, qkv[name])

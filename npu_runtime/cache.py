@@ -158,28 +158,40 @@ class KernelCache:
 
     # ---- running ------------------------------------------------------------------------
     def load_and_run(self, name: str, inputs: dict[str, torch.Tensor], bo_key: str,
-                     rows: int | None = None) -> dict[str, torch.Tensor]:
+                     rows: int | None = None, context: int | None = None) -> dict[str, torch.Tensor]:
         """Write the inputs, run, read back the outputs (views valid until the next call of a
         group of the same kind: the buckets of a kind share their buffers).
 
         `rows` limits the host's writes and reads to the first rows of row-major activations
         (a prompt shorter than its bucket): rows past it are padding that, by causality,
-        never influences the real ones.
+        never influences the real ones. `context` limits the writes of KV-cache slots
+        (`Slot.cache_positions`) to their first positions, those written so far; their inputs
+        are given that long. The cache's positions past them were never written, and reading
+        them would map the kernel's shared zero page there: each later write of a token's K/V
+        would then replace that mapping, which flushes every core's TLB (about 20 µs a page on
+        a 2-core VM against 1.5 for a first write, a 5 ms decode step one in 32).
         """
         kernel = self.artifacts.kernel(name)
         s = self._runnable_set(name, bo_key)
         prof = self.profiler.enabled
         t0 = time.perf_counter() if prof else 0.0
-        ins, outs = s.io if rows is None else self._io(s, rows)
+        ins, outs = s.io if rows is None and context is None else self._io(s, rows, context)
         for slot, view, bo, nbytes in ins:
             t = inputs[slot.name]
             if t.numel() != view.numel():
-                raise ValueError(f"{name}.{slot.name}: {t.numel()} elements for a {nbytes}-byte span of {slot.shape}")
-            if t.dtype == view.dtype and t.is_contiguous():
+                raise ValueError(f"{name}.{slot.name}: {t.numel()} elements where {view.numel()} of {slot.shape} "
+                                 "are written")
+            if t.dtype == view.dtype and t.is_contiguous() and view.is_contiguous():
                 copy_tensor(view, t)
-            else:
+                bo.sync(Sync.TO_DEVICE, nbytes)
+            elif view.is_contiguous():
                 view.view(-1).copy_(t.reshape(-1))
-            bo.sync(Sync.TO_DEVICE, nbytes)
+                bo.sync(Sync.TO_DEVICE, nbytes)
+            else:   # a KV-cache slot's first positions (`_cache_io`): each head's own bytes
+                view.copy_(t.reshape(view.shape))
+                pitch = view.stride(0) * view.element_size()
+                for head in range(view.shape[0]):
+                    bo.sync(Sync.TO_DEVICE, nbytes, head * pitch)
         t1 = time.perf_counter() if prof else 0.0
         kernel.run(s.bos)
         t2 = time.perf_counter() if prof else 0.0
@@ -227,8 +239,9 @@ class KernelCache:
             self._bind_activations(s)
         return s
 
-    def _io(self, s: BOSet, rows: int | None) -> tuple[tuple, tuple]:
-        """The set's inputs and outputs as (slot, view, BO, bytes) for a call on `rows` rows.
+    def _io(self, s: BOSet, rows: int | None, context: int | None = None) -> tuple[tuple, tuple]:
+        """The set's inputs and outputs as (slot, view, BO, bytes) for a call on `rows` rows
+        and, for KV-cache slots, the first `context` positions.
 
         For whole slots (every decode call) they are resolved once, when the set's activations
         are bound: walking all of a group's slots on each call, most of them weights, and slicing
@@ -236,10 +249,28 @@ class KernelCache:
         "Around the calls")."""
         moved: dict[Role, list] = {Role.INPUT: [], Role.OUTPUT: []}
         for i, slot in enumerate(s.group.slots):
-            if slot.role in moved:
+            if slot.role not in moved:
+                continue
+            if slot.cache_positions and context is not None:
+                moved[slot.role].append(self._cache_io(s, i, context))
+            else:
                 n = self._span(s.group, slot, rows)
                 moved[slot.role].append((slot, self._view(s, i, n), s.bos[i], n))
         return tuple(moved[Role.INPUT]), tuple(moved[Role.OUTPUT])
+
+    def _cache_io(self, s: BOSet, i: int, context: int) -> tuple:
+        """A KV-cache slot [heads, ctx, dim] as its first `context` positions of each head, and
+        the bytes of one head's: only those are written and synced, head by head. The rest of
+        the buffer keeps what an earlier call left (finite values or zeros), which no real row
+        attends to."""
+        slot = s.group.slots[i]
+        _, ctx, dim = slot.shape
+        if not 0 < context <= ctx:
+            raise ValueError(f"{s.group.name}: context={context} outside 1..{ctx}")
+        whole = self._view(s, i, slot.nbytes)
+        if context == ctx:
+            return slot, whole, s.bos[i], slot.nbytes
+        return slot, whole[:, :context], s.bos[i], context * dim * whole.element_size()
 
     @staticmethod
     def _view(s: BOSet, i: int, nbytes: int) -> torch.Tensor:
