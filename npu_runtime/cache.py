@@ -183,12 +183,11 @@ class KernelCache:
                                  "are written")
             if t.dtype == view.dtype and t.is_contiguous() and view.is_contiguous():
                 copy_tensor(view, t)
-                bo.sync(Sync.TO_DEVICE, nbytes)
-            elif view.is_contiguous():
-                view.view(-1).copy_(t.reshape(-1))
+            else:
+                view.copy_(t.reshape(view.shape))
+            if view.is_contiguous():
                 bo.sync(Sync.TO_DEVICE, nbytes)
             else:   # a KV-cache slot's first positions (`_cache_io`): each head's own bytes
-                view.copy_(t.reshape(view.shape))
                 pitch = view.stride(0) * view.element_size()
                 for head in range(view.shape[0]):
                     bo.sync(Sync.TO_DEVICE, nbytes, head * pitch)
