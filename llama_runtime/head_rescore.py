@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from cpu_kernels import native_cpu
+from cpu_kernels import native_rows
 
 TOP_K = 256
 # The rows read last, kept for the next tokens (4096 rows of Llama-3.2-1B's head). On the one
@@ -48,11 +48,11 @@ def rescore(logits: torch.Tensor, normed: torch.Tensor, rows: Callable[[torch.Te
         return idx
     if source is not None:
         logits.copy_(source)
-    idx = native_cpu.top_k_ids(logits, k)
+    idx = native_rows.top_k_ids(logits, k)
     if idx is None:
         idx = torch.topk(logits, k, sorted=False).indices
     picked = rows(idx)
-    exact = native_cpu.rows_dot(picked, normed)
+    exact = native_rows.rows_dot(picked, normed)
     if exact is None:
         exact = picked.float() @ normed.float()
     logits.index_copy_(0, idx, exact.to(torch.bfloat16).float())

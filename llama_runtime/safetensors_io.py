@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cpu_kernels import native_cpu
+from cpu_kernels import native_cpu, native_rows
 from llama_base.errors import CheckpointError
 from llama_runtime.host_ops import untouched_zeros
 
@@ -114,7 +114,7 @@ PREFETCH_WINDOW = 128 << 10     # bytes a WILLNEED asks for (`FileRows.prefetch`
 
 class RowCache:
     """The last rows a `FileRows` read, up to `capacity` of them, for the native reader
-    (`native_cpu.read_rows`, whose source says how slots are reused). A 4-bit head's rescored
+    (`native_rows.read_rows`, whose source says how slots are reused). A 4-bit head's rescored
     candidates recur from token to token on a trained model, and a row held here is a copy
     rather than a system call. Its rows are resident only once used (`untouched_zeros`)."""
 
@@ -136,7 +136,7 @@ class FileRows:
     resident within a few dozen tokens. Read this way, only what the reader keeps stays
     resident: with `cache_bytes`, a `RowCache` of that size holds the rows read last (once the
     native library is there); the page cache serves the rest, one native call for all rows of a
-    step (`native_cpu.read_rows`).
+    step (`native_rows.read_rows`).
     """
 
     def __init__(self, path: Path, offset: int, shape: tuple[int, int], dtype: torch.dtype, cache_bytes: int = 0):
@@ -179,7 +179,7 @@ class FileRows:
         out = torch.empty(len(idx), self.shape[1], dtype=self.dtype)
         ids = idx.to(torch.int64).contiguous()
         with self._lock:
-            failed = native_cpu.read_rows(self._fd, self.offset, self.shape[0], ids, out, self._native_cache())
+            failed = native_rows.read_rows(self._fd, self.offset, self.shape[0], ids, out, self._native_cache())
         if failed is None:
             failed = self._read_each(ids.tolist(), out)
         self._check(ids, failed)
@@ -190,7 +190,7 @@ class FileRows:
         the native library cannot (the caller reads it the other way)."""
         if out.dtype != self.dtype or out.numel() != self.shape[1]:
             raise ValueError(f"a row of {self.shape[1]} {self.dtype} values, not {out.numel()} {out.dtype}")
-        failed = native_cpu.read_row(self._fd, self.offset, self.shape[0], i, out)
+        failed = native_rows.read_row(self._fd, self.offset, self.shape[0], i, out)
         if failed is None:
             return False
         if failed >= 0:
@@ -199,7 +199,7 @@ class FileRows:
 
     def rescore(self, logits: torch.Tensor, x: torch.Tensor, k: int,
                 source: torch.Tensor | None = None) -> torch.Tensor | None:
-        """`head_rescore.rescore` over these rows in one native call (`native_cpu.rescore_rows`):
+        """`head_rescore.rescore` over these rows in one native call (`native_rows.rescore_rows`):
         the ids of the k largest of `logits`, those logits recomputed from their rows times `x`;
         None where that call cannot serve (no native library, fewer than k logits not NaN), with
         nothing changed but, given a bf16 `source`, `logits` holding it widened where the call
@@ -211,9 +211,9 @@ class FileRows:
             if self._scratch is None or len(self._scratch[0]) != k:
                 self._scratch = (torch.empty(k, dtype=torch.int64), torch.empty(k, self.shape[1], dtype=self.dtype))
             ids, rows = self._scratch
-            failed = native_cpu.rescore_rows(logits, x, self._fd, self.offset, self.shape[0], ids, rows, cache,
+            failed = native_rows.rescore_rows(logits, x, self._fd, self.offset, self.shape[0], ids, rows, cache,
                                              source)
-            if failed is None or failed == native_cpu.RESCORE_TOO_FEW:
+            if failed is None or failed == native_rows.RESCORE_TOO_FEW:
                 return None
             self._check(ids, failed)
             return ids.clone()

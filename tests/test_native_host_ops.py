@@ -15,7 +15,7 @@ import functools
 import pytest
 import torch
 
-from cpu_kernels import native_cpu
+from cpu_kernels import native_cpu, native_rows
 from kernel_builder.groups import build_group
 from llama_runtime import reference as ref
 from llama_runtime.host_ops import KVCache, decode_attention_cpu, rms_norm
@@ -294,7 +294,7 @@ def _top_k_reference(x: torch.Tensor, k: int) -> list[int]:
 @pytest.mark.parametrize("n,k", [(128256, 256), (5000, 256), (300, 256), (256, 256), (40, 1)])
 def test_top_k_ids_chooses_what_torch_chooses(n, k):
     x = torch.randn(n, generator=torch.Generator().manual_seed(n))
-    ids = native_cpu.top_k_ids(x, k)
+    ids = native_rows.top_k_ids(x, k)
     assert sorted(ids.tolist()) == sorted(torch.topk(x, k).indices.tolist()) == _top_k_reference(x, k)
 
 
@@ -312,7 +312,7 @@ def test_top_k_ids_does_not_depend_on_the_sample_its_bound_comes_from(case):
         x[sampled] = float("nan")
     else:
         x = x.sort(descending=case == "descending").values
-    assert sorted(native_cpu.top_k_ids(x, k).tolist()) == _top_k_reference(x, k)
+    assert sorted(native_rows.top_k_ids(x, k).tolist()) == _top_k_reference(x, k)
 
 def test_top_k_ids_breaks_ties_by_the_lower_id_and_never_takes_nan():
     """Ties at the k-th value (a quantized head's logits repeat) must resolve the same on every
@@ -322,12 +322,12 @@ def test_top_k_ids_breaks_ties_by_the_lower_id_and_never_takes_nan():
     x[torch.randint(0, 20000, (500,), generator=g)] = float("nan")
     x[7], x[19999] = float("-inf"), float("inf")
     for k in (1, 3, 256, 5000):
-        assert sorted(native_cpu.top_k_ids(x, k).tolist()) == _top_k_reference(x, k)
+        assert sorted(native_rows.top_k_ids(x, k).tolist()) == _top_k_reference(x, k)
     few = torch.full((300,), float("nan"))
     few[:10] = torch.arange(10.0)
     few[20] = float("-inf")
-    assert sorted(native_cpu.top_k_ids(few, 11).tolist()) == list(range(10)) + [20]
-    assert native_cpu.top_k_ids(few, 12) is None                # fewer than k values to choose
+    assert sorted(native_rows.top_k_ids(few, 11).tolist()) == list(range(10)) + [20]
+    assert native_rows.top_k_ids(few, 12) is None                # fewer than k values to choose
 
 
 @pytest.mark.parametrize("n,k", [(256, 2048), (256, 576), (5, 100), (1, 8)])
@@ -337,10 +337,10 @@ def test_rows_dot_is_the_f32_product_of_the_bf16_rows(n, k):
     g = torch.Generator().manual_seed(k)
     rows = torch.randn(n, k, generator=g).bfloat16()
     x = torch.randn(k, generator=g).bfloat16()
-    got = native_cpu.rows_dot(rows, x)
+    got = native_rows.rows_dot(rows, x)
     exact = rows.double() @ x.double()
     size = rows.double().abs() @ x.double().abs()
     assert got.dtype == torch.float32 and got.shape == (n,)
     assert torch.all((got.double() - exact).abs() <= size * k * 2.0 ** -24)
     rows[:, -1] = 0                                        # the tail counts: a change there shows
-    assert not torch.equal(native_cpu.rows_dot(rows, x), got)
+    assert not torch.equal(native_rows.rows_dot(rows, x), got)

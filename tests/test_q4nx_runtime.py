@@ -165,14 +165,14 @@ def test_file_rows_read_the_rows_asked_for_and_name_what_went_wrong(tmp_path, mo
     from a file that shrank under the runtime."""
     from safetensors.torch import save_file
 
-    from cpu_kernels import native_cpu
+    from cpu_kernels import native_cpu, native_rows
     from llama_runtime.safetensors_io import Checkpoint, FileRows
 
-    if native and native_cpu._library() is None:
+    if native and native_cpu.library() is None:
         pytest.skip("no native library on this machine")
     if not native:
-        monkeypatch.setattr(native_cpu, "read_rows", lambda *a: None)
-        monkeypatch.setattr(native_cpu, "read_row", lambda *a: None)
+        monkeypatch.setattr(native_rows, "read_rows", lambda *a: None)
+        monkeypatch.setattr(native_rows, "read_row", lambda *a: None)
     table = torch.randn(50, 24).to(torch.bfloat16)
     save_file({"pad": torch.ones(3, dtype=torch.bfloat16), "t": table}, tmp_path / "m.safetensors")
     ck = Checkpoint(tmp_path)
