@@ -212,7 +212,7 @@ class FileRows:
                 self._scratch = (torch.empty(k, dtype=torch.int64), torch.empty(k, self.shape[1], dtype=self.dtype))
             ids, rows = self._scratch
             failed = native_rows.rescore_rows(logits, x, self._fd, self.offset, self.shape[0], ids, rows, cache,
-                                             source)
+                                              source)
             if failed is None or failed == native_rows.RESCORE_TOO_FEW:
                 return None
             self._check(ids, failed)
