@@ -345,7 +345,9 @@ def packed_header() -> int:
     return lib.packed_header if lib is not None else 0
 
 
-def _usable(*ts: torch.Tensor) -> ctypes.CDLL | None:
+def usable(*ts: torch.Tensor) -> ctypes.CDLL | None:
+    """The library, where there is one and every tensor is contiguous bf16 (what the kernels
+    on bf16 operands take); else None, and the caller takes its torch path."""
     lib = _library()
     if lib is None or not all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in ts):
         return None
@@ -370,7 +372,7 @@ def _packed(w: torch.Tensor, n: int, k: int) -> bool:
 def pack_weight(w: torch.Tensor, alloc: Callable[[int], torch.Tensor]) -> torch.Tensor | None:
     """The row-major [N, K] bf16 weight w in packed tiles (`weight_tiles`), in a uint8 buffer
     from `alloc(nbytes)`; None if unavailable or the shape does not fit."""
-    lib = _usable(w)
+    lib = usable(w)
     if lib is None or w.dim() != 2 or not tileable(*w.shape):
         return None
     pairs = ctypes.c_int64()
@@ -441,7 +443,7 @@ def _bound(fn: Callable, tensors, *args) -> partial:
 def _batch_call(symbol: str, holds: Callable, jobs) -> Callable[[], None] | None:
     """One native dispatch of GEMVs (W, x, y), each 5 int64 slots (w, x, y, rows, k), bound, when
     every W `holds` its [y, x] matrix in the kernel's format."""
-    lib = _usable(*(t for _, x, y in jobs for t in (x, y)))
+    lib = usable(*(t for _, x, y in jobs for t in (x, y)))
     if lib is None or not all(holds(w, y.numel(), x.numel()) for w, x, y in jobs):
         return None
     desc = (ctypes.c_int64 * (5 * len(jobs)))()
@@ -451,7 +453,7 @@ def _batch_call(symbol: str, holds: Callable, jobs) -> Callable[[], None] | None
 
 
 def _gemm_call(symbol: str, holds: Callable, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor):
-    lib = _usable(a, out)
+    lib = usable(a, out)
     if lib is None or a.dim() != 2 or out.dim() != 2 or a.shape[0] != out.shape[0]:
         return None
     (m, k), n = a.shape, out.shape[1]
@@ -467,7 +469,7 @@ def gemm_call(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> Callable[[
 
 def rmsnorm_call(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, dim: int, eps: float) -> Callable[[], None] | None:
     """out = x / rms(x) · w over rows of `dim`, bound; None if the native path is unavailable."""
-    lib = _usable(x, w, out)
+    lib = usable(x, w, out)
     if lib is None:
         return None
     return _bound(lib.rmsnorm_bf16_cpu, (x, w, out), x.data_ptr(), w.data_ptr(), out.data_ptr(), x.numel() // dim,
@@ -482,7 +484,7 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, dim: int, eps: 
 
 
 def _binary(symbol: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> Callable[[], None] | None:
-    lib = _usable(a, b, out)
+    lib = usable(a, b, out)
     if lib is None:
         return None
     return _bound(getattr(lib, symbol), (a, b, out), a.data_ptr(), b.data_ptr(), out.data_ptr(), a.numel())
@@ -501,7 +503,7 @@ def add_call(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> Callable[[]
 def rope_call(x: torch.Tensor, lut: torch.Tensor, out: torch.Tensor, rows: int, heads: int,
               head_dim: int) -> Callable[[], None] | None:
     """Half-split rotation of [rows, heads, head_dim] by each row's cos | sin, bound; None if unavailable."""
-    lib = _usable(x, lut, out)
+    lib = usable(x, lut, out)
     if lib is None or head_dim % 2:
         return None
     return _bound(lib.rope_bf16_cpu, (x, lut, out), x.data_ptr(), lut.data_ptr(), out.data_ptr(), rows, heads, head_dim)
@@ -512,7 +514,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, 
 
     q, out: [heads·d] bf16; k, v: [kv_heads, max_seq, d] bf16. False if the native path is unavailable.
     """
-    lib = _usable(q, k, v, out)
+    lib = usable(q, k, v, out)
     kvh, stride, d = k.shape
     if lib is None or d > lib.max_head_dim or not 0 < n <= stride:
         return False
@@ -525,7 +527,7 @@ def decode_step_calls(q: torch.Tensor, k_row: torch.Tensor, v_row: torch.Tensor,
     """The native KV row store and single-query attention (`kv_store_row`, `decode_attention`)
     for a decode step that calls them by address on these tensors every token, after this one
     check of them; None if the native path cannot take them."""
-    lib = _usable(q, k_row, v_row, k, v, out)
+    lib = usable(q, k_row, v_row, k, v, out)
     if lib is None or k.dim() != 4 or v.shape != k.shape:
         return None
     _, kvh, _, d = k.shape
@@ -540,7 +542,7 @@ def kv_store_row(k_row: torch.Tensor, v_row: torch.Tensor, k: torch.Tensor, v: t
     """One token's K/V rows [kv_heads·d] into the [layers, kv_heads, max_seq, d] caches at `pos`,
     by pointer arithmetic: a decode step stores a row per layer, and indexing the caches for it
     costs more than the 2 KiB it moves. False if the native path is unavailable."""
-    lib = _usable(k_row, v_row, k, v)
+    lib = usable(k_row, v_row, k, v)
     layers, kvh, stride, d = k.shape
     if (lib is None or v.shape != k.shape or not 0 <= layer < layers or not 0 <= pos < stride
             or k_row.numel() != kvh * d or v_row.numel() != kvh * d):
@@ -561,7 +563,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
     """
     s, heads, d = q.shape
     kvh, c, _ = k.shape
-    lib = _usable(q, out)
+    lib = usable(q, out)
     if (lib is None or d % _FLASH_DIM_STEP or d > lib.flash_max_head_dim or heads % kvh or k.stride() != v.stride()
             or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 or k.stride()[1:] != (d, 1)):
         return False

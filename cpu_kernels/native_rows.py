@@ -81,9 +81,8 @@ def rescore_rows(logits: torch.Tensor, x: torch.Tensor, fd: int, offset: int, n_
 def rows_dot(rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
     """f32 products of the bf16 rows [n, k] with the bf16 vector x (n values, summed in an
     order of their own); None if the native library is unavailable."""
-    lib = native_cpu.library()
-    if (lib is None or rows.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or not rows.is_contiguous()
-            or not x.is_contiguous() or rows.dim() != 2 or x.numel() != rows.shape[1]):
+    lib = native_cpu.usable(rows, x)
+    if lib is None or rows.dim() != 2 or x.numel() != rows.shape[1]:
         return None
     out = torch.empty(rows.shape[0], dtype=torch.float32)
     lib.rows_dot_bf16_cpu(rows.data_ptr(), rows.shape[0], rows.shape[1], x.data_ptr(), out.data_ptr())
