@@ -72,10 +72,14 @@ def this_core() -> str:
 
 # A bench can run "as" a lower CPU class on a machine that has a higher one: each runtime is
 # kept off the instructions the class lacks. `native` is the machine as it is.
-CPU_CLASSES: dict[str, tuple[str, ...]] = {"native": (), "avx2": ("avx512", "amx", "avx_vnni")}
+# `avxvnni` is an Intel client core from Alder Lake on: AVX2 and AVX-VNNI, no AVX-512.
+CPU_CLASSES: dict[str, tuple[str, ...]] = {
+    "native": (), "avxvnni": ("avx512", "amx"), "avx2": ("avx512", "amx", "avx_vnni"),
+}
 CLASS_ENV: dict[str, dict[str, str]] = {
     "native": {},
     # ours: the native library's class; torch (ours and HF): ATen's kernels and oneDNN's
+    "avxvnni": {"LLAMA_NPU_ISA": "avxvnni", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI"},
     "avx2": {"LLAMA_NPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
 }
 

@@ -37,10 +37,15 @@ _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 # widened once (simd_bf16.h). It serves CPUs with AVX-512 but no BF16 (Ice Lake), and those
 # whose vdpbf16ps is slower than its FMAs (Intel's): on a CPU that has both classes,
 # native_cpu times their GEMMs and runs the faster.
+# `avxvnni` is AVX2 with AVX-VNNI's vpdpbusd on 256-bit vectors (Intel's cores from Alder Lake
+# on, which have no AVX-512): the AVX2 kernels, except that the Q4NX byte products sum in 32 bits
+# with no saturation to avoid, which takes three of the seven vector operations per 32 bytes off
+# the GEMV's inner loop (q4nx_cpu.cc).
 ISAS = {
     "amx": [*_AVX512BF16, "-mamx-tile", "-mamx-bf16"],
     "avx512bf16": _AVX512BF16,
     "avx512": _AVX512,
+    "avxvnni": [*_AVX2, "-mavxvnni"],
     "avx2": _AVX2,
 }
 # Classes that emulate an ISA this CPU may lack: never picked unasked, never in supported_isas().
@@ -55,7 +60,7 @@ TILE_CLASSES = frozenset({"amx", "amx-emulated"})
 # class runs where vdpbf16ps is slow, on Intel's cores, and there vpdpbusd on one-byte
 # activations ran the GEMM at 2.6 times its FMAs' rate. On a Zen 5 vdpbf16ps already matches
 # vpdpbusd on two-byte activations, and the tiles are far ahead of both.
-INTEGER_Q4NX_GEMM = frozenset({"avx2", "avx512"})
+INTEGER_Q4NX_GEMM = frozenset({"avx2", "avxvnni", "avx512"})
 # Classes whose Q4NX decode (and integer prefill) takes activations one byte wide (q4nx.NARROW)
 # rather than two (q4nx.WIDE): half the byte products. AVX2's vpmaddubsw forms the two-byte
 # contract at about a third of AVX-512 VNNI's rate, too slow to keep up with memory. On Intel's
@@ -63,13 +68,13 @@ INTEGER_Q4NX_GEMM = frozenset({"avx2", "avx512"})
 # GEMV read 86 % of the memory's rate and the one-byte one 95 %: there the vector ports, not
 # memory, held it back (docs/profile.md, "4-bit weights"). A Zen 5's `avx512bf16` keeps the wide
 # width, the closer to the NPU's bf16 products, where it kept pace.
-Q4NX_NARROW_ACTIVATIONS = frozenset({"avx2", "avx512", "amx"})
+Q4NX_NARROW_ACTIVATIONS = frozenset({"avx2", "avxvnni", "avx512", "amx"})
 # The /proc/cpuinfo flag of each compiler flag above. A class whose flags the CPU lacks is not
 # even built (on an AVX2-only CPU that saves compiling the AVX-512 library, about 15 s of a first
 # run, only for its probe to refuse it); where the flags are listed, the probe decides.
 _CPUINFO = {"-mavx512f": "avx512f", "-mavx512bw": "avx512bw", "-mavx512vl": "avx512vl", "-mavx512bf16": "avx512_bf16",
             "-mavx512vnni": "avx512_vnni", "-mamx-tile": "amx_tile", "-mamx-bf16": "amx_bf16", "-mavx2": "avx2",
-            "-mfma": "fma", "-mf16c": "f16c"}
+            "-mfma": "fma", "-mf16c": "f16c", "-mavxvnni": "avx_vnni"}
 CPU_FLAGS = {isa: {_CPUINFO[f] for f in flags if f.startswith("-m")} for isa, flags in ALL_CLASSES.items()}
 
 
@@ -118,9 +123,9 @@ def _compile(command: list[str], srcs: list[Path], objs: Path, lib: Path) -> boo
     return subprocess.run([*command, *map(str, outs), "-o", str(lib)], capture_output=True).returncode == 0
 
 
-# Builds of one set of sources kept: the classes a machine runs (up to five, tests force each
+# Builds of one set of sources kept: the classes a machine runs (up to six, tests force each
 # lower one) for two versions of the sources, so switching between two checkouts rebuilds nothing.
-KEEP_BUILDS = 10
+KEEP_BUILDS = 12
 
 
 def _remove_unused_builds(new: Path, stem: str) -> None:

@@ -486,6 +486,10 @@ def test_an_avx2_class_run_hides_avx512_from_every_runtime(monkeypatch, tmp_path
     assert "avx512f" in bench_machine.cpu_flags()
     env = bench_machine.CLASS_ENV["avx2"]
     assert env["LLAMA_NPU_ISA"] == "avx2" and bench_machine.describe("avx2")["class_env"] == env
+    vnni = bench_machine.cpu_flags("avxvnni")                      # Alder Lake on: AVX-VNNI without AVX-512
+    assert "avx_vnni" in vnni and not any(f.startswith(("avx512", "amx")) for f in vnni)
+    assert "-DGGML_AVX_VNNI=ON" in cmake_args(vnni) and "-DGGML_AVX_VNNI=OFF" in cmake_args(flags)
+    assert bench_machine.CLASS_ENV["avxvnni"]["LLAMA_NPU_ISA"] == "avxvnni"
 
 
 def test_the_machine_names_its_core_generation_from_family_and_model(monkeypatch, tmp_path):

@@ -89,18 +89,21 @@ def test_asking_for_more_than_the_cpu_has_is_a_one_line_error(monkeypatch):
     assert "\n" not in str(e.value) and "avx512bf16" in str(e.value) and "torch" in str(e.value)
     _fresh(monkeypatch)
     monkeypatch.setenv(native_cpu.ENV_ISA, "avx9")
-    with pytest.raises(native_cpu.IsaError, match="amx, avx512bf16, avx512, avx2, amx-emulated, torch"):
+    with pytest.raises(native_cpu.IsaError, match="amx, avx512bf16, avx512, avxvnni, avx2, amx-emulated, torch"):
         native_cpu.isa()
 
 
 def test_the_avx2_libraries_hold_no_avx512_instruction(class_disassembly):
     """What lets them load and run on a CPU without AVX-512: no zmm or mask register, and no EVEX
     encoding (which the upper 16 xmm/ymm registers would need). The AMX library holds the tile
-    instructions, the emulation none."""
+    instructions, the emulation none; of the AVX2 ones only `avxvnni` holds AVX-VNNI's byte dot
+    product, VEX-encoded."""
     evex = re.compile(r"%zmm\d|%k[0-7]\b|%[xy]mm(1[6-9]|2\d|3[01])\b")
     text = class_disassembly
-    for isa in ["avx2", "amx-emulated"]:
+    for isa in ["avxvnni", "avx2", "amx-emulated"]:
         assert "vfmadd" in text[isa] and not evex.search(text[isa]) and "tdpbf16ps" not in text[isa], isa
+        vex_dots = text[isa].count("{vex} vpdpbusd")
+        assert (vex_dots > 0) == (isa == "avxvnni") and text[isa].count("vpdpbusd") == vex_dots, isa
     assert evex.search(text["avx512bf16"]) and "vdpbf16ps" in text["avx512bf16"]   # the check can see them
     assert evex.search(text["avx512"]) and "vdpbf16ps" not in text["avx512"]         # runs without AVX512-BF16
     assert "tdpbf16ps" in text["amx"] and "ldtilecfg" in text["amx"] and "tdpbf16ps" not in text["avx512bf16"]

@@ -10,6 +10,8 @@
 //     (native_cpu._faster_dot times the two on each CPU that has both).
 //   - AVX2 + FMA (no AVX-512 at all): two __m256; a bf16 pair widened to f32 in registers by a
 //     shift (the even element) and a mask (the odd one), then two FMAs.
+//   - AVX2 with AVX-VNNI (the `avxvnni` class: Intel's cores from Alder Lake on, which have no
+//     AVX-512): the AVX2 vocabulary; only the Q4NX kernels' byte products change (q4nx_cpu.cc).
 // Both ISAs round the same way wherever the operation order is fixed here: the tail masks,
 // the nearest-even store, e^x and the reduction trees give the same bits on either path. The
 // pair dot step adds the odd product before the even one, as the AVX512-BF16 instruction is
@@ -23,6 +25,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define NATIVE_AVX512 1
+#define NATIVE_AVXVNNI 0
 #if defined(__AVX512BF16__)
 #define NATIVE_DOT_FMA 0
 #else
@@ -31,6 +34,11 @@
 #elif defined(__AVX2__) && defined(__FMA__)
 #define NATIVE_AVX2 1
 #define NATIVE_DOT_FMA 0   // FMAs too, but on pairs widened in registers: no bcast_f32
+#if defined(__AVXVNNI__)
+#define NATIVE_AVXVNNI 1   // vpdpbusd on 256-bit vectors
+#else
+#define NATIVE_AVXVNNI 0
+#endif
 #else
 #error "native kernels need AVX-512 (F, BW, VL, VNNI) or AVX2 with FMA"
 #endif
@@ -200,7 +208,7 @@ inline F16 dot(F16 acc, W16 w, X2 x) { return {_mm512_dpbf16_ps(acc.v, w.v, x.v)
 
 #else  // NATIVE_AVX2
 
-constexpr const char *kVectorIsa = "avx2";
+constexpr const char *kVectorIsa = NATIVE_AVXVNNI ? "avxvnni" : "avx2";
 
 struct F16 { __m256 lo, hi; };
 struct M16 { __m256 lo, hi; };      // all-ones lanes
@@ -209,7 +217,8 @@ struct W16 { __m256 even_lo, odd_lo, even_hi, odd_hi; };
 struct X2 { __m256 even, odd; };
 
 inline bool cpu_has_vector_isa() {
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         (!NATIVE_AVXVNNI || __builtin_cpu_supports("avxvnni"));
 }
 
 inline F16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
