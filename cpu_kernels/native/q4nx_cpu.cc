@@ -9,12 +9,13 @@
 // The device form puts one row's values for 4 columns in each 32-bit lane, and X = 256 Xh + Xl
 // splits into two signed bytes (wide; narrow X is one byte), so the sums are byte dot products:
 // unsigned values times signed activation bytes, 4 per lane (vpdpbusd with AVX512-VNNI, and on
-// 256-bit vectors with AVX-VNNI; vpmaddubsw into 16-bit sums on AVX2, widened once a group). A 64-byte unit (128 weights, both
-// halves of 16 rows) costs one load, a mask, a shift and four dot products wide, two narrow
-// (on AVX-512 the mask goes too: below). With f32 FMAs (as the bf16 GEMV uses) or with 16-bit
-// products the arithmetic, not memory, would set the token rate on a 2-core CPU; on AVX2 and on
-// Intel's AVX-512 cores even the wide byte products held it back, which is why those classes
-// take their activations narrow (native_build.Q4NX_NARROW_ACTIVATIONS).
+// 256-bit vectors with AVX-VNNI; vpmaddubsw into 16-bit sums on AVX2, widened once a group). A
+// 64-byte unit (128 weights, both halves of 16 rows) costs one load, a mask, a shift and four
+// dot products wide, two narrow (with vpdpbusd the mask goes too: below). With f32 FMAs (as
+// the bf16 GEMV uses) or with 16-bit products the arithmetic, not memory, would set the token
+// rate on a 2-core CPU; on AVX2 and on Intel's AVX-512 cores even the wide byte products held it
+// back, which is why those classes take their activations narrow
+// (native_build.Q4NX_NARROW_ACTIVATIONS).
 //
 // Prefill's GEMM on the same contract (gemm_q4nx_int_cpu, below): each output row is what the
 // GEMV computes for that activation row, to the bit. On AVX2 the float GEMM is bound by two
@@ -167,15 +168,19 @@ inline void group_f32(const uint8_t *values, const int32_t *xh, const int32_t *x
   hi = {_mm256_cvtepi32_ps(widen_sum(a[2], a[3])), _mm256_cvtepi32_ps(widen_sum(a[6], a[7]))};
 }
 
-#if NATIVE_AVXVNNI
-
-// AVX-VNNI's vpdpbusd adds four byte products into each 32-bit lane without saturating, so as
-// on AVX-512 the bytes go in as loaded and the low nibbles' sums are dot(v) - 16 dot(q_hi): a
-// shift, a mask and two dot products per 32 bytes, where vpmaddubsw takes seven operations.
-// Two sets of accumulators take alternate units, to cover the dot product's latency.
+// Narrow activations (one byte, q4nx.NARROW): two dot products per 32-byte load, not four.
+//   - AVX2: vpmaddubsw into 16-bit sums of the low and the high nibbles, widened once a group.
+//     One set of accumulators: the chain through each is a one-cycle add, and vpmaddubsw's
+//     latency is off it (a second set, taking alternate units, cost four adds a group and
+//     gained nothing).
+//   - AVX-VNNI: vpdpbusd adds four byte products into each 32-bit lane without saturating, so
+//     as on AVX-512 the bytes go in as loaded and the low nibbles' sums are dot(v) -
+//     16 dot(q_hi): a shift, a mask and two dot products per 32 bytes, where AVX2 takes seven
+//     operations. Two sets of accumulators take alternate units, to cover the dot product's
+//     latency.
 inline void group_f32_narrow(const uint8_t *values, const int32_t *xb, native::F16 &lo, native::F16 &hi) {
   const __m256i nib = _mm256_set1_epi8(15);
-  __m256i a[8];   // [unit parity][rows 0-7 | 8-15][whole bytes, high nibbles]
+  __m256i a[8];   // [unit parity (AVX-VNNI only)][rows 0-7 | 8-15][low nibbles (AVX-VNNI: whole bytes), high]
   for (auto &v : a) v = _mm256_setzero_si256();
   for (int64_t u = 0; u < kGroup / q4nx::kUnitCols; u += 2) {
     for (int64_t p = 0; p < 2; ++p) {
@@ -184,51 +189,35 @@ inline void group_f32_narrow(const uint8_t *values, const int32_t *xb, native::F
         const __m256i v =
             _mm256_loadu_si256(reinterpret_cast<const __m256i *>(values + (u + p) * q4nx::kUnitBytes + 32 * r));
         const __m256i qh = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+#if NATIVE_AVXVNNI
         a[4 * p + 2 * r] = _mm256_dpbusd_avx_epi32(a[4 * p + 2 * r], v, b);
         a[4 * p + 2 * r + 1] = _mm256_dpbusd_avx_epi32(a[4 * p + 2 * r + 1], qh, b);
+#else
+        a[2 * r] = _mm256_add_epi16(a[2 * r], _mm256_maddubs_epi16(_mm256_and_si256(v, nib), b));
+        a[2 * r + 1] = _mm256_add_epi16(a[2 * r + 1], _mm256_maddubs_epi16(qh, b));
+#endif
       }
     }
+#if !NATIVE_AVXVNNI
+    // Left alone, GCC unrolls the group, forms every product before adding any and spills them.
+    for (int i = 0; i < 4; ++i) asm("" : "+x"(a[i]));
+#endif
   }
   __m256 l[2], h[2];
   for (int r = 0; r < 2; ++r) {
+#if NATIVE_AVXVNNI
     const __m256i high = _mm256_add_epi32(a[2 * r + 1], a[4 + 2 * r + 1]);
-    const __m256i whole = _mm256_add_epi32(a[2 * r], a[4 + 2 * r]);
-    l[r] = _mm256_cvtepi32_ps(_mm256_sub_epi32(whole, _mm256_slli_epi32(high, 4)));
+    l[r] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_add_epi32(a[2 * r], a[4 + 2 * r]), _mm256_slli_epi32(high, 4)));
     h[r] = _mm256_cvtepi32_ps(high);
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    l[r] = _mm256_cvtepi32_ps(_mm256_madd_epi16(a[2 * r], ones));
+    h[r] = _mm256_cvtepi32_ps(_mm256_madd_epi16(a[2 * r + 1], ones));
+#endif
   }
   lo = {l[0], l[1]};
   hi = {h[0], h[1]};
 }
-
-#else
-
-// Narrow activations (one byte, q4nx.NARROW): two dot products per 32-byte load, not four. One
-// set of accumulators: the chain through each is a one-cycle add, and vpmaddubsw's latency is
-// off it (a second set, taking alternate units, cost four adds a group and gained nothing).
-inline void group_f32_narrow(const uint8_t *values, const int32_t *xb, native::F16 &lo, native::F16 &hi) {
-  const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-  __m256i a[4];   // [rows 0-7 | 8-15][low nibbles, high nibbles]
-  for (auto &v : a) v = _mm256_setzero_si256();
-  for (int64_t u = 0; u < kGroup / q4nx::kUnitCols; u += 2) {
-    for (int64_t p = 0; p < 2; ++p) {
-      const __m256i b = _mm256_set1_epi32(xb[u + p]);
-      for (int64_t r = 0; r < 2; ++r) {
-        const __m256i v =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i *>(values + (u + p) * q4nx::kUnitBytes + 32 * r));
-        const __m256i ql = _mm256_and_si256(v, nib), qh = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-        a[2 * r + 0] = _mm256_add_epi16(a[2 * r + 0], _mm256_maddubs_epi16(ql, b));
-        a[2 * r + 1] = _mm256_add_epi16(a[2 * r + 1], _mm256_maddubs_epi16(qh, b));
-      }
-    }
-    // Left alone, GCC unrolls the group, forms every product before adding any and spills them.
-    for (auto &v : a) asm("" : "+x"(v));
-  }
-  const auto f32 = [&](int i) { return _mm256_cvtepi32_ps(_mm256_madd_epi16(a[i], ones)); };
-  lo = {f32(0), f32(2)};
-  hi = {f32(1), f32(3)};
-}
-
-#endif  // NATIVE_AVXVNNI
 
 #endif
 
