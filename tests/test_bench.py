@@ -475,7 +475,7 @@ def test_llamacpp_build_turns_amx_and_native_off_and_follows_the_cpu():
     assert "-DGGML_AVX512=OFF" in cmake_args(avx512 - {"avx512vl"})  # needs every AVX-512 subset it compiles for
 
 
-def test_an_avx2_class_run_hides_avx512_from_every_runtime(monkeypatch, tmp_path):
+def test_a_lower_class_run_hides_what_the_class_lacks_from_every_runtime(monkeypatch, tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("model name\t: test\nflags\t\t: sse4_2 avx avx2 fma f16c bmi2 avx512f avx512cd avx512vl "
                        "avx512dq avx512bw avx512_bf16 avx_vnni amx_tile\n")
