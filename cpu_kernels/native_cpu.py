@@ -22,16 +22,19 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import os
 import threading
 import time
 from functools import partial
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
 from llama_base import q4nx
 from llama_base.errors import UserError
+from llama_base.paths import native_dir
 from cpu_kernels.native_build import (ALL_CLASSES, CPU_FLAGS, EMULATIONS, INTEGER_Q4NX_GEMM, ISAS, TILE_CLASSES,
                                       activation_bytes, cpu_flags, library_path)
 
@@ -203,6 +206,7 @@ def _choose() -> ctypes.CDLL | None:
 # cores it wins on are the ones whose vector ports held the two-byte kernels below memory's rate.
 DOT_RIVALS = ("avx512bf16", "avx512")
 DOT_MARGIN = 1.15
+DOT_CHOICE_FILE = "dot_class.txt"   # under the native cache: "<CPU and builds>\t<class>", the last choice made
 
 
 def _gemm_seconds(lib: ctypes.CDLL) -> float:
@@ -224,9 +228,52 @@ def _gemm_seconds(lib: ctypes.CDLL) -> float:
     return best
 
 
+def _cpu_identity() -> str | None:
+    """A digest of the first CPU's maker, family, model, stepping, name and flags as
+    /proc/cpuinfo gives them (a VM moved to another host model, or given other flags, differs);
+    None where it cannot say."""
+    try:
+        first = Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0]
+    except OSError:
+        return None
+    fields = ("vendor_id", "cpu family", "model", "model name", "stepping", "flags")
+    lines = [line for line in first.splitlines() if line.split(":", 1)[0].strip() in fields]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16] if lines else None
+
+
+def _dot_choice_path() -> Path:
+    return native_dir() / DOT_CHOICE_FILE
+
+
 def _faster_dot(bf16: ctypes.CDLL, fma: ctypes.CDLL) -> ctypes.CDLL:
-    """Of the two DOT_RIVALS libraries, the one whose GEMM this CPU runs faster (DOT_MARGIN)."""
-    return fma if _gemm_seconds(bf16) > DOT_MARGIN * _gemm_seconds(fma) else bf16
+    """Of the two DOT_RIVALS libraries, the one whose GEMM this CPU runs faster (DOT_MARGIN):
+    as remembered for this CPU and these two builds, else timed now and remembered.
+
+    Remembered because the choice sets Q4NX's numbers (the two classes take decode's
+    activations at different widths): every process on one machine should make the same one,
+    not re-decide it on a timing that a busy moment can tip, and timing costs about 30 ms of
+    each start. A CPU that cannot say what it is (`_cpu_identity`) is timed every time."""
+    libs = dict(zip(DOT_RIVALS, (bf16, fma)))
+    cpu = _cpu_identity()
+    key = f"{cpu} {Path(bf16._name).name} {Path(fma._name).name}" if cpu else None
+    path = _dot_choice_path()
+    if key:
+        try:
+            held_key, held = path.read_text().strip().rsplit("\t", 1)
+        except (OSError, ValueError):
+            held_key = held = ""
+        if held_key == key and held in libs:
+            return libs[held]
+    chosen = DOT_RIVALS[1] if _gemm_seconds(bf16) > DOT_MARGIN * _gemm_seconds(fma) else DOT_RIVALS[0]
+    if key:
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(f"{key}\t{chosen}\n")
+            os.replace(tmp, path)     # whole or not at all, for a process reading it meanwhile
+        except OSError:
+            tmp.unlink(missing_ok=True)
+    return libs[chosen]
 
 
 def _library() -> ctypes.CDLL | None:

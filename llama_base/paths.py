@@ -22,7 +22,8 @@ ENV_REPORTS = "LLAMA_NPU_REPORTS"
 CACHE_FOLDERS = {
     "models": "imported and generated checkpoints (the embedded model, GGUF files given as MODEL, llama1b-shape, tiny) and Q4NX weights",
     "kernels": "KernelCache entries, one folder per target kind (stitched MLIR, launch programs, ELFs)",
-    "native": "the native CPU library, one build per ISA class and source digest, the least recently used removed beyond a few",
+    "native": "the native CPU library, one build per ISA class and source digest (the least recently used removed beyond a few), "
+              "and which of two rival classes this CPU ran faster",
     "host_kernels": "host builds of the NPU C++ kernels, which the MLIR-AIR interpreter calls",
     "kernel_objects": "Peano builds of the NPU C++ kernels (.o), shared by every ELF; only where Peano exists",
     "bench": "make bench: llama.cpp's build venv and the GGUF files converted for it",

@@ -36,6 +36,7 @@ def _fresh(monkeypatch):
     monkeypatch.setattr(native_cpu, "_forced", None)
     monkeypatch.delenv(native_cpu.ENV_ISA, raising=False)
     monkeypatch.delenv("LLAMA_NPU_NATIVE", raising=False)
+    monkeypatch.setattr(native_cpu, "_cpu_identity", lambda: None)   # the dot classes timed, not remembered
 
 
 def test_the_device_says_which_kernels_run(native_isa, capsys):
@@ -69,6 +70,60 @@ def test_of_the_two_dot_classes_the_one_whose_gemm_is_faster_runs(monkeypatch, b
     seconds = {"avx512bf16": bf16_s, "avx512": fma_s}
     monkeypatch.setattr(native_cpu, "_gemm_seconds", lambda lib: seconds[lib.native_cpu_isa().decode()])
     assert native_cpu.isa() == want
+
+
+class _DotLib:
+    """A stand-in for a rival's library: its file name and its class."""
+
+    def __init__(self, isa: str, name: str):
+        self.isa, self._name = isa, f"/cache/native/{name}"
+
+    def native_cpu_isa(self) -> bytes:
+        return self.isa.encode()
+
+
+def test_the_dot_choice_is_remembered_for_the_cpu_and_the_builds(monkeypatch, tmp_path):
+    """Timed once, then every process on the machine makes the same choice, whatever a later
+    timing would say; other builds, another CPU or a damaged record are timed again."""
+    choice = tmp_path / native_cpu.DOT_CHOICE_FILE
+    monkeypatch.setattr(native_cpu, "_dot_choice_path", lambda: choice)
+    monkeypatch.setattr(native_cpu, "_cpu_identity", lambda: "cpu-a")
+    seconds = {"avx512bf16": 1.0, "avx512": 0.5}
+    timed = []
+    monkeypatch.setattr(native_cpu, "_gemm_seconds", lambda lib: timed.append(lib.isa) or seconds[lib.isa])
+    bf16, fma = _DotLib("avx512bf16", "matmul_bf16_cpu-1.so"), _DotLib("avx512", "matmul_bf16_cpu-2.so")
+
+    assert native_cpu._faster_dot(bf16, fma) is fma and len(timed) == 2
+    seconds["avx512"] = 2.0                                   # a timing now would keep avx512bf16
+    assert native_cpu._faster_dot(bf16, fma) is fma and len(timed) == 2
+    assert choice.read_text().endswith("\tavx512\n")
+
+    rebuilt = _DotLib("avx512", "matmul_bf16_cpu-3.so")
+    assert native_cpu._faster_dot(bf16, rebuilt) is bf16 and len(timed) == 4
+    monkeypatch.setattr(native_cpu, "_cpu_identity", lambda: "cpu-b")
+    seconds["avx512"] = 0.5
+    assert native_cpu._faster_dot(bf16, rebuilt) is rebuilt and len(timed) == 6
+    choice.write_text("cpu-b matmul_bf16_cpu-1.so matmul_bf16_cpu-3.so\tavx2\n")   # not a rival's name
+    assert native_cpu._faster_dot(bf16, rebuilt) is rebuilt and len(timed) == 8
+    choice.write_bytes(b"\xff\x00")
+    assert native_cpu._faster_dot(bf16, rebuilt) is rebuilt and len(timed) == 10
+    assert choice.read_text().endswith("\tavx512\n") and not list(tmp_path.glob("*.tmp"))
+
+    monkeypatch.setattr(native_cpu, "_cpu_identity", lambda: None)   # no identity: timed every time
+    assert native_cpu._faster_dot(bf16, rebuilt) is rebuilt and len(timed) == 12
+    assert native_cpu._faster_dot(bf16, rebuilt) is rebuilt and len(timed) == 14
+
+
+def test_the_cpu_identity_follows_proc_cpuinfo():
+    """Stable within a machine, and a digest of the first CPU's fields (what a remembered dot
+    choice is keyed by)."""
+    ident = native_cpu._cpu_identity()
+    try:
+        open("/proc/cpuinfo").close()
+    except OSError:
+        assert ident is None
+        return
+    assert ident is not None and re.fullmatch(r"[0-9a-f]{16}", ident) and ident == native_cpu._cpu_identity()
 
 
 def test_the_dot_classes_are_timed_on_their_own_gemms():
