@@ -279,6 +279,9 @@ def ensure_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = p
     built = not (target / WEIGHTS_FILE).is_file()
     if built:
         log(f"[quant] making Q4NX weights of {folder.name} (once; cached in {target})")
+    elif not fixtures._is_current(target, source):
+        # A file cut short or removed (a full disk, an interrupted copy): say why it is made again.
+        log(f"[quant] {target} is incomplete (a file's size differs from its stamp): rebuilding it")
     path = fixtures._ensure(name, source, lambda tmp: _build(bf16, gguf, tmp, log))
     if built:
         _remove_superseded(folder.name, target, source, _imported(folder), log)

@@ -68,6 +68,14 @@ def test_a_damaged_cache_is_rebuilt_and_a_changed_checkpoint_gets_a_new_entry(ti
     w = load_weights(tiny_folder, "q4nx", lines.append)
     assert any("does not match its hash" in l for l in lines)
     assert (w.checkpoint.folder / q4nx_weights.WEIGHTS_FILE).read_bytes() == data
+    del w                                                  # (its mapping of the file goes first)
+    with open(entry / q4nx_weights.WEIGHTS_FILE, "r+b") as f:
+        f.truncate(len(data) // 2)                         # cut short: the stamp's size tells
+    lines.clear()
+    w = load_weights(tiny_folder, "q4nx", lines.append)
+    assert any("is incomplete" in l and "rebuilding" in l for l in lines)
+    assert not any("making Q4NX weights" in l for l in lines)
+    assert (w.checkpoint.folder / q4nx_weights.WEIGHTS_FILE).read_bytes() == data
     tensors = _random_tensors(tiny_config, 4)              # new weights, same names and shapes
     write_sharded(tiny_folder, tensors, [list(tensors)])
     w2 = load_weights(tiny_folder, "q4nx", _quiet)
