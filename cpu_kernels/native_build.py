@@ -18,9 +18,9 @@ from llama_base.paths import native_dir
 _NATIVE = Path(__file__).resolve().parent / "native"
 _SRCS = [_NATIVE / f"{name}_bf16_cpu.cc"
          for name in ("matmul", "pack", "eltwise", "attention", "flash_attention", "matmul_tiles")]
-_SRCS += [_NATIVE / f"{name}_cpu.cc" for name in ("q4nx", "rows", "stream_ahead", "program")]
+_SRCS += [_NATIVE / f"{name}_cpu.cc" for name in ("q4nx", "q4nx_gemm", "rows", "stream_ahead", "program")]
 _HEADERS = [_NATIVE / "simd_bf16.h", _NATIVE / "packed_tiles.h", _NATIVE / "tiles_bf16.h", _NATIVE / "q4nx_blocks.h",
-            _NATIVE / "stream_split.h"]
+            _NATIVE / "q4nx_activations.h", _NATIVE / "stream_split.h"]
 # The Q4NX layout as the kernels see it: from its one declaration.
 _Q4NX = [f"-DQ4NX_{name}={value}" for name, value in
          (("ROWS", q4nx.ROWS), ("COLS", q4nx.COLS), ("GROUP", q4nx.GROUP), ("FIXED_BITS", q4nx.FIXED_BITS),
@@ -53,7 +53,7 @@ EMULATIONS = {"amx-emulated": [*_AVX2, "-DNATIVE_TILES_EMULATED=1"]}
 ALL_CLASSES = {**ISAS, **EMULATIONS}
 # Classes whose GEMM runs on (real or emulated) AMX tiles, in TDPBF16PS's summation order.
 TILE_CLASSES = frozenset({"amx", "amx-emulated"})
-# Classes whose prefill multiplies Q4NX weights on decode's integer contract (q4nx_cpu.cc's
+# Classes whose prefill multiplies Q4NX weights on decode's integer contract (q4nx_gemm_cpu.cc's
 # gemm_q4nx_int_cpu: fixed-point activations, exact byte sums) instead of dequantizing them to
 # bf16 for the float GEMM: where that measured faster (docs/profile.md, "4-bit weights"). AVX2's
 # FMA GEMM does 16 multiply-adds a cycle where vpmaddubsw does 32 byte products. The `avx512`

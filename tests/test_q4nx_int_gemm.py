@@ -1,4 +1,4 @@
-"""Prefill's integer Q4NX GEMM (`gemm_q4nx_int_cpu` in native/q4nx_cpu.cc): every output row is
+"""Prefill's integer Q4NX GEMM (`gemm_q4nx_int_cpu` in native/q4nx_gemm_cpu.cc): every output row is
 decode's GEMV for that activation row, bit for bit (the same fixed-point activations, exact
 integer group sums and f32 combination order), so it meets `q4nx.gemv_reference` within that
 contract's f32 bound; and the classes that prefill on it (`native_cpu.integer_q4nx_gemm`: AVX2)

@@ -11,7 +11,7 @@
 //   - AVX2 + FMA (no AVX-512 at all): two __m256; a bf16 pair widened to f32 in registers by a
 //     shift (the even element) and a mask (the odd one), then two FMAs.
 //   - AVX2 with AVX-VNNI (the `avxvnni` class: Intel's cores from Alder Lake on, which have no
-//     AVX-512): the AVX2 vocabulary; only the Q4NX kernels' byte products change (q4nx_cpu.cc).
+//     AVX-512): the AVX2 vocabulary; only the Q4NX kernels' byte products change (q4nx_cpu.cc, q4nx_gemm_cpu.cc).
 // Both ISAs round the same way wherever the operation order is fixed here: the tail masks,
 // the nearest-even store, e^x and the reduction trees give the same bits on either path. The
 // pair dot step adds the odd product before the even one, as the AVX512-BF16 instruction is
