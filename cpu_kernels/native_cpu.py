@@ -7,7 +7,7 @@
 One source per kernel, compiled once per ISA class (`ISAS`: AMX-BF16 tiles for prefill's GEMM
 over the AVX512-BF16 kernels, as on Intel Xeons since Sapphire Rapids; AVX512-BF16; AVX-512 with
 its bf16 products in FMAs, for CPUs without AVX512-BF16 or whose vdpbf16ps is slow
-(`DOT_RIVALS`); or AVX2 with FMA for CPUs without AVX-512, such as AMD Zen 3 and most Intel
+(`dot_class`); or AVX2 with FMA for CPUs without AVX-512, such as AMD Zen 3 and most Intel
 client CPUs) with the system C++
 compiler on first use, into the cache (keyed by the source hash and flags), and loaded with
 ctypes. The best class this CPU runs is picked once, by each library's own probe
@@ -22,19 +22,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import os
 import threading
-import time
 from functools import partial
-from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
 from llama_base import q4nx
 from llama_base.errors import UserError
-from llama_base.paths import native_dir
+from cpu_kernels import dot_class
 from cpu_kernels.native_build import (ALL_CLASSES, CPU_FLAGS, EMULATIONS, INTEGER_Q4NX_GEMM, ISAS, TILE_CLASSES,
                                       activation_bytes, cpu_flags, library_path)
 
@@ -185,95 +182,15 @@ def _choose() -> ctypes.CDLL | None:
         return None
     if want is None:                       # the best this CPU runs (building no other), else torch
         lib = next((lib for lib in map(_open, ISAS) if lib is not None), None)
-        rival = _open(DOT_RIVALS[1]) if lib is not None and lib is _open(DOT_RIVALS[0]) else None
-        if rival is not None:
-            lib = _faster_dot(lib, rival)
-        return _bind(lib) if lib is not None else None
+        if lib is None:
+            return None
+        rival = _open(dot_class.RIVALS[1]) if lib is _open(dot_class.RIVALS[0]) else None
+        return dot_class.faster(_bind(lib), _bind(rival)) if rival is not None else _bind(lib)
     lib = _open(want)
     if lib is None:
         have = ", ".join(supported_isas() + [TORCH] + emulated_isas())
         raise IsaError(f"{ENV_ISA}={want}: this CPU (or the C++ compiler) cannot run it; available: {have}")
     return _bind(lib)
-
-
-# Two classes that differ only in their pair dot products (simd_bf16.h): vdpbf16ps, or two FMAs
-# on activations widened once. Which is faster is the CPU's: on a Xeon (family 6, model 207)
-# vdpbf16ps issued at a quarter of the rate of vfmadd231ps and the FMA GEMM ran 1.2-1.65x faster; a
-# core that issues vdpbf16ps as fast as an FMA (Zen 5) runs it at about twice the FMAs' rate.
-# So a CPU that has both runs whichever GEMM it times faster, the FMAs only by a clear margin.
-# On bf16 weights the two give the same bits. On Q4NX weights they do not: `avx512` takes
-# decode's activations one byte wide and prefills on byte products (native_build), because the
-# cores it wins on are the ones whose vector ports held the two-byte kernels below memory's rate.
-DOT_RIVALS = ("avx512bf16", "avx512")
-DOT_MARGIN = 1.15
-DOT_CHOICE_FILE = "dot_class.txt"   # under the native cache: "<CPU and builds>\t<class>", the last choice made
-
-
-def _gemm_seconds(lib: ctypes.CDLL) -> float:
-    """The fastest of 6 calls (the first wakes the team) of `lib`'s GEMM on a 128 x 512 x 2048
-    product (about 2 ms each)."""
-    m, n, k = 128, 512, 2048
-    _bind(lib)
-    w = torch.full((n, k), 0.01, dtype=torch.bfloat16)
-    a = torch.full((m, k), 0.5, dtype=torch.bfloat16)
-    c = torch.empty(m, n, dtype=torch.bfloat16)
-    pairs = ctypes.c_int64()
-    packed = torch.empty(lib.pack_weight_bf16_cpu_plan(w.data_ptr(), n, k, ctypes.byref(pairs)), dtype=torch.uint8)
-    lib.pack_weight_bf16_cpu(w.data_ptr(), n, k, pairs.value, packed.data_ptr())
-    best = float("inf")
-    for _ in range(6):   # the first call wakes the thread team
-        t0 = time.perf_counter()
-        lib.gemm_packed_bf16_cpu(a.data_ptr(), packed.data_ptr(), c.data_ptr(), m, n, k)
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def _cpu_identity() -> str | None:
-    """A digest of the first CPU's maker, family, model, stepping, name and flags as
-    /proc/cpuinfo gives them (a VM moved to another host model, or given other flags, differs);
-    None where it cannot say."""
-    try:
-        first = Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0]
-    except OSError:
-        return None
-    fields = ("vendor_id", "cpu family", "model", "model name", "stepping", "flags")
-    lines = [line for line in first.splitlines() if line.split(":", 1)[0].strip() in fields]
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16] if lines else None
-
-
-def _dot_choice_path() -> Path:
-    return native_dir() / DOT_CHOICE_FILE
-
-
-def _faster_dot(bf16: ctypes.CDLL, fma: ctypes.CDLL) -> ctypes.CDLL:
-    """Of the two DOT_RIVALS libraries, the one whose GEMM this CPU runs faster (DOT_MARGIN):
-    as remembered for this CPU and these two builds, else timed now and remembered.
-
-    Remembered because the choice sets Q4NX's numbers (the two classes take decode's
-    activations at different widths): every process on one machine should make the same one,
-    not re-decide it on a timing that a busy moment can tip, and timing costs about 30 ms of
-    each start. A CPU that cannot say what it is (`_cpu_identity`) is timed every time."""
-    libs = dict(zip(DOT_RIVALS, (bf16, fma)))
-    cpu = _cpu_identity()
-    key = f"{cpu} {Path(bf16._name).name} {Path(fma._name).name}" if cpu else None
-    path = _dot_choice_path()
-    if key:
-        try:
-            held_key, held = path.read_text().strip().rsplit("\t", 1)
-        except (OSError, ValueError):
-            held_key = held = ""
-        if held_key == key and held in libs:
-            return libs[held]
-    chosen = DOT_RIVALS[1] if _gemm_seconds(bf16) > DOT_MARGIN * _gemm_seconds(fma) else DOT_RIVALS[0]
-    if key:
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(f"{key}\t{chosen}\n")
-            os.replace(tmp, path)     # whole or not at all, for a process reading it meanwhile
-        except OSError:
-            tmp.unlink(missing_ok=True)
-    return libs[chosen]
 
 
 def _library() -> ctypes.CDLL | None:

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from cpu_kernels import native_build, native_cpu
+from cpu_kernels import dot_class, native_build, native_cpu
 from llama_runtime import reference as ref
 from llama_runtime.checkpoint import load_weights
 from llama_runtime.decode import decode_step
@@ -36,7 +36,7 @@ def _fresh(monkeypatch):
     monkeypatch.setattr(native_cpu, "_forced", None)
     monkeypatch.delenv(native_cpu.ENV_ISA, raising=False)
     monkeypatch.delenv("LLAMA_NPU_NATIVE", raising=False)
-    monkeypatch.setattr(native_cpu, "_cpu_identity", lambda: None)   # the dot classes timed, not remembered
+    monkeypatch.setattr(dot_class, "cpu_identity", lambda: None)   # the dot classes timed, not remembered
 
 
 def test_the_device_says_which_kernels_run(native_isa, capsys):
@@ -49,7 +49,7 @@ def test_the_device_says_which_kernels_run(native_isa, capsys):
 
 def test_the_environment_picks_the_class(monkeypatch):
     _fresh(monkeypatch)
-    monkeypatch.setattr(native_cpu, "_gemm_seconds", lambda lib: 1.0)   # dot classes alike: the first kept
+    monkeypatch.setattr(dot_class, "gemm_seconds", lambda lib: 1.0)   # dot classes alike: the first kept
     best = native_cpu.isa()
     assert best == (NATIVE[0] if NATIVE else native_cpu.TORCH)      # unforced: the best this CPU runs
     for asked in [*NATIVE, *EMULATED, native_cpu.TORCH]:
@@ -61,14 +61,14 @@ def test_the_environment_picks_the_class(monkeypatch):
     assert native_cpu.isa() == native_cpu.TORCH and native_cpu.tile_rows() == 0
 
 
-@pytest.mark.skipif(not set(native_cpu.DOT_RIVALS) <= set(NATIVE), reason="this CPU lacks AVX512-BF16 or AVX-512")
+@pytest.mark.skipif(not set(dot_class.RIVALS) <= set(NATIVE), reason="this CPU lacks AVX512-BF16 or AVX-512")
 @pytest.mark.parametrize("bf16_s,fma_s,want",
                          [(1.0, 0.5, "avx512"), (1.0, 0.9, "avx512bf16"), (0.5, 1.0, "avx512bf16")])
 def test_of_the_two_dot_classes_the_one_whose_gemm_is_faster_runs(monkeypatch, bf16_s, fma_s, want):
-    """Unforced, a CPU with both runs the FMA class only where its GEMM is faster by DOT_MARGIN."""
+    """Unforced, a CPU with both runs the FMA class only where its GEMM is faster by dot_class.MARGIN."""
     _fresh(monkeypatch)
     seconds = {"avx512bf16": bf16_s, "avx512": fma_s}
-    monkeypatch.setattr(native_cpu, "_gemm_seconds", lambda lib: seconds[lib.native_cpu_isa().decode()])
+    monkeypatch.setattr(dot_class, "gemm_seconds", lambda lib: seconds[lib.native_cpu_isa().decode()])
     assert native_cpu.isa() == want
 
 
@@ -85,53 +85,53 @@ class _DotLib:
 def test_the_dot_choice_is_remembered_for_the_cpu_and_the_builds(monkeypatch, tmp_path):
     """Timed once, then every process on the machine makes the same choice, whatever a later
     timing would say; other builds, another CPU or a damaged record are timed again."""
-    choice = tmp_path / native_cpu.DOT_CHOICE_FILE
-    monkeypatch.setattr(native_cpu, "_dot_choice_path", lambda: choice)
-    monkeypatch.setattr(native_cpu, "_cpu_identity", lambda: "cpu-a")
+    choice = tmp_path / dot_class.CHOICE_FILE
+    monkeypatch.setattr(dot_class, "choice_path", lambda: choice)
+    monkeypatch.setattr(dot_class, "cpu_identity", lambda: "cpu-a")
     seconds = {"avx512bf16": 1.0, "avx512": 0.5}
     timed = []
-    monkeypatch.setattr(native_cpu, "_gemm_seconds", lambda lib: timed.append(lib.isa) or seconds[lib.isa])
+    monkeypatch.setattr(dot_class, "gemm_seconds", lambda lib: timed.append(lib.isa) or seconds[lib.isa])
     bf16, fma = _DotLib("avx512bf16", "matmul_bf16_cpu-1.so"), _DotLib("avx512", "matmul_bf16_cpu-2.so")
 
-    assert native_cpu._faster_dot(bf16, fma) is fma and len(timed) == 2
+    assert dot_class.faster(bf16, fma) is fma and len(timed) == 2
     seconds["avx512"] = 2.0                                   # a timing now would keep avx512bf16
-    assert native_cpu._faster_dot(bf16, fma) is fma and len(timed) == 2
+    assert dot_class.faster(bf16, fma) is fma and len(timed) == 2
     assert choice.read_text().endswith("\tavx512\n")
 
     rebuilt = _DotLib("avx512", "matmul_bf16_cpu-3.so")
-    assert native_cpu._faster_dot(bf16, rebuilt) is bf16 and len(timed) == 4
-    monkeypatch.setattr(native_cpu, "_cpu_identity", lambda: "cpu-b")
+    assert dot_class.faster(bf16, rebuilt) is bf16 and len(timed) == 4
+    monkeypatch.setattr(dot_class, "cpu_identity", lambda: "cpu-b")
     seconds["avx512"] = 0.5
-    assert native_cpu._faster_dot(bf16, rebuilt) is rebuilt and len(timed) == 6
+    assert dot_class.faster(bf16, rebuilt) is rebuilt and len(timed) == 6
     choice.write_text("cpu-b matmul_bf16_cpu-1.so matmul_bf16_cpu-3.so\tavx2\n")   # not a rival's name
-    assert native_cpu._faster_dot(bf16, rebuilt) is rebuilt and len(timed) == 8
+    assert dot_class.faster(bf16, rebuilt) is rebuilt and len(timed) == 8
     choice.write_bytes(b"\xff\x00")
-    assert native_cpu._faster_dot(bf16, rebuilt) is rebuilt and len(timed) == 10
+    assert dot_class.faster(bf16, rebuilt) is rebuilt and len(timed) == 10
     assert choice.read_text().endswith("\tavx512\n") and not list(tmp_path.glob("*.tmp"))
 
-    monkeypatch.setattr(native_cpu, "_cpu_identity", lambda: None)   # no identity: timed every time
-    assert native_cpu._faster_dot(bf16, rebuilt) is rebuilt and len(timed) == 12
-    assert native_cpu._faster_dot(bf16, rebuilt) is rebuilt and len(timed) == 14
+    monkeypatch.setattr(dot_class, "cpu_identity", lambda: None)   # no identity: timed every time
+    assert dot_class.faster(bf16, rebuilt) is rebuilt and len(timed) == 12
+    assert dot_class.faster(bf16, rebuilt) is rebuilt and len(timed) == 14
 
 
 def test_the_cpu_identity_follows_proc_cpuinfo():
     """Stable within a machine, and a digest of the first CPU's fields (what a remembered dot
     choice is keyed by)."""
-    ident = native_cpu._cpu_identity()
+    ident = dot_class.cpu_identity()
     try:
         open("/proc/cpuinfo").close()
     except OSError:
         assert ident is None
         return
-    assert ident is not None and re.fullmatch(r"[0-9a-f]{16}", ident) and ident == native_cpu._cpu_identity()
+    assert ident is not None and re.fullmatch(r"[0-9a-f]{16}", ident) and ident == dot_class.cpu_identity()
 
 
 def test_the_dot_classes_are_timed_on_their_own_gemms():
     """The probe runs each library's own GEMM: both time a real call, and neither is free."""
-    if not set(native_cpu.DOT_RIVALS) <= set(NATIVE):
+    if not set(dot_class.RIVALS) <= set(NATIVE):
         pytest.skip("this CPU lacks AVX512-BF16 or AVX-512")
-    for isa in native_cpu.DOT_RIVALS:
-        assert 0 < native_cpu._gemm_seconds(native_cpu._open(isa)) < 1
+    for isa in dot_class.RIVALS:
+        assert 0 < dot_class.gemm_seconds(native_cpu._bind(native_cpu._open(isa))) < 1
 
 
 def test_asking_for_more_than_the_cpu_has_is_a_one_line_error(monkeypatch):
