@@ -54,9 +54,11 @@ class Layout:
     k: int
 
     def __post_init__(self):
-        if self.n <= 0 or self.k <= 0 or self.n % ROWS or self.k % GROUP:
+        wrong = [f"{count} {what}" for count, what, unit in ((self.n, "rows", ROWS), (self.k, "columns", GROUP))
+                 if count <= 0 or count % unit]
+        if wrong:
             raise Q4nxShapeError(f"a Q4NX matrix needs rows in multiples of {ROWS} and columns in multiples "
-                                 f"of {GROUP}; [{self.n}, {self.k}] is neither")
+                                 f"of {GROUP}; [{self.n}, {self.k}] has {' and '.join(wrong)}")
 
     @property
     def nbytes(self) -> int:

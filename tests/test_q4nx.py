@@ -37,8 +37,8 @@ def test_the_layout_is_five_bits_a_weight_and_refuses_shapes_it_cannot_hold():
     layout = q4nx.Layout(64, 576)
     assert layout.col_blocks() == [(0, 256), (256, 256), (512, 64)]
     assert layout.block_offset(1, 512) == layout.row_block_bytes + 512 * q4nx.BYTES_PER_COL
-    for n, k in [(48, 256), (32, 48), (0, 32)]:
-        with pytest.raises(q4nx.Q4nxShapeError):
+    for (n, k), says in [((48, 256), "48 rows"), ((32, 48), "48 columns"), ((0, 40), "0 rows and 40 columns")]:
+        with pytest.raises(q4nx.Q4nxShapeError, match=rf"\[{n}, {k}\] has {says}$"):
             q4nx.Layout(n, k)
 
 
