@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,6 +113,36 @@ def test_the_dot_choice_is_remembered_for_the_cpu_and_the_builds(monkeypatch, tm
     monkeypatch.setattr(dot_class, "cpu_identity", lambda: None)   # no identity: timed every time
     assert dot_class.faster(bf16, rebuilt) is rebuilt and len(timed) == 12
     assert dot_class.faster(bf16, rebuilt) is rebuilt and len(timed) == 14
+
+
+@pytest.mark.skipif(not NATIVE or "amx-emulated" not in EMULATED, reason="needs a native class and the emulation")
+def test_the_unforced_choice_times_real_libraries_once_and_then_obeys_the_record(monkeypatch, tmp_path):
+    """The whole path a process start takes, on real libraries, on any CPU: the best class this
+    CPU runs stands in for `avx512bf16` and the AMX emulation (about 4x slower) for `avx512`.
+    The first start times both GEMMs and keeps the faster; later starts read the record and
+    time nothing, even where the record names the slower class."""
+    best = NATIVE[0]
+    monkeypatch.setattr(dot_class, "RIVALS", (best, "amx-emulated"))
+    choice = tmp_path / dot_class.CHOICE_FILE
+    monkeypatch.setattr(dot_class, "choice_path", lambda: choice)
+    timed = []
+    real_seconds = dot_class.gemm_seconds
+    monkeypatch.setattr(dot_class, "gemm_seconds", lambda lib: timed.append(lib.isa) or real_seconds(lib))
+
+    _fresh(monkeypatch)
+    monkeypatch.setattr(dot_class, "cpu_identity", lambda: "this-cpu")
+    assert native_cpu.isa() == best and sorted(timed) == sorted([best, "amx-emulated"])
+    key, held = choice.read_text().strip().rsplit("\t", 1)
+    names = [Path(native_cpu._open(isa)._name).name for isa in (best, "amx-emulated")]
+    assert held == best and key == f"this-cpu {names[0]} {names[1]}"
+
+    _fresh(monkeypatch)
+    monkeypatch.setattr(dot_class, "cpu_identity", lambda: "this-cpu")
+    assert native_cpu.isa() == best and len(timed) == 2
+    choice.write_text(f"{key}\tamx-emulated\n")              # as if this CPU had timed the other way
+    _fresh(monkeypatch)
+    monkeypatch.setattr(dot_class, "cpu_identity", lambda: "this-cpu")
+    assert native_cpu.isa() == "amx-emulated" and len(timed) == 2
 
 
 def test_the_cpu_identity_follows_proc_cpuinfo():
