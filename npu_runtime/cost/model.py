@@ -102,7 +102,7 @@ def phase_groups(cfg: LlamaConfig, prompt: int, quant: str = "bf16", wide=frozen
     return {k: groups.build_group(k, cfg, s, quant=quant, wide=wide) for k, s in kinds}
 
 
-def estimate_phases(cfg: LlamaConfig, cal: Calibration, prompt: int = 2048, quant: str = "bf16",
+def estimate_phases(cfg: LlamaConfig, cal: Calibration, prompt: int, quant: str = "bf16",
                     layer_wide=None) -> PhaseEstimate:
     """TTFT and a decode step, every layer's groups summed. `layer_wide`: each layer's weights
     held in bf16 (`DeviceModel.layer_wide`), uniform when None; `groups` are the estimates of the

@@ -65,7 +65,7 @@ class PrefillChoice:
     extra_bytes: int        # weight bytes the choice holds beyond the Q4NX ones decode streams
 
 
-def compare(cfg: LlamaConfig, prompt: int = 2048, cal: Calibration = FITTED) -> dict[str, PrefillChoice]:
+def compare(cfg: LlamaConfig, prompt: int, cal: Calibration = FITTED) -> dict[str, PrefillChoice]:
     """The three choices' TTFT for one prompt. Decode reads Q4NX in all three, and so does the LM
     head that ends a prefill."""
     built = {q: phase_groups(cfg, prompt, q) for q in ("q4nx", "bf16")}
