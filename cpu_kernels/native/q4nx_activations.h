@@ -16,8 +16,8 @@ namespace q4nx {
 // Groups g0..g1 of one row in decode's fixed point (q4nx::fixed_point), as the byte dot products
 // read it: unit u's 4 bytes at xh[step u]; wide, those are the high bytes Xh of X = 256 Xh + Xl
 // and the low bytes Xl go to xl[step u] (narrow: X itself at xh, nothing at xl).
-inline void convert_groups(const uint16_t *x, int64_t g0, int64_t g1, int32_t *xh, int32_t *xl, int64_t step, float *unit,
-                    float *sum) {
+inline void convert_groups(const uint16_t *x, int64_t g0, int64_t g1, int32_t *xh, int32_t *xl, int64_t step,
+                           float *unit, float *sum) {
   int16_t X[kGroup];
   int8_t h[kGroup], l[kGroup];
   for (int64_t g = g0; g < g1; ++g) {

@@ -33,7 +33,6 @@ namespace {
 
 using q4nx::kBytesPerCol;
 using q4nx::kGroup;
-using q4nx::kNibbleBytes;
 using q4nx::kRows;
 using q4nx::convert_groups;
 using q4nx::convert_row_narrow;
