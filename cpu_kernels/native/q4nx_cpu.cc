@@ -275,7 +275,8 @@ extern "C" void gemv_q4nx_cpu_batch(const int64_t *desc, int count) {
       const int64_t *d = desc + 5 * job;
       const Activations &act = acts[act_of[job]];
       q4nx::gemv_row_block(reinterpret_cast<const uint8_t *>(d[0]) + b * block_bytes[job], d[4], act.hi.data(),
-                     act.lo.data(), act.unit.data(), act.sum.data(), reinterpret_cast<uint16_t *>(d[2]) + b * kRows, ahead);
+                           act.lo.data(), act.unit.data(), act.sum.data(),
+                           reinterpret_cast<uint16_t *>(d[2]) + b * kRows, ahead);
     });
   }
 }
