@@ -39,7 +39,7 @@ int64_t default_ahead() {
 // 25-28 and 28-29 with T1. Likely because an NTA or a T0 prefetch holds one of the first-level
 // cache's few fill buffers until its line arrives, which caps the lines in flight, while T1
 // hands the request to the second level, whose queue holds more (not measured). On the AMD
-// VMs NTA read 1-2 % more than T0 and 6 % more than T1 (Zen 5), and all three the same within
+// VMs NTA read 1-2 % more than T0 and 7 % more than T1 (Zen 5), and all three the same within
 // the noise (Zen 3) (docs/profile.md, "Asking for the weights ahead" and the Zen 3's bench runs).
 native::Hint default_hint() {
   static const native::Hint hint = [] {
