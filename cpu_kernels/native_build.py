@@ -25,7 +25,11 @@ _HEADERS = [_NATIVE / "simd_bf16.h", _NATIVE / "packed_tiles.h", _NATIVE / "tile
 _Q4NX = [f"-DQ4NX_{name}={value}" for name, value in
          (("ROWS", q4nx.ROWS), ("COLS", q4nx.COLS), ("GROUP", q4nx.GROUP), ("FIXED_BITS", q4nx.FIXED_BITS),
           ("NARROW_LEVELS", q4nx.NARROW_LEVELS), ("NARROW_FLOOR_EXP", q4nx.NARROW_FLOOR_EXP))]
-_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", *_Q4NX]
+# Every symbol a library calls resolved when it is linked: a kernel one file declares and no
+# source defines fails the build of every class on every machine, where it would otherwise build
+# and then fail to load only on a CPU of that class.
+LINK_CHECKS = ["-Wl,-z,defs"]
+_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", *LINK_CHECKS, *_Q4NX]
 # ISA classes, best first: the compiler flags each library is built with. The AVX2 build gets
 # no AVX-512 flag at all, so nothing in it can fault on a CPU without AVX-512.
 # VNNI's word dot product (vpdpwssd) is in every CPU with AVX512-BF16 (Cooper Lake, Sapphire

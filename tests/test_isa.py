@@ -5,8 +5,10 @@ class through the `native_isa` fixture; tests/test_tiles.py holds the tiles to t
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -199,7 +201,6 @@ def test_the_avx2_libraries_hold_no_avx512_instruction(class_disassembly):
 def test_a_new_build_removes_the_least_recently_used_builds_beyond_the_kept_number(tmp_path, monkeypatch):
     """Each source version and class is a build of its own; a new one removes the builds used
     least recently beyond `KEEP_BUILDS`, and loading a build counts as using it."""
-    import os
 
     from llama_base.paths import ENV_CACHE, native_dir
 
@@ -262,7 +263,26 @@ def test_sources_compile_side_by_side_into_one_library_and_a_broken_one_builds_n
     lib = native_build.build_shared([a, b], flags)
     assert ctypes.CDLL(str(lib)).two_a() == 42
     assert native_build.build_shared([a, bad], flags) is None
+    assert native_build.build_shared([a], [*flags, *native_build.LINK_CHECKS]) is None    # two_b defined nowhere
     assert sorted(p.name for p in native_dir().iterdir()) == [lib.name]      # no objects, no half-written file
+    assert native_build.build_shared([a], flags) is not None                 # unchecked, it would have built
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler")
+def test_every_class_links_whole_where_the_compiler_takes_its_flags(tmp_path):
+    """Each class's library is built whole (LINK_CHECKS), so a kernel declared in one source and
+    missing from the class's build fails here, on any CPU, not at load on a CPU of that class.
+    A class is left out only where the compiler refuses its instruction flags (AMX on an old one)."""
+    empty = tmp_path / "empty.cc"
+    empty.write_text("int empty_unit;\n")
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    built = []
+    for isa, flags in native_build.ALL_CLASSES.items():
+        if subprocess.run([cxx, *flags, "-c", str(empty), "-o", str(tmp_path / "empty.o")],
+                          capture_output=True).returncode == 0:
+            assert native_build.library_path(isa) is not None, f"the {isa} library does not link"
+            built.append(isa)
+    assert "avx2" in built
 
 
 def _k2048() -> tuple[torch.Tensor, torch.Tensor]:

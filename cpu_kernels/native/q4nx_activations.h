@@ -181,4 +181,10 @@ inline void convert_row(const uint16_t *x, int64_t k, int32_t *words, float *uni
 #endif
 }
 
+// One row-block of decode's GEMV (q4nx_cpu.cc) on activations converted here: 32 outputs over all
+// K. Declared once for both kernel files: the integer GEMM of the classes with wide AVX-512
+// activations calls it row by row (q4nx_gemm_cpu.cc).
+void gemv_row_block(const uint8_t *rb, int64_t k, const int32_t *xh, const int32_t *xl, const float *unit,
+                    const float *sum, uint16_t *y, native::Ahead ahead);
+
 }  // namespace q4nx

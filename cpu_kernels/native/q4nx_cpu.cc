@@ -193,13 +193,10 @@ inline void group_f32_narrow(const uint8_t *values, const int32_t *xb, native::F
 
 }  // namespace
 
-namespace q4nx {
-
-// One row-block: 32 outputs over all K, read as one forward stream, asked for `ahead` bytes on.
-// (Also the integer GEMM of the classes with wide AVX-512 activations, row by row, for the tests:
-// q4nx_gemm_cpu.cc.)
-void gemv_row_block(const uint8_t *rb, int64_t k, const int32_t *xh, const int32_t *xl, const float *unit,
-                    const float *sum, uint16_t *y, native::Ahead ahead) {
+// One row-block, read as one forward stream, asked for `ahead` bytes on. Defined by its qualified
+// name, so a definition that drifts from q4nx_activations.h's declaration does not compile.
+void q4nx::gemv_row_block(const uint8_t *rb, int64_t k, const int32_t *xh, const int32_t *xl, const float *unit,
+                          const float *sum, uint16_t *y, native::Ahead ahead) {
   native::F16 y_lo = native::zero(), y_hi = native::zero();
   for (int64_t g = 0; g < k / kGroup; ++g) {
     const q4nx::Group grp = q4nx::group(rb, g);
@@ -219,8 +216,6 @@ void gemv_row_block(const uint8_t *rb, int64_t k, const int32_t *xh, const int32
   native::store_bf16(y, y_lo);
   native::store_bf16(y + native::kWidth, y_hi);
 }
-
-}  // namespace q4nx
 
 namespace {
 

@@ -215,15 +215,6 @@ void int_block(const uint8_t *rb, int64_t k, const RowActivations &act, int64_t 
 
 constexpr int kTileRows = 2;
 
-}  // namespace
-
-namespace q4nx {
-void gemv_row_block(const uint8_t *rb, int64_t k, const int32_t *xh, const int32_t *xl, const float *unit,
-                    const float *sum, uint16_t *y, native::Ahead ahead);   // q4nx_cpu.cc
-}  // namespace q4nx
-
-namespace {
-
 // AVX-512 with wide activations has no tile: each row of A through the GEMV's own row-block, so
 // the bits are the GEMV's by construction. Slow (nothing is reused between rows): those classes'
 // prefill keeps the dequantizing GEMM, and this serves the tests that hold every class to one
