@@ -90,7 +90,7 @@ profile: install
 	$(PY) llama32_1b_inference.py --prompt "$$PROMPT" --profile $(RUN_ARGS)
 
 compile: install
-	$(PY) -m llama_runtime.compile --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)"
+	$(PY) -m llama_runtime.cli.compile --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)"
 
 verify: install
 	$(PY) -m verify --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)" --prompts 2 --n-tokens 32

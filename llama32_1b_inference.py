@@ -1,4 +1,4 @@
-"""`make run`, `make chat`, `make serve`: the command line over `llama_runtime.session`.
+"""`make run`, `make chat`, `make serve`: the command line over `llama_runtime.generation.session`.
 
 The runtime itself (`Session`, `build_session`, `generate`) lives in the package; this file is
 the entry point the layout names, and its names are those the package's callers import.
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from llama_runtime.session import DEFAULT_MAX_CONTEXT, GenerationResult, Session, build_session, is_chat_model
+from llama_runtime.generation.session import DEFAULT_MAX_CONTEXT, GenerationResult, Session, build_session, is_chat_model
 
 __all__ = ["DEFAULT_MAX_CONTEXT", "GenerationResult", "Session", "build_session", "is_chat_model", "main"]
 
@@ -17,10 +17,10 @@ def main(argv: list[str] | None = None) -> int:
     web stack); anything else is the prompt and chat command line."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--serve"]:
-        from llama_runtime.server import serve
+        from llama_runtime.serve.app import serve
 
         return serve(argv[1:])
-    from llama_runtime.cli import run_cli
+    from llama_runtime.cli.run import run_cli
 
     return run_cli(argv)
 

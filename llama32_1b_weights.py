@@ -1,7 +1,7 @@
 """Checkpoint folder → `LlamaWeights`.
 
-The entry point the layout names; the code is `llama_runtime.checkpoint`.
+The entry point the layout names; the code is `llama_runtime.checkpoints.loader`.
 """
-from llama_runtime.checkpoint import load_weights
+from llama_runtime.checkpoints.loader import load_weights
 
 __all__ = ["load_weights"]

@@ -15,7 +15,7 @@ from bench.plan import FULL, QUICK
 from bench.run import run_bench
 from kernel_builder.groups import QUANTS
 from llama_base.errors import UserError
-from llama_runtime.models import EMBEDDED, LLAMA1B_SHAPE
+from llama_runtime.checkpoints.resolve import EMBEDDED, LLAMA1B_SHAPE
 
 DEFAULT_MODELS = f"{LLAMA1B_SHAPE},{EMBEDDED}"
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from kernel_builder.backend_presets import BF16
 from llama_base import q4nx
 from llama_base.config import LlamaConfig, layer_shapes
-from llama_runtime.q4nx_weights import lm_head_rows
+from llama_runtime.checkpoints.q4nx_weights import lm_head_rows
 
 
 def _numel(shape: tuple[int, ...]) -> int:

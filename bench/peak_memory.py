@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.protocol import measure
     from llama32_1b_inference import build_session
     from llama_base.config import LlamaConfig
-    from llama_runtime.models import resolve_checkpoint
+    from llama_runtime.checkpoints.resolve import resolve_checkpoint
     from verify.our_runner import OurRunner
 
     plan = FULL

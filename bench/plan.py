@@ -36,7 +36,7 @@ from pathlib import Path
 from bench.bandwidth import GIB
 from llama32_1b_inference import DEFAULT_MAX_CONTEXT
 from llama_base.config import LlamaConfig
-from llama_runtime.tokenizer import Tokenizer
+from llama_runtime.text.tokenizer import Tokenizer
 from verify.eval_text import CHUNK_LEN, N_CHUNKS
 
 # The llama.cpp file types each of our weight formats is measured against.

@@ -30,7 +30,7 @@ from bench.render import markdown
 from bench.summary import HF, OURS, OURS_BF16, summarize_model
 from bench.turns import BANDWIDTH, decode_turns
 from llama_base.config import LlamaConfig
-from llama_runtime.models import EMBEDDED, LLAMA1B_SHAPE, TINY, resolve_checkpoint
+from llama_runtime.checkpoints.resolve import EMBEDDED, LLAMA1B_SHAPE, TINY, resolve_checkpoint
 from npu_runtime.xrt import device as xrt_device
 from verify.report import write_report
 
@@ -159,7 +159,7 @@ def _perplexity(model: str, folder: Path, cfg: LlamaConfig, plan: Plan, sides, b
         notes.append(f"{model}: perplexity not measured (random weights: it would be near the vocabulary size "
                      "for every runtime).")
         return
-    from llama_runtime.tokenizer import Tokenizer
+    from llama_runtime.text.tokenizer import Tokenizer
     from verify.eval_text import SOURCE, eval_chunks
 
     chunks = eval_chunks(Tokenizer(folder, cfg), plan.perplexity_chunks, plan.perplexity_len)

@@ -2,7 +2,7 @@
 
 The embedding table (and a tied LM head's bf16 rows) stays in its checkpoint file rather than
 resident: a decode step needs one row of it, and a Q4NX head's rescoring 256
-(`llama_runtime.head_rescore`). These entry points serve that table, not a launch of the
+(`llama_runtime.engine.head_rescore`). These entry points serve that table, not a launch of the
 simulated device, so they sit apart from the kernels in `native_cpu`, in the same library:
 `pread` by id (through `safetensors_io.RowCache` where the caller keeps one), the top-k scan,
 the rows' products, and the rescoring's steps fused into one call. Each returns None where

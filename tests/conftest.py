@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from llama_base.config import LlamaConfig
-from llama_runtime.weights import synthetic_weights
+from llama_runtime.checkpoints.weights import synthetic_weights
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

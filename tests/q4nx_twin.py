@@ -8,10 +8,10 @@ from dataclasses import replace
 import torch
 
 from llama_base import q4nx
-from llama_runtime.checkpoint import load_weights
-from llama_runtime.device_model import DeviceModel
-from llama_runtime.q4nx_weights import linear_names, lm_head_rows
-from llama_runtime.weights import LayerWeights
+from llama_runtime.checkpoints.loader import load_weights
+from llama_runtime.engine.device_model import DeviceModel
+from llama_runtime.checkpoints.q4nx_weights import linear_names, lm_head_rows
+from llama_runtime.checkpoints.weights import LayerWeights
 
 
 def dequantized_model(session) -> DeviceModel:

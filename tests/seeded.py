@@ -6,7 +6,7 @@ import torch
 
 from cpu_kernels import native_cpu
 from cpu_kernels.weight_tiles import Q4nxPacking
-from llama_runtime import quantize
+from llama_runtime.checkpoints import quantize
 
 
 def rand_bf16(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:

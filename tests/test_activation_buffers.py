@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from kernel_builder.groups import Role, build_group
-from llama_runtime.decode import decode_step
-from llama_runtime.device_model import DeviceModel
-from llama_runtime.prefill import prefill
-from llama_runtime.weight_slots import static_tensors
+from llama_runtime.engine.decode import decode_step
+from llama_runtime.engine.device_model import DeviceModel
+from llama_runtime.engine.prefill import prefill
+from llama_runtime.engine.weight_slots import static_tensors
 from npu_runtime.api import DeviceError, Sync
 from npu_runtime.cache import KernelCache, activation_pool
 from npu_runtime.sim.device import SimDevice, SimSubBO

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kernel_builder.groups import build_group
-from llama_runtime import reference as ref
-from llama_runtime.device_model import DeviceModel
-from llama_runtime.prefill import prefill
+from verify import reference as ref
+from llama_runtime.engine.device_model import DeviceModel
+from llama_runtime.engine.prefill import prefill
 from npu_runtime.cache import KernelCache
 from npu_runtime.sim.device import SimDevice
 

@@ -33,11 +33,11 @@ from bench.summary import (HF, LLAMACPP_BF16, OURS, OURS_BF16, host_share, paire
                            with_calls)
 from bench.turns import BANDWIDTH, decode_turns
 from llama_base.config import LlamaConfig
-from llama_runtime.fixtures import ensure_embedded_model, llama_tokenizer_dir
-from llama_runtime.host_ops import KVCache
-from llama_runtime.models import EMBEDDED
-from llama_runtime.tokenizer import Tokenizer
-from llama_runtime.weights import synthetic_weights
+from llama_runtime.checkpoints.builtin import ensure_embedded_model, llama_tokenizer_dir
+from llama_runtime.engine.kv_cache import KVCache
+from llama_runtime.checkpoints.resolve import EMBEDDED
+from llama_runtime.text.tokenizer import Tokenizer
+from llama_runtime.checkpoints.weights import synthetic_weights
 from verify.eval_text import eval_chunks
 
 LLAMA_1B = LlamaConfig()

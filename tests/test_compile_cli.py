@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from kernel_builder.groups import all_groups, prefill_buckets
-from llama_runtime import compile as compile_cli
+from llama_runtime.cli import compile as compile_cli
 
 
 def test_second_compile_builds_nothing(tiny_config, tmp_path, monkeypatch, capsys):

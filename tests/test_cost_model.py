@@ -186,7 +186,7 @@ def test_the_margin_is_not_vacuous():
 def test_the_interp_profile_ends_with_the_estimate_of_the_groups_it_called():
     from types import SimpleNamespace
 
-    from llama_runtime.profile_report import npu_estimate
+    from llama_runtime.cli.profile_report import npu_estimate
 
     session = SimpleNamespace(config=TINY, model=SimpleNamespace(quant="bf16", layer_wide=None),
                               profiler=SimpleNamespace(groups={"o_ffn": None, "o_gemv_ffn": None}))

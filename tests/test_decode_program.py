@@ -1,4 +1,4 @@
-"""Decode's layers recorded as one native program (`llama_runtime.decode_program`) against the
+"""Decode's layers recorded as one native program (`llama_runtime.engine.recording`) against the
 call-by-call loop they replace: the same logits to the bit, the same KV cache, the same device
 counters and the same profile, under every ISA class this CPU runs and in both weight formats;
 recorded again when a buffer moves under it; never run past the cache. And the recorder itself
@@ -11,11 +11,11 @@ import torch
 from cpu_kernels import native_cpu
 from cpu_kernels.native_program import NativeProgram
 from llama_base.errors import PromptError
-from llama_runtime.decode import decode_step
-from llama_runtime.decode_program import decode_program
-from llama_runtime.device_model import FINAL_NORM, DeviceModel, bo_key
-from llama_runtime.prefill import prefill
-from llama_runtime.session import build_session
+from llama_runtime.engine.decode import decode_step
+from llama_runtime.engine.recording import decode_program
+from llama_runtime.engine.device_model import FINAL_NORM, DeviceModel, bo_key
+from llama_runtime.engine.prefill import prefill
+from llama_runtime.generation.session import build_session
 from npu_runtime.api import Sync
 from npu_runtime.cache import KernelCache
 from npu_runtime.profiler import Profiler

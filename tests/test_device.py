@@ -9,7 +9,7 @@ import torch
 from cpu_kernels import native_cpu, weight_tiles
 from kernel_builder.groups import QUANTS, Role, build_group
 from llama_base import q4nx
-from llama_runtime import reference as ref
+from verify import reference as ref
 from npu_runtime import api
 from npu_runtime.api import DeviceError, Sync
 from npu_runtime.devices import open_device

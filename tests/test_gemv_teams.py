@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cpu_kernels import native_cpu
-from llama_runtime.host_ops import KVCache, decode_attention_cpu
+from llama_runtime.engine.kv_cache import KVCache, decode_attention_cpu
 from seeded import gemv_jobs, rand_bf16, run_gemvs
 
 pytestmark = [pytest.mark.skipif(native_cpu._library() is None, reason="no native library: the GEMVs are torch's"),

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from llama_base.errors import CheckpointError
-from llama_runtime.gguf_file import GGUFFile
-from llama_runtime.gguf_import import smollm2_gguf_path
+from llama_runtime.checkpoints.gguf.reader import GGUFFile
+from llama_runtime.checkpoints.gguf.importer import smollm2_gguf_path
 
 
 def _same_as_gguf_py(path) -> GGUFFile:
@@ -100,14 +100,14 @@ def test_the_imports_values_equal_gguf_pys_dequantization_bit_for_bit(tmp_path, 
     import torch
     from gguf.quants import dequantize
 
-    from llama_runtime import gguf_values
+    from llama_runtime.checkpoints.gguf import values
 
-    monkeypatch.setattr(gguf_values, "_CHUNK_WEIGHTS", 600)
+    monkeypatch.setattr(values, "_CHUNK_WEIGHTS", 600)
     ours = GGUFFile(_write(tmp_path / "all.gguf"))
     assert {t.tensor_type.name for t in ours.tensors} >= {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"}
     for t in ours.tensors:
         want = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).to(torch.bfloat16)
-        got = gguf_values.values_bf16(t)
+        got = values.values_bf16(t)
         assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16)), t.name
 
 

@@ -18,10 +18,11 @@ from llama_base import q4nx
 from llama_base.config import LAYER_TENSORS, LlamaConfig, RopeScaling
 from llama_base.errors import CheckpointError
 from llama_base.paths import ENV_CACHE, models_dir
-from llama_runtime import fixtures, quantize
-from llama_runtime.checkpoint import load_weights
-from llama_runtime.gguf_import import rope_heads, rope_scaling_of, unpermute_rope_rows
-from llama_runtime.models import resolve_checkpoint
+from llama_runtime.checkpoints import builtin
+from llama_runtime.checkpoints import quantize
+from llama_runtime.checkpoints.loader import load_weights
+from llama_runtime.checkpoints.gguf.importer import rope_heads, rope_scaling_of, unpermute_rope_rows
+from llama_runtime.checkpoints.resolve import resolve_checkpoint
 
 # A Llama 3.2 scaling other than the defaults, so the recovered parameters are not a fallback.
 SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=2048)
@@ -41,7 +42,7 @@ def _gguf_types():
 def q4_k_bytes(rows: int, cols: int, seed: int) -> np.ndarray:
     """Q4_K super-blocks of random nibbles and 6-bit scales and mins under small fp16 d and
     dmin (gguf-py has no Q4_K quantizer; any such bytes are a valid tensor)."""
-    from llama_runtime.quantize import Q4_K_BYTES, Q4_K_WEIGHTS
+    from llama_runtime.checkpoints.quantize import Q4_K_BYTES, Q4_K_WEIGHTS
 
     rng = np.random.default_rng(seed)
     b = rng.integers(0, 256, (rows, cols // Q4_K_WEIGHTS, Q4_K_BYTES), dtype=np.uint8)
@@ -79,10 +80,10 @@ def source():
     """The tiny model's config and weights, and the embedded GGUF's tokenizer metadata."""
     from gguf import GGUFReader
 
-    from llama_runtime.gguf_import import smollm2_gguf_path
-    from llama_runtime.weights import synthetic_weights
+    from llama_runtime.checkpoints.gguf.importer import smollm2_gguf_path
+    from llama_runtime.checkpoints.weights import synthetic_weights
 
-    cfg = replace(fixtures.tiny_config(fixtures.ensure_embedded_model()), rope_scaling=SCALING)
+    cfg = replace(builtin.tiny_config(builtin.ensure_embedded_model()), rope_scaling=SCALING)
     reader = GGUFReader(smollm2_gguf_path())
     tokenizer = [(name, f.contents(), f.types) for name, f in reader.fields.items() if name.startswith("tokenizer.")]
     return cfg, synthetic_weights(cfg, seed=7), tokenizer
@@ -151,7 +152,7 @@ def imported(source, tmp_path_factory):
 
 
 def _imports():
-    return sorted(p.name for p in models_dir().glob(f"{fixtures.GGUF_DIR_PREFIX}*"))
+    return sorted(p.name for p in models_dir().glob(f"{builtin.GGUF_DIR_PREFIX}*"))
 
 
 def _model_cache():
@@ -210,11 +211,11 @@ def test_a_4_bit_files_wider_tensors_stay_bf16_in_the_layers_holding_them(source
     are a bf16 model's on the same weights (the 4-bit ones dequantized)."""
     from gguf import GGMLQuantizationType as T
 
-    from llama_runtime.compile import main as compile_cli
-    from llama_runtime.decode import decode_step
-    from llama_runtime.prefill import prefill
-    from llama_runtime.q4nx_weights import wide_sets
-    from llama_runtime.session import build_session
+    from llama_runtime.cli.compile import main as compile_cli
+    from llama_runtime.engine.decode import decode_step
+    from llama_runtime.engine.prefill import prefill
+    from llama_runtime.checkpoints.q4nx_weights import wide_sets
+    from llama_runtime.generation.session import build_session
     from verify.__main__ import main as verify_cli
     from verify.hf_runner import HFRunner
     from verify.mlir import main as verify_mlir
@@ -311,7 +312,7 @@ def test_a_type_q4nx_cannot_hold_is_refused_before_the_import(source, tmp_path, 
 def test_a_file_that_is_not_a_whole_gguf_is_one_line(source, tmp_path, monkeypatch, capsys):
     """Not a GGUF, one cut inside its header or its tensors, a weight of the wrong shape or one
     named twice: exit 2 with one line, and nothing in the model cache, not even a lock file."""
-    from llama_runtime.gguf_import import smollm2_gguf_path
+    from llama_runtime.checkpoints.gguf.importer import smollm2_gguf_path
 
     monkeypatch.setenv(ENV_CACHE, str(tmp_path / "cache"))
     cfg = source[0]

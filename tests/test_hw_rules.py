@@ -14,7 +14,7 @@ from kernel_builder import groups, hw_rules
 from kernel_builder.hw_rules import CORE, L2, MEMTILE, SHIM
 from kernel_builder.mlir.emit import Value, _fit_wraps
 from llama_base.config import LlamaConfig
-from llama_runtime import fixtures
+from llama_runtime.checkpoints import builtin
 from multi_launch_builder.compile import assemble, compile_group_mlir
 from multi_launch_builder.mlir_validate import MlirValidationError, validate_group_module, validate_module
 
@@ -170,7 +170,7 @@ def test_every_gemv_moves_whole_words_and_fits_l1(name):
 def test_every_group_of_every_model_breaks_no_rule(name, quant):
     """The validation `make compile` runs includes the rules: every group at the smallest and
     largest bucket, both weight formats."""
-    cfg = {**CONFIGS, "llama32_3b": LLAMA_3B}.get(name) or fixtures.tiny_config(fixtures.ensure_embedded_model())
+    cfg = {**CONFIGS, "llama32_3b": LLAMA_3B}.get(name) or builtin.tiny_config(builtin.ensure_embedded_model())
     buckets = groups.prefill_buckets(cfg, 2048)
     for g in groups.all_groups(cfg, (buckets[0], buckets[-1]), quant=quant):
         compile_group_mlir(g)

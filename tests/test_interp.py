@@ -12,9 +12,9 @@ import torch
 from kernel_builder import groups
 from kernel_builder.groups import Role
 from llama_base import q4nx
-from llama_runtime import fixtures
-from llama_runtime import reference as ref
-from llama_runtime.models import TINY
+from llama_runtime.checkpoints import builtin
+from verify import reference as ref
+from llama_runtime.checkpoints.resolve import TINY
 from multi_launch_builder.compile import compile_group_mlir
 from npu_runtime.interp.device import InterpDevice
 from npu_runtime.interp.machine import DTYPES, InterpError, Machine
@@ -26,7 +26,7 @@ BUCKET = 64
 
 @pytest.fixture(scope="module")
 def tiny():
-    return fixtures.tiny_config(fixtures.ensure_embedded_model())
+    return builtin.tiny_config(builtin.ensure_embedded_model())
 
 
 def test_tiny_shape_exercises_what_real_shapes_do(tiny):
@@ -82,9 +82,9 @@ def test_verify_mlir_finds_every_group_kind_in_agreement_with_the_simulated_devi
 def test_every_q4nx_group_kind_matches_the_reference(tiny):
     """The Q4NX groups on the tiny model's own weights, quantized: the fused GEMVs and the
     dequantizing GEMMs executed as MLIR."""
-    from llama_runtime.checkpoint import load_weights
+    from llama_runtime.checkpoints.loader import load_weights
 
-    weights = load_weights(fixtures.ensure_tiny_checkpoint())
+    weights = load_weights(builtin.ensure_tiny_checkpoint())
     case_list = verify_mlir.cases(tiny, BUCKET, q4nx.NAME)
     assert set(_interpreted(tiny, case_list, weights)) == {
         "rms_gemms_rope", "flash_attn", "o_ffn", "rms_gemv_rope", "o_gemv_ffn", "lm_head_gemv"}
@@ -94,9 +94,9 @@ def test_every_q4nx_group_kind_matches_the_reference(tiny):
 def test_q4nx_group_variants_with_bf16_weights_match_the_reference(tiny):
     """The groups of a layer that keeps some weights in bf16 (a Q4_K_M file's V and down
     projections): bf16 and Q4NX GEMVs and GEMMs side by side in one module, executed."""
-    from llama_runtime.checkpoint import load_weights
+    from llama_runtime.checkpoints.loader import load_weights
 
-    weights = load_weights(fixtures.ensure_tiny_checkpoint())
+    weights = load_weights(builtin.ensure_tiny_checkpoint())
     wide = frozenset({"wv", "w_down"})
     case_list = [c for c in verify_mlir.cases(tiny, BUCKET, q4nx.NAME, (frozenset(), wide)) if c.group.wide]
     assert {c.group.wide for c in case_list} == {("wv",), ("w_down",)}
@@ -109,10 +109,10 @@ def test_q4nx_groups_at_smollm2_shapes_match_the_reference():
     """The embedded model (SmolLM2: hidden 576 = 2 x 256 + 64, FFN 1536) on its real weights,
     quantized: rows whose last Q4NX block is narrower, and a down projection whose K takes
     several L2 steps with partial sums, executed as MLIR."""
-    from llama_runtime.checkpoint import load_weights
+    from llama_runtime.checkpoints.loader import load_weights
     from llama_base.config import LlamaConfig
 
-    folder = fixtures.ensure_embedded_model()
+    folder = builtin.ensure_embedded_model()
     cfg = LlamaConfig.from_json(folder)
     assert cfg.hidden_size % q4nx.COLS and cfg.intermediate_size > 2 * q4nx.COLS
     down = next(l for l in groups.build_group("o_ffn", cfg, 32, quant=q4nx.NAME).launches if l.name == "down_proj")
@@ -218,7 +218,7 @@ def test_each_check_catches_its_mistake(tiny, mutation):
 
 @pytest.fixture(scope="module")
 def embedded_pair():
-    from llama_runtime.session import build_session
+    from llama_runtime.generation.session import build_session
 
     return [build_session("embedded", d, max_context=64, log=lambda *_: None) for d in ("sim", "interp")]
 
@@ -226,8 +226,8 @@ def embedded_pair():
 def test_one_decode_step_of_the_embedded_model_runs_through_the_interpreter(embedded_pair):
     """At the real SmolLM2 shapes (hidden 576, 30 layers): the decode groups and the LM head,
     executed as MLIR, give the simulated device's logits on the same KV cache."""
-    from llama_runtime.decode import decode_step
-    from llama_runtime.prefill import prefill
+    from llama_runtime.engine.decode import decode_step
+    from llama_runtime.engine.prefill import prefill
 
     sim, interp = embedded_pair
     ids = sim.encode("What is the capital of Japan?")

@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from cpu_kernels import dot_class, native_build, native_cpu
-from llama_runtime import reference as ref
-from llama_runtime.checkpoint import load_weights
-from llama_runtime.decode import decode_step
-from llama_runtime.device_model import DeviceModel
-from llama_runtime.models import resolve_model
-from llama_runtime.prefill import prefill
-from llama_runtime.profile_report import isa_line
-from llama_runtime.tokenizer import Tokenizer
+from verify import reference as ref
+from llama_runtime.checkpoints.loader import load_weights
+from llama_runtime.engine.decode import decode_step
+from llama_runtime.engine.device_model import DeviceModel
+from llama_runtime.checkpoints.resolve import resolve_model
+from llama_runtime.engine.prefill import prefill
+from llama_runtime.cli.profile_report import isa_line
+from llama_runtime.text.tokenizer import Tokenizer
 from npu_runtime.cache import KernelCache
 from npu_runtime.devices import open_device
 from npu_runtime.sim.device import SimDevice

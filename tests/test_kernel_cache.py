@@ -11,9 +11,9 @@ import torch
 
 from kernel_builder.groups import Role, build_group, lm_head_gemv
 from llama_base.errors import KernelCacheError
-from llama_runtime import reference as ref
-from llama_runtime.rope import generate_rope_lut
-from llama_runtime.weight_slots import static_tensors
+from verify import reference as ref
+from llama_base.rope import generate_rope_lut
+from llama_runtime.engine.weight_slots import static_tensors
 from npu_runtime.cache import KernelCache
 from npu_runtime.profiler import Profiler
 from npu_runtime.sim.device import SimDevice

@@ -148,13 +148,13 @@ def test_devices_stay_apart_and_the_cache_drives_any_of_them():
 
 
 def test_the_apps_import_the_session_they_drive():
-    """The command line, chat and server sit above `llama_runtime.session` and import it: the
+    """The command line, chat and server sit above `llama_runtime.generation.session` and import it: the
     dependency is declared where the layers can check it, not handed down as a callback."""
     graph = import_graph(project_modules())
-    apps = ("llama_runtime.cli", "llama_runtime.chat", "llama_runtime.server", "llama_runtime.serve_worker")
+    apps = ("llama_runtime.cli.run", "llama_runtime.generation.chat", "llama_runtime.serve.app", "llama_runtime.serve.worker")
     for app in apps:
-        assert "llama_runtime.session" in graph[app], app
-    assert not graph["llama_runtime.session"] & set(apps)
+        assert "llama_runtime.generation.session" in graph[app], app
+    assert not graph["llama_runtime.generation.session"] & set(apps)
 
 
 def test_the_host_ops_run_on_the_cpu_kernels_not_on_the_simulator():
@@ -163,7 +163,7 @@ def test_the_host_ops_run_on_the_cpu_kernels_not_on_the_simulator():
     graph = import_graph(project_modules())
     assert not [f"{m} -> {d}" for m, deps in graph.items() if m.startswith("llama_runtime")
                 for d in deps if d.startswith("npu_runtime.sim")]
-    assert "cpu_kernels.native_cpu" in graph["llama_runtime.host_ops"]
+    assert "cpu_kernels.native_cpu" in graph["llama_runtime.engine.kv_cache"]
     # the CPU kernels know tensors and the Q4NX format, not group declarations
     assert {d.split(".")[0] for m, deps in graph.items() if m.startswith("cpu_kernels") for d in deps} <= {
         "cpu_kernels", "llama_base"}

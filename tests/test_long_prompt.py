@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from llama_runtime.prefill import prefill
-from llama_runtime.session import build_session
+from llama_runtime.engine.prefill import prefill
+from llama_runtime.generation.session import build_session
 from verify.compare import TOP_K, gate_prompt
 
 PROMPT_TOKENS = 3000

@@ -13,7 +13,7 @@ import pytest
 from mlir_samples import BUCKET, CONFIGS
 
 from kernel_builder import externs, groups
-from llama_runtime import compile as compile_cli
+from llama_runtime.cli import compile as compile_cli
 from multi_launch_builder import compile as kc
 from multi_launch_builder.mlir_validate import validate_group_module
 

@@ -13,7 +13,7 @@ from kernel_builder import backend_presets as presets
 from kernel_builder import externs, groups
 from kernel_builder.mlir import KernelShapeError, build_launch, gemm, gemm_q4nx, gemv_q4nx
 from llama_base import q4nx
-from llama_runtime import fixtures
+from llama_runtime.checkpoints import builtin
 from multi_launch_builder.compile import compile_group_mlir
 from multi_launch_builder.mlir_validate import validate_group_module
 
@@ -24,7 +24,7 @@ QUANT = q4nx.NAME
 def configs():
     """The Llama-3.2-1B shape, SmolLM2 (hidden 576: a row's last block is 64 wide), the test
     suite's TINY and the interpreter's tiny model."""
-    return {**CONFIGS, "tiny_tests": TINY, "tiny_model": fixtures.tiny_config(fixtures.ensure_embedded_model())}
+    return {**CONFIGS, "tiny_tests": TINY, "tiny_model": builtin.tiny_config(builtin.ensure_embedded_model())}
 
 
 def q4nx_groups(cfg):

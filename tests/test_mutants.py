@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kernel_builder import groups
 from llama_base.config import LlamaConfig
-from llama_runtime.models import TINY, resolve_checkpoint
+from llama_runtime.checkpoints.resolve import TINY, resolve_checkpoint
 from multi_launch_builder.compile import compile_group_mlir
 from verify.mutants.operators import mutants
 from verify.mutants.run import Outcome, check, run, suite_cases, summary, well_formed

@@ -17,8 +17,9 @@ import torch
 
 from cpu_kernels import native_cpu, native_rows
 from kernel_builder.groups import build_group
-from llama_runtime import reference as ref
-from llama_runtime.host_ops import KVCache, decode_attention_cpu, rms_norm
+from verify import reference as ref
+from llama_runtime.engine.device_model import rms_norm
+from llama_runtime.engine.kv_cache import KVCache, decode_attention_cpu
 from npu_runtime.sim import ops as sim_ops
 from npu_runtime.sim.device import SimDevice
 
@@ -249,7 +250,7 @@ def test_decode_groups_replay_only_native_kernels(tiny_config, tiny_weights, tmp
 def _bound_calls():
     """(name, bind, operands, expected result) for bound forms whose operands nothing else holds."""
     from cpu_kernels.weight_tiles import Q4nxPacking
-    from llama_runtime import quantize
+    from llama_runtime.checkpoints import quantize
     g = torch.Generator().manual_seed(3)
     n, k = 64, 128
     rand = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)

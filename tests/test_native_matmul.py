@@ -15,7 +15,7 @@ import torch
 
 from cpu_kernels import native_cpu
 from cpu_kernels.weight_tiles import HEADER, LANES, UNIT_BYTES, PackedWeight, from_packed, to_tiles
-from llama_runtime import reference as ref
+from verify import reference as ref
 from npu_runtime.sim import ops as sim_ops
 from seeded import rand_bf16
 

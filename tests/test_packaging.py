@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from llama_base.paths import ENV_CACHE
-from llama_runtime import fixtures
+from llama_runtime.checkpoints import builtin
 
 REPO = Path(__file__).resolve().parents[1]
 # What a checkout holds besides the sources: never part of a build.
@@ -32,11 +32,11 @@ INSTALL_TIMEOUT_S = 600
 CHECK_INSTALLED = """
 import sys
 from pathlib import Path
-import cpu_kernels, kernel_builder, llama_runtime, npu_runtime.interp
+import cpu_kernels, kernel_builder, llama_runtime, llama_runtime.serve, npu_runtime.interp
 venv = Path(sys.prefix).resolve()
 for mod in (cpu_kernels, kernel_builder, llama_runtime, npu_runtime.interp):
     assert venv in Path(mod.__file__).resolve().parents, (mod.__name__, mod.__file__)
-data = {kernel_builder: "kernels/gemv_bf16.cc", cpu_kernels: "native/simd_bf16.h", llama_runtime: "web/chat.html"}
+data = {kernel_builder: "kernels/gemv_bf16.cc", cpu_kernels: "native/simd_bf16.h", llama_runtime.serve: "web/chat.html"}
 missing = [f"{m.__name__}/{f}" for m, f in data.items() if not (Path(m.__file__).parent / f).is_file()]
 assert not missing, missing
 print("installed in", venv)
@@ -72,7 +72,7 @@ def test_a_non_editable_install_holds_every_package_and_data_file(installed, tmp
 
 @pytest.mark.slow
 def test_a_non_editable_install_runs_the_interpreter_device(installed, tmp_path):
-    models = fixtures.ensure_tiny_checkpoint().parent        # built once, shared with the other tests
+    models = builtin.ensure_tiny_checkpoint().parent        # built once, shared with the other tests
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / models.name).symlink_to(models)                 # kernels and host builds start empty

@@ -9,8 +9,8 @@ import torch
 
 from llama32_1b_inference import build_session
 from llama_base.config import LlamaConfig
-from llama_runtime.fixtures import ensure_embedded_model
-from llama_runtime.tokenizer import Tokenizer
+from llama_runtime.checkpoints.builtin import ensure_embedded_model
+from llama_runtime.text.tokenizer import Tokenizer
 from verify import VerifyError, eval_text
 from verify import perplexity as perplexity_cli
 from verify.eval_text import eval_chunks

@@ -14,11 +14,11 @@ from cpu_kernels import native_cpu
 from cpu_kernels.weight_tiles import Q4nxPacking
 from kernel_builder.groups import QUANTS, Role, all_groups, build_group, lm_head_gemv
 from llama_base import q4nx
-from llama_runtime import quantize
-from llama_runtime import reference as ref
-from llama_runtime.weight_slots import static_tensors
-from llama_runtime.profile_report import q4nx_line
-from llama_runtime.weights import synthetic_weights
+from llama_runtime.checkpoints import quantize
+from verify import reference as ref
+from llama_runtime.engine.weight_slots import static_tensors
+from llama_runtime.cli.profile_report import q4nx_line
+from llama_runtime.checkpoints.weights import synthetic_weights
 from seeded import rand_bf16
 
 SHAPES = [(32, 256), (64, 576), (96, 64), (32, 1536)]   # 576 = 2 x 256 + a 64-wide last block

@@ -15,7 +15,7 @@ from cpu_kernels import native_cpu
 from cpu_kernels.weight_tiles import DeviceQ4nx, Q4nxPacking
 from kernel_builder.groups import build_group
 from llama_base import q4nx
-from llama_runtime import quantize
+from llama_runtime.checkpoints import quantize
 
 pytestmark = pytest.mark.skipif(not native_cpu.supported_isas(), reason="no native library")
 

@@ -11,12 +11,12 @@ from q4nx_twin import dequantized_model
 
 from llama_base import q4nx
 from llama_base.errors import CheckpointError
-from llama_runtime import reference as ref
-from llama_runtime.decode import decode_step
-from llama_runtime.head_rescore import TOP_K, rescore
-from llama_runtime.prefill import prefill
-from llama_runtime.q4nx_weights import lm_head_rows
-from llama_runtime.session import build_session
+from verify import reference as ref
+from llama_runtime.engine.decode import decode_step
+from llama_runtime.engine.head_rescore import TOP_K, rescore
+from llama_runtime.engine.prefill import prefill
+from llama_runtime.checkpoints.q4nx_weights import lm_head_rows
+from llama_runtime.generation.session import build_session
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def test_file_rows_serve_recent_rows_from_their_cache(tmp_path):
     from safetensors.torch import save_file
 
     from cpu_kernels import native_cpu
-    from llama_runtime.safetensors_io import Checkpoint
+    from llama_runtime.checkpoints.safetensors_io import Checkpoint
 
     if native_cpu._library() is None:
         pytest.skip("no native library on this machine")
@@ -148,7 +148,7 @@ def test_rescoring_puts_the_exact_products_on_the_leading_candidates_only():
 
 
 def test_the_table_rows_are_read_from_the_checkpoint_file_as_the_table_holds_them(session):
-    from llama_runtime.safetensors_io import FileRows
+    from llama_runtime.checkpoints.safetensors_io import FileRows
 
     assert isinstance(session.model.head_rows, FileRows) and isinstance(session.model.embed_rows, FileRows)
     ids = torch.tensor([0, 7, session.config.vocab_size - 1, 7])
@@ -166,7 +166,7 @@ def test_file_rows_read_the_rows_asked_for_and_name_what_went_wrong(tmp_path, mo
     from safetensors.torch import save_file
 
     from cpu_kernels import native_cpu, native_rows
-    from llama_runtime.safetensors_io import Checkpoint, FileRows
+    from llama_runtime.checkpoints.safetensors_io import Checkpoint, FileRows
 
     if native and native_cpu.library() is None:
         pytest.skip("no native library on this machine")
@@ -218,7 +218,7 @@ def test_file_rows_rescore_in_one_call_as_the_steps_do(tmp_path, cache_rows):
     from safetensors.torch import save_file
 
     from cpu_kernels import native_cpu
-    from llama_runtime.safetensors_io import Checkpoint, FileRows
+    from llama_runtime.checkpoints.safetensors_io import Checkpoint, FileRows
 
     if native_cpu._library() is None:
         pytest.skip("no native library on this machine")
@@ -276,7 +276,7 @@ def test_a_table_is_asked_for_window_by_window_and_becomes_resident(tmp_path, mo
 
     import numpy as np
 
-    from llama_runtime.safetensors_io import PREFETCH_WINDOW, FileRows
+    from llama_runtime.checkpoints.safetensors_io import PREFETCH_WINDOW, FileRows
 
     rows_n, width = 5000, 2048     # 20 MB of bf16 rows behind a 1 KiB header: past one call's 8 MiB here
     path = tmp_path / "table.bin"

@@ -10,10 +10,11 @@ from llama_base import q4nx
 from llama_base.config import LAYER_TENSORS
 from llama_base.errors import CheckpointError, UserError
 from llama_base.paths import ENV_CACHE
-from llama_runtime import fixtures, q4nx_weights
-from llama_runtime.checkpoint import load_weights
-from llama_runtime.checkpoint_writer import write_configs, write_sharded
-from llama_runtime.fixtures import _random_tensors
+from llama_runtime.checkpoints import builtin
+from llama_runtime.checkpoints import q4nx_weights
+from llama_runtime.checkpoints.loader import load_weights
+from llama_runtime.checkpoints.writer import write_configs, write_sharded
+from llama_runtime.checkpoints.builtin import _random_tensors
 
 
 @pytest.fixture
@@ -116,7 +117,7 @@ def test_a_new_build_removes_the_builds_of_older_code_for_the_same_checkpoint(ti
 
     def copy(name: str, edit) -> None:
         shutil.copytree(entry, root / name)
-        stamp_path = root / name / fixtures.STAMP_FILE
+        stamp_path = root / name / builtin.STAMP_FILE
         stamp = json.loads(stamp_path.read_text())
         edit(stamp["source"])
         stamp_path.write_text(json.dumps(stamp))
@@ -129,7 +130,7 @@ def test_a_new_build_removes_the_builds_of_older_code_for_the_same_checkpoint(ti
     for key in "014":                                      # "4": a build that no longer exists
         (root / f".{prefix}{key * 16}.lock").touch()
     lines: list[str] = []
-    with fixtures.build_lock(root / (prefix + "3" * 16)):
+    with builtin.build_lock(root / (prefix + "3" * 16)):
         again = load_weights(tiny_folder, "q4nx", lines.append).checkpoint.folder
     assert again == entry and any("removed 1 older Q4NX build of" in l for l in lines)
     locks = {p.name for p in root.glob(f".{prefix}*.lock")}
@@ -157,35 +158,35 @@ def test_a_reinstalled_gguf_reuses_the_cache_and_builds_from_other_installs_are_
     import shutil
 
     from llama_base.paths import models_dir
-    from llama_runtime import gguf_import
+    from llama_runtime.checkpoints.gguf import importer
 
-    shared = fixtures.ensure_embedded_model()           # imported once for the suite, then copied
+    shared = builtin.ensure_embedded_model()           # imported once for the suite, then copied
     monkeypatch.setenv(ENV_CACHE, str(tmp_path / "cache"))
     shutil.copytree(shared, models_dir() / shared.name)
-    packaged = gguf_import.smollm2_gguf_path()
+    packaged = importer.smollm2_gguf_path()
     installs = []
     for i, name in enumerate(("a", "b")):
         (tmp_path / name).mkdir()
         installs.append(shutil.copy(packaged, tmp_path / name / packaged.name))
         os.utime(installs[-1], ns=(10**18 + i, 10**18 + i))
-    monkeypatch.setattr(gguf_import, "smollm2_gguf_path", lambda: installs[0])
-    folder = fixtures.ensure_embedded_model()
+    monkeypatch.setattr(importer, "smollm2_gguf_path", lambda: installs[0])
+    folder = builtin.ensure_embedded_model()
     entry = load_weights(folder, "q4nx", _quiet).checkpoint.folder
-    monkeypatch.setattr(gguf_import, "smollm2_gguf_path", lambda: installs[1])
+    monkeypatch.setattr(importer, "smollm2_gguf_path", lambda: installs[1])
     lines: list[str] = []
     assert load_weights(folder, "q4nx", lines.append).checkpoint.folder == entry and lines == []
 
     other = entry.parent / f"q4nx-{folder.name}-{'0' * 16}"
     shutil.copytree(entry, other)
-    stamp = json.loads((other / fixtures.STAMP_FILE).read_text())
+    stamp = json.loads((other / builtin.STAMP_FILE).read_text())
     stamp["source"]["gguf"][2] = 10**18 - 7                 # stamped with an install's time
     stamp["source"]["code"] = "older"
-    (other / fixtures.STAMP_FILE).write_text(json.dumps(stamp))
+    (other / builtin.STAMP_FILE).write_text(json.dumps(stamp))
     reimported = entry.parent / f"q4nx-{folder.name}-{'1' * 16}"     # made from the folder's older files
     shutil.copytree(entry, reimported)
     stamp["source"]["checkpoint"]["files"].clear()
-    (reimported / fixtures.STAMP_FILE).write_text(json.dumps(stamp))
-    monkeypatch.setattr(gguf_import, "smollm2_version", lambda: "99.0")   # the package upgraded
+    (reimported / builtin.STAMP_FILE).write_text(json.dumps(stamp))
+    monkeypatch.setattr(importer, "smollm2_version", lambda: "99.0")   # the package upgraded
     upgraded = load_weights(folder, "q4nx", lines.append).checkpoint.folder
     assert upgraded != entry and any("removed 3 older Q4NX builds of" in l for l in lines)
     assert not entry.exists() and not other.exists() and not reimported.exists()
@@ -193,7 +194,7 @@ def test_a_reinstalled_gguf_reuses_the_cache_and_builds_from_other_installs_are_
 
 @pytest.fixture(scope="module")
 def embedded_q4nx():
-    folder = fixtures.ensure_embedded_model()
+    folder = builtin.ensure_embedded_model()
     return folder, load_weights(folder, "q4nx", _quiet)
 
 
@@ -201,8 +202,8 @@ def test_the_embedded_model_keeps_its_gguf_4_bit_values(embedded_q4nx):
     """The GGUF's Q4_1 nibbles, rows un-permuted for half-split RoPE, are the Q4NX values."""
     from gguf import GGUFReader
 
-    from llama_runtime import quantize
-    from llama_runtime.gguf_import import smollm2_gguf_path, unpermute_rope_rows
+    from llama_runtime.checkpoints import quantize
+    from llama_runtime.checkpoints.gguf.importer import smollm2_gguf_path, unpermute_rope_rows
 
     folder, w = embedded_q4nx
     cfg = w.config

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from llama_base.config import LlamaConfig
-from llama_runtime import reference as ref
-from llama_runtime.rope import generate_rope_lut
+from verify import reference as ref
+from llama_base.rope import generate_rope_lut
 from seeded import rand_bf16
 
 bf = torch.bfloat16

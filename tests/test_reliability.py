@@ -16,8 +16,8 @@ from kernel_builder.groups import build_group
 from llama32_1b_inference import main as run_cli
 from llama_base.config import LAYER_TENSORS
 from llama_base.errors import CheckpointError, KernelCacheError
-from llama_runtime import reference as ref
-from llama_runtime.checkpoint import load_weights
+from verify import reference as ref
+from llama_runtime.checkpoints.loader import load_weights
 from npu_runtime.cache import KernelCache
 from npu_runtime.sim.device import SimDevice
 
@@ -203,7 +203,7 @@ def test_an_interrupted_compile_leaves_nothing_that_is_used(tmp_path, tiny_confi
 # ---- interruptions ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
-    from llama_runtime.session import build_session
+    from llama_runtime.generation.session import build_session
 
     return build_session("embedded", "sim", max_context=1024, cache_dir=tmp_path_factory.mktemp("k"),
                          buckets=(128,), log=lambda s: None)
@@ -242,8 +242,8 @@ def test_ctrl_c_in_prefill_and_decode_keeps_the_chat_usable(session, monkeypatch
     it what a fresh `generate` computes up to the first differing choice, and the logits are
     compared at every step; the greedy choices must agree up to a near-tie.
     """
-    import llama_runtime.session as inference
-    from llama_runtime.chat import Conversation
+    import llama_runtime.generation.session as inference
+    from llama_runtime.generation.chat import Conversation
 
     real_prefill, real_decode = inference.prefill, inference.decode_step
     conv = Conversation(session)
@@ -327,7 +327,7 @@ def test_no_pickle_loading_and_no_remote_code():
 
 
 def test_chat_context_overflow_drops_the_oldest_exchange(session):
-    from llama_runtime.chat import Conversation
+    from llama_runtime.generation.chat import Conversation
 
     conv = Conversation(session)
     message = "Please remember this list of words: " + ", ".join(f"item{i}" for i in range(30)) + "."

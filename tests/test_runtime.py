@@ -6,11 +6,11 @@ import torch
 
 from cpu_kernels import native_cpu
 from llama_base.errors import PromptError
-from llama_runtime.decode import decode_step
-from llama_runtime.host_ops import KVCache
-from llama_runtime.prefill import prefill
-from llama_runtime.sampling import Sampler, SamplingParams, greedy
-from llama_runtime.session import build_session
+from llama_runtime.engine.decode import decode_step
+from llama_runtime.engine.kv_cache import KVCache
+from llama_runtime.engine.prefill import prefill
+from llama_runtime.generation.sampling import Sampler, SamplingParams, greedy
+from llama_runtime.generation.session import build_session
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +127,7 @@ def test_chunked_prefill_equals_single_shot(session):
 
 
 def test_two_turn_chat_matches_a_fresh_run_of_the_transcript(session):
-    from llama_runtime.chat import Conversation
+    from llama_runtime.generation.chat import Conversation
 
     conv = Conversation(session)
     layers = session.config.num_hidden_layers

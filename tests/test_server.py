@@ -25,8 +25,8 @@ import tokenizers
 from openai import OpenAI
 from pydantic import BaseModel, Field
 
-from llama_runtime.models import resolve_model
-from llama_runtime.server import DEFAULT_HOST
+from llama_runtime.checkpoints.resolve import resolve_model
+from llama_runtime.serve.app import DEFAULT_HOST
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "embedded"

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from llama_runtime.sampling import SamplingParams
-from llama_runtime.serve_worker import Job, QueueFull, Worker
+from llama_runtime.generation.sampling import SamplingParams
+from llama_runtime.serve.worker import Job, QueueFull, Worker
 
 
 class HeldSession:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cpu_kernels import native_cpu
-from llama_runtime.profile_report import stream_ahead_line
+from llama_runtime.cli.profile_report import stream_ahead_line
 from seeded import gemv_jobs, run_gemvs
 
 pytestmark = [pytest.mark.skipif(native_cpu._library() is None, reason="no native library: the GEMVs are torch's")]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cpu_kernels import native_cpu
-from llama_runtime import reference as ref
+from verify import reference as ref
 from seeded import rand_bf16
 
 EMULATED = "amx-emulated"

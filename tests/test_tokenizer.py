@@ -14,8 +14,8 @@ import pytest
 
 from llama_base.config import LlamaConfig
 from llama_base.errors import CheckpointError, PromptError
-from llama_runtime import fixtures
-from llama_runtime.tokenizer import Tokenizer, load_tokenizer
+from llama_runtime.checkpoints import builtin
+from llama_runtime.text.tokenizer import Tokenizer, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,12 +37,12 @@ CORPUS = (
 @pytest.fixture(scope="session")
 def llama():
     """The real Llama 3.2 tokenizer with the text model's config (vocab 128256)."""
-    return Tokenizer(fixtures.llama_tokenizer_dir(), LlamaConfig(), today=DAY)
+    return Tokenizer(builtin.llama_tokenizer_dir(), LlamaConfig(), today=DAY)
 
 
 @pytest.fixture(scope="session")
 def smol():
-    return Tokenizer(fixtures.ensure_embedded_model())
+    return Tokenizer(builtin.ensure_embedded_model())
 
 
 def _hf(folder):
@@ -54,12 +54,12 @@ def _hf(folder):
 @pytest.fixture(scope="session")
 def hf_llama():
     """transformers' fast tokenizer over the same files: the reference the runtime must match."""
-    return _hf(fixtures.llama_tokenizer_dir())
+    return _hf(builtin.llama_tokenizer_dir())
 
 
 @pytest.fixture(scope="session")
 def hf_smol():
-    return _hf(fixtures.ensure_embedded_model())
+    return _hf(builtin.ensure_embedded_model())
 
 
 def _conversation(system: str | None):
@@ -93,7 +93,7 @@ def test_llama_chat_without_system_keeps_an_empty_system_block(llama):
 
 
 def test_llama_chat_date_line_follows_the_given_day():
-    tok = Tokenizer(fixtures.llama_tokenizer_dir(), LlamaConfig(), today=datetime.date(2025, 3, 5))
+    tok = Tokenizer(builtin.llama_tokenizer_dir(), LlamaConfig(), today=datetime.date(2025, 3, 5))
     assert "\nToday Date: 05 Mar 2025\n\n" in tok.decode(tok.encode_prompt("Hi", chat=True))
 
 
@@ -176,7 +176,7 @@ def test_ids_past_the_model_vocabulary_are_refused(llama):
     with pytest.raises(PromptError, match=f"outside the model's vocabulary of {llama.vocab_size}"):
         llama.check_ids([llama.config.bos_token_id, image])
     # A model whose embedding is smaller than the control tokens' ids cannot be prompted in chat.
-    small = Tokenizer(fixtures.llama_tokenizer_dir(), dataclasses.replace(LlamaConfig(), vocab_size=128000), today=DAY)
+    small = Tokenizer(builtin.llama_tokenizer_dir(), dataclasses.replace(LlamaConfig(), vocab_size=128000), today=DAY)
     with pytest.raises(PromptError, match="vocabulary of 128000"):
         small.encode_prompt("Hi", chat=True)
     assert all(i < small.vocab_size for i in small.end_token_ids)
@@ -192,7 +192,7 @@ def test_missing_tokenizer_is_a_one_line_checkpoint_error(tmp_path):
         Tokenizer(tmp_path, LlamaConfig())
     assert "\n" not in str(e.value)
     with pytest.raises(CheckpointError, match="no <|nope|> token"):
-        Tokenizer(fixtures.llama_tokenizer_dir(), LlamaConfig()).special_id("<|nope|>")
+        Tokenizer(builtin.llama_tokenizer_dir(), LlamaConfig()).special_id("<|nope|>")
 
 
 # ---- streaming decode --------------------------------------------------------------------------
@@ -354,7 +354,7 @@ def test_chat_template_is_read_from_each_of_its_homes(tmp_path, smol):
     import json
     import shutil
 
-    src = fixtures.ensure_embedded_model()
+    src = builtin.ensure_embedded_model()
     template = (src / "chat_template.jinja").read_text()
     config = json.loads((src / "tokenizer_config.json").read_text())
     homes = {
@@ -379,11 +379,11 @@ def test_run_path_does_not_import_transformers():
     """`make run` and `make chat` load the tokenizer without transformers, whose import alone
     took longer than the rest of start-up on a warm kernel cache. The time is printed, not
     asserted: it depends on the machine and its load."""
-    fixtures.ensure_embedded_model()
+    builtin.ensure_embedded_model()
     code = textwrap.dedent("""
         import sys, time
         t0 = time.perf_counter()
-        from llama_runtime.session import build_session
+        from llama_runtime.generation.session import build_session
         s = build_session("embedded", "sim", 256, log=lambda m: None)
         s.generate(s.tokenizer.encode_prompt("Hi", chat=True), 1)
         print(f"build_session {s.build_s:.2f} s, import + build {time.perf_counter() - t0:.2f} s")

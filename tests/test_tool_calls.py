@@ -8,11 +8,11 @@ import json
 import pytest
 
 from llama_base.config import LlamaConfig
-from llama_runtime import fixtures
-from llama_runtime.chat_format import GENERIC_TOOLS_INTRO, Llama3ChatFormat
-from llama_runtime.openai_request import ApiError
-from llama_runtime.tokenizer import Tokenizer
-from llama_runtime.tool_calls import tool_request
+from llama_runtime.checkpoints import builtin
+from llama_runtime.text.chat_format import GENERIC_TOOLS_INTRO, Llama3ChatFormat
+from llama_runtime.serve.openai_request import ApiError
+from llama_runtime.text.tokenizer import Tokenizer
+from llama_runtime.serve.tool_calls import tool_request
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -25,12 +25,12 @@ TURNS = [{"role": "user", "content": "  Weather in Paris?  "},
 
 @pytest.fixture(scope="module")
 def llama():
-    return Tokenizer(fixtures.llama_tokenizer_dir(), LlamaConfig(), today=datetime.date(2024, 7, 26))
+    return Tokenizer(builtin.llama_tokenizer_dir(), LlamaConfig(), today=datetime.date(2024, 7, 26))
 
 
 @pytest.fixture(scope="module")
 def smol():
-    return Tokenizer(fixtures.ensure_embedded_model())
+    return Tokenizer(builtin.ensure_embedded_model())
 
 
 def test_llama3_puts_tools_in_the_first_user_message_and_results_in_ipython(llama):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from llama_base.config import LlamaConfig
-from llama_runtime.models import EMBEDDED, LLAMA1B_SHAPE
+from llama_runtime.checkpoints.resolve import EMBEDDED, LLAMA1B_SHAPE
 from npu_runtime.cache import KernelCache
 from npu_runtime.sim import ops as sim_ops
 from verify import __main__ as verify_cli

@@ -9,7 +9,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from kernel_builder.groups import all_groups, prefill_buckets
 from llama_base.config import LlamaConfig, RopeScaling
 from llama_base.errors import CheckpointError
-from llama_runtime.rope import generate_rope_lut
+from llama_base.rope import generate_rope_lut
 
 LLAMA_1B = {  # Llama-3.2-1B-Instruct's config.json as published (transformers 4 layout)
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "attention_bias": False,
@@ -77,8 +77,8 @@ def test_a_safetensors_file_written_one_tensor_at_a_time_reads_back_in_every_rea
     reader and ours; a tensor other than the one announced next is refused."""
     from safetensors import safe_open
 
-    from llama_runtime.checkpoint_writer import write_streaming
-    from llama_runtime.safetensors_io import SafetensorsFile
+    from llama_runtime.checkpoints.writer import write_streaming
+    from llama_runtime.checkpoints.safetensors_io import SafetensorsFile
 
     tensors = {"b.weight": torch.randn(3, 5).to(torch.bfloat16), "a.bytes": torch.arange(7, dtype=torch.uint8),
                "c.f32": torch.randn(2, 2, 3)}

@@ -13,7 +13,7 @@ from fake_pyxrt import FakeXrt, xclBOSyncDirection
 
 from kernel_builder.groups import Role, build_group
 from llama_base.errors import KernelCacheError
-from llama_runtime.weight_slots import static_tensors
+from llama_runtime.engine.weight_slots import static_tensors
 from multi_launch_builder import compile as mlb_compile
 from npu_runtime.api import DeviceError, Sync
 from npu_runtime.cache import KernelCache
@@ -255,7 +255,7 @@ def test_without_a_compiler_a_missing_npu_entry_says_so(fake, tiny_config, tmp_p
 
 @pytest.mark.slow
 def test_greedy_generation_through_xrt_equals_the_simulator(fake, tmp_path):
-    from llama_runtime.session import build_session
+    from llama_runtime.generation.session import build_session
 
     kw = dict(max_context=512, buckets=(128,), log=lambda s: None)
     prompt = "The capital of France is"
@@ -288,11 +288,11 @@ def test_layers_of_two_group_variants_decode_without_reopening_a_context(fake, t
     its kernels take the unpacked path)."""
     from dataclasses import replace
 
-    from llama_runtime import quantize
-    from llama_runtime.decode import decode_step
-    from llama_runtime.device_model import DeviceModel
-    from llama_runtime.prefill import prefill
-    from llama_runtime.weights import LayerWeights
+    from llama_runtime.checkpoints import quantize
+    from llama_runtime.engine.decode import decode_step
+    from llama_runtime.engine.device_model import DeviceModel
+    from llama_runtime.engine.prefill import prefill
+    from llama_runtime.checkpoints.weights import LayerWeights
 
     layers = [LayerWeights(**{n: quantize.quantize(t) if t.dim() == 2 and (i, n) != WIDE else t
                               for n, t in lw.by_name().items()}) for i, lw in enumerate(tiny_weights.layers)]

@@ -35,12 +35,12 @@ class HFRunner:
         """Replace every layer's linear weights by the Q4NX weights dequantized (`q4nx.dequantize`:
         the bf16 numbers the runtime's GEMMs multiply), so the gate compares kernels, not the
         quantization. The head stays bf16: our 4-bit head only picks the candidates whose logits
-        the host recomputes from the bf16 rows (`llama_runtime.head_rescore`), so every logit the
+        the host recomputes from the bf16 rows (`llama_runtime.engine.head_rescore`), so every logit the
         gate's top-5 ranks compare is the bf16 head's on both sides. A weight the build kept
         wide (bf16) is taken as it is stored."""
         from llama_base import q4nx
         from llama_base.config import LAYER_TENSORS
-        from llama_runtime.safetensors_io import Checkpoint
+        from llama_runtime.checkpoints.safetensors_io import Checkpoint
 
         ckpt = Checkpoint(q4nx_folder)
         for name, param in self.model.named_parameters():

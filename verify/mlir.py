@@ -34,9 +34,9 @@ from kernel_builder import groups
 from kernel_builder.groups import KernelGroup, Role
 from llama_base.config import LlamaConfig
 from llama_base.errors import UserError
-from llama_runtime.models import TINY, resolve_checkpoint
-from llama_runtime.quantize import quantize
-from llama_runtime.weight_slots import static_tensors
+from llama_runtime.checkpoints.resolve import TINY, resolve_checkpoint
+from llama_runtime.checkpoints.quantize import quantize
+from llama_runtime.engine.weight_slots import static_tensors
 from multi_launch_builder.compile import compile_group_mlir
 from npu_runtime.api import Sync
 from npu_runtime.interp.device import InterpDevice
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     weights, wide = None, (frozenset(),)
     if args.quant != "bf16":
         from llama32_1b_weights import load_weights   # verify sits above the entry points
-        from llama_runtime.q4nx_weights import wide_sets
+        from llama_runtime.checkpoints.q4nx_weights import wide_sets
 
         weights, wide = load_weights(folder), wide_sets(folder, cfg)
     rows = []

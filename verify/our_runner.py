@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 import torch
 
-from llama_runtime.decode import decode_step
-from llama_runtime.prefill import prefill
-from llama_runtime.session import Session
+from llama_runtime.engine.decode import decode_step
+from llama_runtime.engine.prefill import prefill
+from llama_runtime.generation.session import Session
 from npu_runtime.profiler import Profiler
 from verify.runner import PrefillResult, StepResult
 
@@ -51,7 +51,7 @@ class OurRunner:
         `n` greedy steps after `prompt`, once untimed first. The bench holds the host's share
         against the bandwidth bound: it is time the bound does not count and no GEMV can save.
         The profiler is on for these steps only; it adds its own few µs a call to the host's share
-        (in a recorded decode, `llama_runtime.decode_program`, two clock reads an op and the
+        (in a recorded decode, `llama_runtime.engine.recording`, two clock reads an op and the
         totals' bookkeeping once a token)."""
         model = self.session.model
         kc = model.kc

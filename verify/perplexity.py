@@ -21,8 +21,8 @@ from kernel_builder.groups import QUANTS
 from llama32_1b_inference import build_session
 from llama_base.config import LlamaConfig
 from llama_base.errors import UserError
-from llama_runtime.models import LLAMA1B_SHAPE, TINY, resolve_model
-from llama_runtime.tokenizer import Tokenizer
+from llama_runtime.checkpoints.resolve import LLAMA1B_SHAPE, TINY, resolve_model
+from llama_runtime.text.tokenizer import Tokenizer
 from npu_runtime.devices import DEVICE_KINDS
 from verify import VerifyError
 from verify.eval_text import CHUNK_LEN, N_CHUNKS, SOURCE, eval_chunks

@@ -14,10 +14,10 @@ from typing import Callable
 
 from kernel_builder.groups import QUANTS
 from llama_base.config import LlamaConfig
-from llama_runtime.checkpoint import load_weights
-from llama_runtime.models import resolve_model
-from llama_runtime.session import Session, build_session, is_chat_model
-from llama_runtime.tokenizer import Tokenizer
+from llama_runtime.checkpoints.loader import load_weights
+from llama_runtime.checkpoints.resolve import resolve_model
+from llama_runtime.generation.session import Session, build_session, is_chat_model
+from llama_runtime.text.tokenizer import Tokenizer
 from npu_runtime.devices import DEVICE_KINDS
 from verify import VerifyError
 from verify.prompts import prompt_set

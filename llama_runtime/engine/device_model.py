@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
+from cpu_kernels import native_cpu
 from kernel_builder.groups import (
     DECODE_KINDS,
     PREFILL_KINDS,
@@ -23,11 +25,11 @@ from kernel_builder.groups import (
 )
 from llama_base.config import LlamaConfig
 from llama_base.errors import PromptError
-from llama_runtime.head_rescore import ROW_CACHE_BYTES, TOP_K, rescore
-from llama_runtime.host_ops import KVCache, rms_norm
-from llama_runtime.rope import generate_rope_lut
-from llama_runtime.weight_slots import static_tensors
-from llama_runtime.weights import LlamaWeights
+from llama_runtime.engine.head_rescore import ROW_CACHE_BYTES, TOP_K, rescore
+from llama_runtime.engine.kv_cache import KVCache
+from llama_base.rope import generate_rope_lut
+from llama_runtime.engine.weight_slots import static_tensors
+from llama_runtime.checkpoints.weights import LlamaWeights
 from npu_runtime.cache import KernelCache
 from npu_runtime.profiler import NULL_PROFILER, Profiler
 
@@ -37,6 +39,16 @@ Capture = Callable[[int, str, torch.Tensor], None]
 
 # The host op the final RMSNorm is profiled as, by the loop and by the recorded decode.
 FINAL_NORM = "final_norm"
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """f32 statistics; the normalised row rounded to bf16, then its product with the weight
+    rounded again: HF's rounding points, which the device RMSNorm launch also follows."""
+    out = torch.empty_like(x)
+    if native_cpu.rmsnorm(x.contiguous(), weight.contiguous(), out, x.shape[-1], eps):
+        return out
+    xf = x.float()
+    return F.rms_norm(xf, (xf.shape[-1],), eps=eps).to(torch.bfloat16) * weight.to(torch.bfloat16)
 
 
 def bo_key(group: KernelGroup, layer: int | None) -> str:

@@ -1,6 +1,6 @@
 """A model's weights in memory, as the device model uploads them.
 
-`load_weights` (llama_runtime.checkpoint) fills these from a checkpoint; `synthetic_weights` makes
+`load_weights` (llama_runtime.checkpoints.loader) fills these from a checkpoint; `synthetic_weights` makes
 random ones for tests and for the Llama-3.2-1B-shape checkpoint.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from llama_base.config import LAYER_TENSORS, LlamaConfig, layer_shapes
-from llama_runtime.safetensors_io import Checkpoint
+from llama_runtime.checkpoints.safetensors_io import Checkpoint
 
 
 @dataclass

@@ -32,8 +32,8 @@ from starlette.routing import Route
 
 from kernel_builder.groups import QUANTS
 from llama_base.errors import UserError
-from llama_runtime.cli import positive_int, user_error
-from llama_runtime.openai_request import (
+from llama_runtime.cli.run import positive_int, user_error
+from llama_runtime.serve.openai_request import (
     DEFAULT_TEMPERATURE,
     MAX_TEMPERATURE,
     ApiError,
@@ -51,17 +51,17 @@ from llama_runtime.openai_request import (
     shutting_down,
     stop_strings,
 )
-from llama_runtime.constrained import Grammars
-from llama_runtime.logprobs import MAX_TOP_CHAT, MAX_TOP_COMPLETIONS, TokenText
-from llama_runtime.sampling import SamplingParams
-from llama_runtime.serve_worker import DEFAULT_QUEUE_SIZE, Job, Piece, QueueFull, Worker
-from llama_runtime.session import Session, build_session
-from llama_runtime.tool_calls import ToolRequest, tool_request
+from llama_runtime.generation.constrained import Grammars
+from llama_runtime.generation.logprobs import MAX_TOP_CHAT, MAX_TOP_COMPLETIONS, TokenText
+from llama_runtime.generation.sampling import SamplingParams
+from llama_runtime.serve.worker import DEFAULT_QUEUE_SIZE, Job, Piece, QueueFull, Worker
+from llama_runtime.generation.session import Session, build_session
+from llama_runtime.serve.tool_calls import ToolRequest, tool_request
 from npu_runtime.devices import DEVICE_KINDS
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
-CHAT_PAGE = resources.files("llama_runtime") / "web" / "chat.html"   # GET /: package data, works offline
+CHAT_PAGE = resources.files("llama_runtime.serve") / "web" / "chat.html"   # GET /: package data, works offline
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions (chat: the rest of the context)
 SHUTDOWN_GRACE_S = 5       # in-flight answers are cancelled at once; this bounds their goodbye
 # A route's shaping of one choice: (piece, finish_reason, streaming, prompt scores if echoed).

@@ -20,13 +20,13 @@ import torch
 
 from cpu_kernels import native_cpu, native_rows
 from llama_base.errors import CheckpointError
-from llama_runtime.host_ops import untouched_zeros
+from llama_base.memory import untouched_zeros
 
 _DTYPES = {
     "BF16": (torch.bfloat16, 2),
     "F16": (torch.float16, 2),
     "F32": (torch.float32, 4),
-    "U8": (torch.uint8, 1),     # quantized weights' bytes (llama_runtime.q4nx_weights)
+    "U8": (torch.uint8, 1),     # quantized weights' bytes (llama_runtime.checkpoints.q4nx_weights)
 }
 _MAX_HEADER = 100 * 1024 * 1024
 

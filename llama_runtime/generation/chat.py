@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from llama_base.errors import PromptError
-from llama_runtime.sampling import SamplingParams
-from llama_runtime.session import GenerationResult, Session
+from llama_runtime.generation.sampling import SamplingParams
+from llama_runtime.generation.session import GenerationResult, Session
 
 
 @dataclass

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from llama_runtime.openai_request import ApiError
+from llama_runtime.serve.openai_request import ApiError
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 

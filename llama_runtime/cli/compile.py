@@ -1,4 +1,4 @@
-"""`make compile` (`python -m llama_runtime.compile`): every kernel group of a model into the
+"""`make compile` (`python -m llama_runtime.cli.compile`): every kernel group of a model into the
 kernel cache: the stitched, validated MLIR-AIR everywhere, ELFs where aircc and Peano exist.
 
 It sits on the run side, above the KernelCache, because what it fills is the cache `make run`
@@ -16,8 +16,8 @@ from kernel_builder import groups
 from kernel_builder.external_kernels import build_group_objects
 from llama_base.config import LlamaConfig
 from llama_base.errors import UserError
-from llama_runtime.models import resolve_model
-from llama_runtime.q4nx_weights import wide_sets
+from llama_runtime.checkpoints.resolve import resolve_model
+from llama_runtime.checkpoints.q4nx_weights import wide_sets
 from multi_launch_builder.compile import ToolchainError, default_objects_dir, toolchain
 from npu_runtime.cache import KernelCache
 from npu_runtime.devices import DEVICE_KINDS, open_device
@@ -56,7 +56,7 @@ def _targets(device: str):
 def main(argv: Sequence[str] | None = None) -> int:
     """Compile every group through the KernelCache: a second run finds everything cached."""
     ap = argparse.ArgumentParser(
-        prog="python -m llama_runtime.compile",
+        prog="python -m llama_runtime.cli.compile",
         description="Build, stitch and validate every kernel group into the kernel cache; ELFs where aircc exists.")
     ap.add_argument("--model-config", help="config.json (or its folder) giving the shapes")
     ap.add_argument("--model", help="checkpoint (folder, .gguf file, repo id or alias) whose config gives the shapes")

@@ -17,7 +17,7 @@ import llguidance
 import numpy as np
 import torch
 
-from llama_runtime.openai_request import ApiError
+from llama_runtime.serve.openai_request import ApiError
 
 # Compact JSON (no optional whitespace): a small model can otherwise fill its budget with
 # spaces and newlines that the grammar allows between tokens.

@@ -12,14 +12,14 @@ from pathlib import Path
 from kernel_builder.groups import QUANTS
 from llama_base.config import LAYER_TENSORS, LlamaConfig, layer_shapes
 from llama_base.errors import CheckpointError, UserError
-from llama_runtime.models import resolve_checkpoint
-from llama_runtime.q4nx_weights import load_q4nx
-from llama_runtime.safetensors_io import Checkpoint
-from llama_runtime.weights import LayerWeights, LlamaWeights
+from llama_runtime.checkpoints.resolve import resolve_checkpoint
+from llama_runtime.checkpoints.q4nx_weights import load_q4nx
+from llama_runtime.checkpoints.safetensors_io import Checkpoint
+from llama_runtime.checkpoints.weights import LayerWeights, LlamaWeights
 
 
 def load_weights(source: str | Path, quant: str = "bf16", log: Callable[[str], None] = print) -> LlamaWeights:
-    """Load a checkpoint folder; see `llama_runtime.models.resolve_checkpoint` for repo ids and
+    """Load a checkpoint folder; see `llama_runtime.checkpoints.resolve.resolve_checkpoint` for repo ids and
     defaults. With `quant="q4nx"` the linear weights come from the Q4NX cache (made on first use)."""
     if quant not in QUANTS:
         raise UserError(f"unknown weight format QUANT={quant!r}: expected one of {', '.join(QUANTS)}")

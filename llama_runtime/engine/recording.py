@@ -18,7 +18,7 @@ import torch
 
 from cpu_kernels import native_cpu
 from cpu_kernels.native_program import NativeProgram
-from llama_runtime.device_model import FINAL_NORM, DeviceModel, bo_key
+from llama_runtime.engine.device_model import FINAL_NORM, DeviceModel, bo_key
 from npu_runtime.api import copy_tensor
 from npu_runtime.profiler import NULL_PROFILER, Profiler
 

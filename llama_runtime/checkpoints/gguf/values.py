@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from gguf.constants import GGMLQuantizationType as T
 
-from llama_runtime import quantize
-from llama_runtime.gguf_file import Tensor
+from llama_runtime.checkpoints import quantize
+from llama_runtime.checkpoints.gguf.reader import Tensor
 
 _CHUNK_WEIGHTS = 1 << 20        # weights dequantized at once: f32 temporaries of a few MiB
 

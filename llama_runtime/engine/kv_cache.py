@@ -1,41 +1,18 @@
-"""Host-side math of the runtime.
+"""The KV cache and the host ops that read and write it: the row store and decode attention.
 
-The runtime runs a few small ops on the host (the final RMSNorm on one row, decode
-attention over the KV cache, the KV cache's row store; sampling is `sampling.py`'s). Like the
-device's launches, they are tested against `reference`, which states where bf16 rounds.
+Both run on the CPU on every device (the call-by-call decode runs them between device calls;
+the recorded decode binds them into its program). Like the device's launches, they are tested
+against `verify.reference`, which states where bf16 rounds.
 """
 from __future__ import annotations
 
 import math
-import mmap
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from cpu_kernels import native_cpu
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """f32 statistics; the normalised row rounded to bf16, then its product with the weight
-    rounded again: HF's rounding points, which the device RMSNorm launch also follows."""
-    out = torch.empty_like(x)
-    if native_cpu.rmsnorm(x.contiguous(), weight.contiguous(), out, x.shape[-1], eps):
-        return out
-    xf = x.float()
-    return F.rms_norm(xf, (xf.shape[-1],), eps=eps).to(torch.bfloat16) * weight.to(torch.bfloat16)
-
-
-def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Zeros in an anonymous mapping of their own: a page becomes resident when it is first
-    written, so memory follows what is used rather than what is reserved (the KV cache holds
-    `max_context` positions, a prompt writes the first ones of each head's block). torch.zeros
-    would write, and so make resident, every byte at once."""
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(m, dtype=torch.uint8).view(dtype).view(shape)
+from llama_base.memory import untouched_zeros
 
 
 # Bound decode steps a cache keeps: one per layer's buffer set, with room for a model whose

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from llama_base.config import LlamaConfig
 from llama_base.errors import CheckpointError, PromptError
-from llama_runtime.chat_format import CHAT_FORMATS, ChatFormat
+from llama_runtime.text.chat_format import CHAT_FORMATS, ChatFormat
 
 if TYPE_CHECKING:
     import tokenizers

@@ -24,9 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from llama_runtime.logprobs import TokenLogprob
-from llama_runtime.sampling import SamplingParams
-from llama_runtime.session import Session
+from llama_runtime.generation.logprobs import TokenLogprob
+from llama_runtime.generation.sampling import SamplingParams
+from llama_runtime.generation.session import Session
 
 DEFAULT_QUEUE_SIZE = 16
 # Weight of the latest job in the running mean of job durations that Retry-After is based on.

@@ -61,22 +61,22 @@ def resolve_checkpoint(source: str | Path | None, log: Callable[[str], None] | N
     into a folder of the model cache on first use (`log` says so); one whose tensors the weight
     format `quant` cannot hold is refused before any is converted (once imported, by the
     format's own build)."""
-    from llama_runtime import fixtures
+    from llama_runtime.checkpoints import builtin
 
     if source in (None, "", EMBEDDED):
-        return fixtures.ensure_embedded_model()
+        return builtin.ensure_embedded_model()
     if source == LLAMA1B_SHAPE:
-        return fixtures.ensure_llama1b_shape_checkpoint()
+        return builtin.ensure_llama1b_shape_checkpoint()
     if source == TINY:
-        return fixtures.ensure_tiny_checkpoint()
+        return builtin.ensure_tiny_checkpoint()
     text = str(source)
     path = Path(text).expanduser()
     if path.exists() or text.startswith((".", "/", "~")):
         gguf = path.suffix.lower() == ".gguf"
         if gguf and path.is_file():
-            from llama_runtime.q4nx_weights import check_gguf
+            from llama_runtime.checkpoints.q4nx_weights import check_gguf
 
-            return fixtures.ensure_gguf_model(path, log, None if quant == "bf16" else check_gguf)
+            return builtin.ensure_gguf_model(path, log, None if quant == "bf16" else check_gguf)
         if path.is_file():
             raise CheckpointError(f"{path}: neither a checkpoint folder nor a .gguf file")
         if not path.is_dir():

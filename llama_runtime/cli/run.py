@@ -11,8 +11,8 @@ import traceback
 
 from kernel_builder.groups import QUANTS
 from llama_base.errors import PromptError, UserError
-from llama_runtime.sampling import SamplingParams
-from llama_runtime.session import GenerationResult, Session, build_session
+from llama_runtime.generation.sampling import SamplingParams
+from llama_runtime.generation.session import GenerationResult, Session, build_session
 from npu_runtime.devices import DEVICE_KINDS
 
 
@@ -80,7 +80,7 @@ def _summary(r: GenerationResult) -> str:
 
 
 def _chat(session: Session, args: argparse.Namespace, sampling: SamplingParams) -> None:
-    from llama_runtime.chat import Conversation
+    from llama_runtime.generation.chat import Conversation
 
     conv = Conversation(session, system=args.system)
     print("[chat] /reset starts over, /quit or Ctrl-D leaves, Ctrl-C stops an answer.", flush=True)
@@ -149,7 +149,7 @@ def run_cli(argv: list[str] | None = None) -> int:
         print()
         print(_summary(r), flush=True)
         if args.profile:
-            from llama_runtime.profile_report import report
+            from llama_runtime.cli.profile_report import report
 
             print(report(session, r))
         return 130 if r.stop_reason == "interrupted" else 0

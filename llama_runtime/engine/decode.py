@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from llama_runtime.decode_program import decode_program
-from llama_runtime.device_model import Capture, DeviceModel, bo_key
-from llama_runtime.host_ops import HOST_OP, decode_attention_cpu
+from llama_runtime.engine.recording import decode_program
+from llama_runtime.engine.device_model import Capture, DeviceModel, bo_key
+from llama_runtime.engine.kv_cache import HOST_OP, decode_attention_cpu
 
 
 def decode_layer(model: DeviceModel, layer: int, x: torch.Tensor, pos: int,

@@ -22,7 +22,7 @@ Q4NX bytes, BF16 ones for the weights kept wide) with its digest beside it (`_di
 key hashes what decides the bytes: the source checkpoint's safetensors headers, sizes and
 modification times (and the GGUF's name, size and package version or modification time), and
 the code of the format and the quantizer. A build
-runs once, under a lock, into a temporary folder renamed into place (`fixtures._ensure`), so a
+runs once, under a lock, into a temporary folder renamed into place (`builtin._ensure`), so a
 crash leaves nothing half-written; a file whose hash no longer matches (damaged on disk) is
 rebuilt. A new build removes the ones it replaces: those of the same checkpoint made by older
 code or from another install of its GGUF, and those the model cache's own imports made from
@@ -49,9 +49,11 @@ from llama_base import q4nx
 from llama_base.config import LAYER_TENSORS, LlamaConfig, layer_shapes
 from llama_base.errors import CheckpointError
 from llama_base.paths import models_dir
-from llama_runtime import fixtures, gguf_file, quantize
-from llama_runtime.safetensors_io import Checkpoint
-from llama_runtime.weights import LayerWeights, LlamaWeights
+from llama_runtime.checkpoints import builtin
+from llama_runtime.checkpoints.gguf import reader
+from llama_runtime.checkpoints import quantize
+from llama_runtime.checkpoints.safetensors_io import Checkpoint
+from llama_runtime.checkpoints.weights import LayerWeights, LlamaWeights
 
 FORMAT = 2          # 2: a linear weight may be stored in bf16 (kept wide)
 WEIGHTS_FILE = "weights.safetensors"
@@ -125,13 +127,13 @@ def _imported(folder: Path) -> bool:
 
 def _gguf_for(folder: Path) -> Path | None:
     """The GGUF `folder` was imported from: the embedded model's, or a user's (`MODEL=x.gguf`)."""
-    from llama_runtime import gguf_import
+    from llama_runtime.checkpoints.gguf import importer
 
     if not _imported(folder):
         return None
-    if folder.name == fixtures.EMBEDDED_DIR:
-        return gguf_import.smollm2_gguf_path()
-    return fixtures.gguf_source(folder)
+    if folder.name == builtin.EMBEDDED_DIR:
+        return importer.smollm2_gguf_path()
+    return builtin.gguf_source(folder)
 
 
 def _gguf_stamp(gguf: Path, packaged: bool) -> list:
@@ -139,10 +141,10 @@ def _gguf_stamp(gguf: Path, packaged: bool) -> list:
     `packaged`) or a user's file's modification time. Not the packaged file's time: every new
     environment installs the package afresh, and each would otherwise build, and keep, a copy
     of the same weights."""
-    from llama_runtime import gguf_import
+    from llama_runtime.checkpoints.gguf import importer
 
     st = gguf.stat()
-    return [gguf.name, st.st_size, gguf_import.smollm2_version() if packaged else st.st_mtime_ns]
+    return [gguf.name, st.st_size, importer.smollm2_version() if packaged else st.st_mtime_ns]
 
 
 def _quantized_tensors(bf16: LlamaWeights, from_gguf: dict[str, Callable[[], torch.Tensor]], wide: set[str],
@@ -184,7 +186,7 @@ def _gguf_plan(path: Path, reader, cfg: LlamaConfig) -> tuple[list, set[str]]:
     checkpoint's, since QUANT=q4nx asks for 4 bits. Any other type (2- and 3-bit k-quants, the
     non-linear IQ types) is refused, naming the tensor: holding it would put a second rounding
     on values coarser than Q4NX's own."""
-    from llama_runtime.gguf_import import gguf_tensor_name, weight_tensors
+    from llama_runtime.checkpoints.gguf.importer import gguf_tensor_name, weight_tensors
 
     kinds, wider = _gguf_kinds()
     held, wide = [], set()
@@ -204,7 +206,7 @@ def _gguf_plan(path: Path, reader, cfg: LlamaConfig) -> tuple[list, set[str]]:
 
 
 def check_gguf(path: Path, reader, cfg: LlamaConfig) -> None:
-    """Refuse a GGUF whose linear weights QUANT=q4nx cannot hold (`gguf_import.import_gguf`'s
+    """Refuse a GGUF whose linear weights QUANT=q4nx cannot hold (`importer.import_gguf`'s
     check: before any tensor is converted)."""
     _gguf_plan(path, reader, cfg)
 
@@ -213,7 +215,7 @@ def wide_sets(folder: Path, cfg: LlamaConfig) -> tuple[frozenset[str], ...]:
     """The distinct sets of linear weights a layer of `folder`'s Q4NX build keeps in bf16, in
     layer order (`_gguf_plan`; `LlamaWeights.wide_sets` of the loaded build), read from the
     GGUF's header without building anything: the group variants `make compile` compiles."""
-    from llama_runtime.gguf_import import open_gguf
+    from llama_runtime.checkpoints.gguf.importer import open_gguf
 
     gguf = _gguf_for(folder)
     wide = _gguf_plan(gguf, open_gguf(gguf), cfg)[1] if gguf is not None else set()
@@ -226,7 +228,7 @@ def _gguf_tensors(path: Path, cfg: LlamaConfig) -> tuple[dict[str, Callable[[], 
     """The GGUF's 4-bit linear weights, each as a function making its Q4NX bytes with their
     values kept, and the names of those kept wide (`_gguf_plan`). The bytes are made when
     written, so a build holds one at a time."""
-    from llama_runtime.gguf_import import open_gguf, rope_heads, unpermute_rope_rows
+    from llama_runtime.checkpoints.gguf.importer import open_gguf, rope_heads, unpermute_rope_rows
 
     def make(t, short: str, n: int, k: int, fields) -> torch.Tensor:
         q, d, m = fields(t.data, n, k)
@@ -242,7 +244,7 @@ def _gguf_tensors(path: Path, cfg: LlamaConfig) -> tuple[dict[str, Callable[[], 
 
 def _build(bf16: LlamaWeights, gguf: Path | None, out: Path, log: Callable[[str], None]) -> None:
     """The Q4NX weights written as they are made (`checkpoint_writer.write_streaming`)."""
-    from llama_runtime.checkpoint_writer import write_streaming
+    from llama_runtime.checkpoints.writer import write_streaming
 
     cfg = bf16.config
     shapes = layer_shapes(cfg)
@@ -268,27 +270,27 @@ def ensure_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = p
     """The cache folder holding `folder`'s weights in Q4NX, built now if missing, stale or damaged."""
     gguf = _gguf_for(folder)
     source = {"format": FORMAT, "q4nx": [q4nx.ROWS, q4nx.COLS, q4nx.GROUP],
-              "code": fixtures._code_digest(q4nx, quantize, gguf_file, _quantized_tensors, _gguf_kinds,
+              "code": builtin._code_digest(q4nx, quantize, reader, _quantized_tensors, _gguf_kinds,
                                             _gguf_plan, _gguf_tensors, _build),
               "checkpoint": _source_of(folder)}
     if gguf is not None:
-        source["gguf"] = _gguf_stamp(gguf, packaged=folder.name == fixtures.EMBEDDED_DIR)
+        source["gguf"] = _gguf_stamp(gguf, packaged=folder.name == builtin.EMBEDDED_DIR)
     key = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:16]
     name = f"q4nx-{folder.name}-{key}"
     target = models_dir() / name
     built = not (target / WEIGHTS_FILE).is_file()
     if built:
         log(f"[quant] making Q4NX weights of {folder.name} (once; cached in {target})")
-    elif not fixtures._is_current(target, source):
+    elif not builtin._is_current(target, source):
         # A file cut short or removed (a full disk, an interrupted copy): say why it is made again.
         log(f"[quant] {target} is incomplete (a file's size differs from its stamp): rebuilding it")
-    path = fixtures._ensure(name, source, lambda tmp: _build(bf16, gguf, tmp, log))
+    path = builtin._ensure(name, source, lambda tmp: _build(bf16, gguf, tmp, log))
     if built:
         _remove_superseded(folder.name, target, source, _imported(folder), log)
     if not _intact(path):
         log(f"[quant] {path / WEIGHTS_FILE} does not match its hash: rebuilding it")
         shutil.rmtree(path, ignore_errors=True)
-        path = fixtures._ensure(name, source, lambda tmp: _build(bf16, gguf, tmp, log))
+        path = builtin._ensure(name, source, lambda tmp: _build(bf16, gguf, tmp, log))
     return path
 
 
@@ -312,7 +314,7 @@ def _remove_superseded(folder_name: str, current: Path, source: dict, owned: boo
         if entry == current or not pattern.fullmatch(entry.name):
             continue
         try:
-            old = json.loads((entry / fixtures.STAMP_FILE).read_text()).get("source", {})
+            old = json.loads((entry / builtin.STAMP_FILE).read_text()).get("source", {})
         except (OSError, ValueError, AttributeError):
             continue
         if not owned and (old.get("checkpoint") != source["checkpoint"]
@@ -330,7 +332,7 @@ def _remove_locked(entry: Path) -> int | None:
     """Remove a cache entry (if it still exists) and then its lock file, holding the lock: the
     bytes freed, or None, with nothing removed, while another process holds the lock."""
     try:
-        with fixtures.build_lock(entry, timeout=0) as lock:
+        with builtin.build_lock(entry, timeout=0) as lock:
             size = 0
             if entry.exists():
                 size = sum(f.stat().st_size for f in entry.iterdir() if f.is_file())

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from llama_base.errors import UserError
-from llama_runtime.chat_format import CHAT_ROLES
+from llama_runtime.text.chat_format import CHAT_ROLES
 
 MAX_TEMPERATURE = 2.0      # OpenAI's range for `temperature`
 DEFAULT_TEMPERATURE = 1.0  # and its default: clients that want greedy answers send 0

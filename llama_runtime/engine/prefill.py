@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from llama_runtime.decode import attend_and_ffn
+from llama_runtime.engine.decode import attend_and_ffn
 from llama_base.errors import PromptError
-from llama_runtime.device_model import Capture, DeviceModel, bo_key
+from llama_runtime.engine.device_model import Capture, DeviceModel, bo_key
 
 
 def qkv_to_cache(model: DeviceModel, layer: int, x: torch.Tensor, start: int, n: int,
