@@ -13,7 +13,7 @@ import sys
 from bench.machine import CLASS_ENV, CPU_CLASSES
 from bench.plan import FULL, QUICK
 from bench.run import run_bench
-from kernel_builder.groups import QUANTS
+from llama_base.weight_formats import QUANTS
 from llama_base.errors import UserError
 from llama_runtime.checkpoints.resolve import EMBEDDED, LLAMA1B_SHAPE
 

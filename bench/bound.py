@@ -54,6 +54,7 @@ def decode_call_bytes(cfg: LlamaConfig, quant: str = "bf16") -> list[int]:
     layer after layer, then the LM head. Their sum is the step's linear weights and head as the
     groups declare them (the head's partitions padded to whole rows)."""
     from kernel_builder import groups
+    from llama_base import group_contract
     from npu_runtime.sim.ops import plan
 
     def calls(kind: str) -> list[int]:
@@ -61,7 +62,7 @@ def decode_call_bytes(cfg: LlamaConfig, quant: str = "bf16") -> list[int]:
         return [sum(group.slot(l.reads[1]).nbytes for l in step) for step in plan(group.launches)
                 if isinstance(step, list)]
 
-    layer = [b for kind in groups.DECODE_KINDS for b in calls(kind)]
+    layer = [b for kind in group_contract.DECODE_KINDS for b in calls(kind)]
     return layer * cfg.num_hidden_layers + calls("lm_head_gemv")
 
 

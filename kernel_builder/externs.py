@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from llama_base import q4nx
 
 if TYPE_CHECKING:
-    from kernel_builder.groups import Launch
+    from llama_base.group_contract import Launch
 
 L1 = 2
 

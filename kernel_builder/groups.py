@@ -1,6 +1,7 @@
 """The kernel-group declarations: the single source of truth for what the device runs.
 
-A `KernelGroup` lists its argument slots (name, shape, dtype, role) and its launches (op,
+Each function here declares one group kind for a model config (the types are
+`llama_base.group_contract`'s). A `KernelGroup` lists its argument slots (name, shape, dtype, role) and its launches (op,
 parameters, slots read and written). The MLIR builders and the stitcher take their argument
 maps from it, the KernelCache takes its write / skip / read sets from it, preload takes the
 static tensors from it and the simulated device executes it. Shapes come only from the
@@ -16,197 +17,15 @@ Layout conventions (shared by every consumer):
 """
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from enum import Enum
-from functools import cached_property
-from typing import Any
-
-import torch
+from dataclasses import replace
 
 from kernel_builder import backend_presets as presets
-from llama_base import q4nx
+from llama_base.group_contract import DECODE_KINDS, PREFILL_KINDS, KernelGroup, Launch, Role, Slot
+from llama_base.weight_formats import QUANTS
 from llama_base.config import LlamaConfig
 
 
-class Role(str, Enum):
-    INPUT = "input"                # written by the host before every call
-    STATIC = "static"              # weights / tables: written once per BO set
-    INTERMEDIATE = "intermediate"  # written and read by launches only
-    OUTPUT = "output"              # read back by the host after every call
-
-
-DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32,
-                                   q4nx.NAME: torch.uint8}
-ITEMSIZE: dict[str, int] = {"bf16": 2, "f32": 4, "i32": 4}
-# The element type of a slot's buffer as MLIR spells it: a quantized matrix is its bytes.
-ELEMENT_TYPES: dict[str, str] = {"bf16": "bf16", "f32": "f32", "i32": "i32", q4nx.NAME: "i8"}
-# Weight formats a group can be declared with: "bf16", or a quantized format whose slots hold a
-# matrix of the declared (logical) shape as bytes laid out by its declaration (`llama_base.q4nx`).
-QUANTS = ("bf16", q4nx.NAME)
-
-
-@dataclass(frozen=True)
-class Slot:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    role: Role
-    token_major: bool = False   # [seq, features] activation: rows past a prompt's length are padding
-    # [kv_heads, ctx, head_dim] view of the KV cache: positions past those written so far hold
-    # nothing, and no real row attends to them (causality), so the host does not read them.
-    cache_positions: bool = False
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def quantized(self) -> bool:
-        return self.dtype == q4nx.NAME
-
-    @property
-    def nbytes(self) -> int:
-        return q4nx.nbytes(*self.shape) if self.quantized else self.numel * ITEMSIZE[self.dtype]
-
-    @property
-    def storage_shape(self) -> tuple[int, ...]:
-        """The shape of the buffer's contents as `torch_dtype` elements: the declared shape, or
-        the bytes of a quantized matrix."""
-        return (self.nbytes,) if self.quantized else self.shape
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @property
-    def element_type(self) -> str:
-        """The MLIR element type of `storage_shape`: what the L3 memref and its DMAs move."""
-        return ELEMENT_TYPES[self.dtype]
-
-
-@dataclass(frozen=True)
-class Launch:
-    """One `air.launch`: an op applied to slots. Its kernel arguments are `reads + writes`, in order."""
-
-    name: str
-    op: str
-    reads: tuple[str, ...]
-    writes: tuple[str, ...]
-    params: tuple[tuple[str, Any], ...] = ()
-
-    @property
-    def args(self) -> tuple[str, ...]:
-        return self.reads + self.writes
-
-    def p(self, key: str) -> Any:
-        for k, v in self.params:
-            if k == key:
-                return v
-        raise KeyError(f"launch {self.name!r} has no parameter {key!r}")
-
-    @property
-    def param_dict(self) -> dict[str, Any]:
-        return dict(self.params)
-
-
-@dataclass(frozen=True)
-class KernelGroup:
-    kind: str                  # rms_gemms_rope, flash_attn, o_ffn, rms_gemv_rope, o_gemv_ffn, lm_head_gemv
-    seq_len: int               # rows per call (1 for decode groups)
-    slots: tuple[Slot, ...]
-    launches: tuple[Launch, ...]
-    options: tuple[tuple[str, Any], ...] = field(default=())
-    ctx_len: int = 0           # attention only: positions of K/V it reads (>= seq_len)
-    quant: str = "bf16"        # the format of its weight slots (QUANTS)
-    wide: tuple[str, ...] = ()  # weight slots a quantized group holds in bf16 all the same (`build_group`)
-
-    @cached_property
-    def name(self) -> str:
-        """Unique per compiled shape and weight format: prefill groups exist once per sequence
-        bucket (and context), and a quantized kind once per set of weights it keeps in bf16.
-        Kept once made (the fields are frozen): every device call asks for it."""
-        fmt = "" if self.quant == "bf16" else f"_{self.quant}"
-        fmt += "".join(f"_bf16_{w}" for w in self.wide)
-        if self.kind not in PREFILL_KINDS:
-            return self.kind + fmt
-        ctx = f"_c{self.ctx_len}" if self.ctx_len and self.ctx_len != self.seq_len else ""
-        return f"{self.kind}_s{self.seq_len}{ctx}{fmt}"
-
-    def slot(self, name: str) -> Slot:
-        for s in self.slots:
-            if s.name == name:
-                return s
-        raise KeyError(f"group {self.name!r} has no slot {name!r}")
-
-    def index(self, name: str) -> int:
-        for i, s in enumerate(self.slots):
-            if s.name == name:
-                return i
-        raise KeyError(f"group {self.name!r} has no slot {name!r}")
-
-    def with_role(self, role: Role) -> tuple[Slot, ...]:
-        return tuple(s for s in self.slots if s.role is role)
-
-    @property
-    def quantized(self) -> bool:
-        """Whether any slot holds packed 4-bit weights (what a quantized format changes)."""
-        return any(s.quantized for s in self.slots)
-
-    def to_json(self) -> dict:
-        return {
-            "kind": self.kind,
-            "seq_len": self.seq_len,
-            "ctx_len": self.ctx_len,
-            "slots": [[s.name, list(s.shape), s.dtype, s.role.value, s.token_major, s.cache_positions]
-                      for s in self.slots],
-            "launches": [
-                {"name": l.name, "op": l.op, "reads": list(l.reads), "writes": list(l.writes),
-                 "params": {k: v for k, v in l.params}}
-                for l in self.launches
-            ],
-            "options": {k: v for k, v in self.options},
-            "quant": self.quant,
-            **({"wide": list(self.wide)} if self.wide else {}),
-        }
-
-    def fingerprint(self) -> str:
-        blob = json.dumps(self.to_json(), sort_keys=True, default=list).encode()
-        return hashlib.sha256(blob).hexdigest()
-
-    def validate(self) -> None:
-        """Dataflow rules every consumer relies on; raises ValueError naming the broken rule."""
-        names = [s.name for s in self.slots]
-        if len(set(names)) != len(names):
-            raise ValueError(f"{self.name}: duplicate slot names")
-        written: set[str] = set()
-        for l in self.launches:
-            for r in l.reads:
-                s = self.slot(r)
-                if s.role in (Role.INTERMEDIATE, Role.OUTPUT) and r not in written:
-                    raise ValueError(f"{self.name}: launch {l.name} reads {r} before any launch writes it")
-            for w in l.writes:
-                if self.slot(w).role in (Role.INPUT, Role.STATIC):
-                    raise ValueError(f"{self.name}: launch {l.name} writes {self.slot(w).role.value} slot {w}")
-                written.add(w)
-        used = {a for l in self.launches for a in l.args}
-        for s in self.slots:
-            if s.name not in used:
-                raise ValueError(f"{self.name}: slot {s.name} is used by no launch")
-            if s.role in (Role.INTERMEDIATE, Role.OUTPUT) and s.name not in written:
-                raise ValueError(f"{self.name}: {s.role.value} slot {s.name} is never written")
-            if s.cache_positions and (s.role is not Role.INPUT or len(s.shape) != 3 or s.shape[1] != self.ctx_len):
-                raise ValueError(f"{self.name}: cache slot {s.name} is not an input [heads, {self.ctx_len}, dim]")
-
-
-PREFILL_KINDS = ("rms_gemms_rope", "flash_attn", "o_ffn")
-DECODE_KINDS = ("rms_gemv_rope", "o_gemv_ffn")
-ALL_KINDS = PREFILL_KINDS + DECODE_KINDS + ("lm_head_gemv",)
 LM_HEAD_PARTITIONS = 8
 # The layer weights each kind reads: what a layer's bf16-held weights (`build_group`'s `wide`)
 # can change in it.

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kernel_builder.external_kernels import ToolchainNotFound, build_group_objects, find_peano
-from kernel_builder.groups import KernelGroup
+from llama_base.group_contract import KernelGroup
 from kernel_builder.mlir import build_launch
 from llama_base.paths import kernel_objects_dir
 from multi_launch_builder.mlir_validate import validate_group_module

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from kernel_builder.groups import KernelGroup
+from llama_base.group_contract import KernelGroup
 from kernel_builder.mlir.common import slot_type
 
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')

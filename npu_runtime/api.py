@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from kernel_builder.groups import KernelGroup
+from llama_base.group_contract import KernelGroup
 
 _MEMMOVE_MAX = 256 << 10   # copies up to this size go by memmove
 

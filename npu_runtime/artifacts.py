@@ -40,7 +40,8 @@ from filelock import FileLock, Timeout
 
 import kernel_builder
 import multi_launch_builder
-from kernel_builder.groups import KernelGroup
+from llama_base.group_contract import KernelGroup
+from llama_base import group_contract, weight_formats
 from llama_base.errors import KernelCacheError
 from llama_base.paths import kernels_dir
 from npu_runtime.api import Device, DeviceError, Kernel
@@ -50,6 +51,8 @@ FORMAT_VERSION = 2
 # What a compiled artifact is made from: the build-time packages, whole. The run side (this
 # package, the model runtime) changes how an artifact is used, never what it contains.
 _BUILD_PACKAGES = (kernel_builder, multi_launch_builder)
+# and the contract the builders declare groups in, which lives below them.
+_BUILD_MODULES = (group_contract, weight_formats)
 # Entries kept per group name and target: one per declaration, so that about this many models
 # (each its own shapes) alternate without recompiling. Past it the least recently used goes.
 DECLARATIONS_KEPT = 4
@@ -64,6 +67,9 @@ def builder_sources_hash() -> str:
                 continue
             h.update(f"{pkg.__name__}/{p.relative_to(root)}".encode())
             h.update(p.read_bytes())
+    for mod in _BUILD_MODULES:
+        h.update(mod.__name__.encode())
+        h.update(Path(mod.__file__).read_bytes())
     return h.hexdigest()
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from kernel_builder.groups import KernelGroup, Role
+from llama_base.group_contract import KernelGroup, Role
 from llama_base.errors import KernelCacheError
 from npu_runtime.api import BO, Device, Sync, copy_tensor
 from npu_runtime.artifacts import ArtifactCache, CacheStats

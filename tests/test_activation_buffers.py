@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_builder.groups import Role, build_group
+from kernel_builder.groups import build_group
+from llama_base.group_contract import Role
 from llama_runtime.engine.decode import decode_step
 from llama_runtime.engine.device_model import DeviceModel
 from llama_runtime.engine.prefill import prefill

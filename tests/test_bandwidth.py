@@ -107,12 +107,13 @@ def test_a_decode_step_s_calls_are_the_device_s_batches_of_the_declared_weights(
     then the head's partitions in one call; together every declared weight of the step once."""
     from bench.bound import decode_call_bytes
     from kernel_builder import groups
+    from llama_base import group_contract
     from llama_base.config import LlamaConfig
 
     cfg = LlamaConfig()
     calls = decode_call_bytes(cfg, quant)
     assert len(calls) == 4 * cfg.num_hidden_layers + 1
-    size = {s.name: s.nbytes for kind in groups.DECODE_KINDS for s in groups.build_group(kind, cfg, 1, quant=quant).slots}
+    size = {s.name: s.nbytes for kind in group_contract.DECODE_KINDS for s in groups.build_group(kind, cfg, 1, quant=quant).slots}
     assert calls[:4] == [size["wq"] + size["wk"] + size["wv"], size["wo"], size["w_gate"] + size["w_up"], size["w_down"]]
     head = groups.build_group("lm_head_gemv", cfg, 1, quant=quant)
     assert calls[-1] == sum(s.nbytes for s in head.slots if s.name.startswith("w_p"))

@@ -7,7 +7,8 @@ from mlir_samples import CONFIGS
 
 from kernel_builder import backend_presets as presets
 from kernel_builder import groups
-from kernel_builder.groups import Launch, Role, Slot
+from llama_base import group_contract
+from llama_base.group_contract import Launch, Role, Slot
 from kernel_builder.mlir.common import KernelShapeError
 from llama_base.config import LlamaConfig
 from multi_launch_builder.compile import compile_group_mlir
@@ -23,11 +24,11 @@ TINY = LlamaConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, 
                    intermediate_size=1024, vocab_size=4096, max_position_embeddings=512)
 
 
-def _gemv_group(m: int, k: int, cores: int, tile_m: int, tile_k: int) -> groups.KernelGroup:
+def _gemv_group(m: int, k: int, cores: int, tile_m: int, tile_k: int) -> group_contract.KernelGroup:
     slots = (Slot("x", (k,), "bf16", Role.INPUT), Slot("w", (m, k), "bf16", Role.STATIC),
              Slot("y", (m,), "bf16", Role.OUTPUT))
     params = (("K", k), ("M", m), ("herd", (cores, 1)), ("tile_k", tile_k), ("tile_m", tile_m))
-    return groups.KernelGroup("lm_head_gemv", 1, slots, (Launch("gemv", "gemv", ("x", "w"), ("y",), params),))
+    return group_contract.KernelGroup("lm_head_gemv", 1, slots, (Launch("gemv", "gemv", ("x", "w"), ("y",), params),))
 
 
 @pytest.mark.parametrize("cores,tile_m,tile_k", [(8, 2, 512), (8, 4, 512), (4, 8, 512), (1, 16, 512),

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from cpu_kernels import native_cpu, weight_tiles
-from kernel_builder.groups import QUANTS, Role, build_group
+from kernel_builder.groups import build_group
+from llama_base.group_contract import Role
+from llama_base.weight_formats import QUANTS
 from llama_base import q4nx
 from verify import reference as ref
 from npu_runtime import api

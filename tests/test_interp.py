@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernel_builder import groups
-from kernel_builder.groups import Role
+from llama_base.group_contract import Role
 from llama_base import q4nx
 from llama_runtime.checkpoints import builtin
 from verify import reference as ref

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernel_builder.groups import Role, build_group, lm_head_gemv
+from kernel_builder.groups import build_group, lm_head_gemv
+from llama_base.group_contract import Role
 from llama_base.errors import KernelCacheError
 from verify import reference as ref
 from llama_base.rope import generate_rope_lut

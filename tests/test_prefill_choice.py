@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from kernel_builder import groups
+from llama_base import group_contract
 from llama_base import q4nx
 from llama_base.config import LlamaConfig
 from npu_runtime.cost.hardware import FITTED
@@ -26,7 +26,7 @@ def test_expanding_a_matrix_reads_its_q4nx_bytes_and_writes_bf16_once():
 
 def test_the_projections_are_the_groups_weight_products():
     g = phase_groups(LLAMA_1B, 2048, "q4nx")
-    shapes = {g[k].launches[i].name: nk for k in groups.PREFILL_KINDS for i, nk in projections(g[k]).items()}
+    shapes = {g[k].launches[i].name: nk for k in group_contract.PREFILL_KINDS for i, nk in projections(g[k]).items()}
     cfg = LLAMA_1B
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     h, f = cfg.hidden_size, cfg.intermediate_size

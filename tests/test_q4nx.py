@@ -12,7 +12,9 @@ import torch
 
 from cpu_kernels import native_cpu
 from cpu_kernels.weight_tiles import Q4nxPacking
-from kernel_builder.groups import QUANTS, Role, all_groups, build_group, lm_head_gemv
+from kernel_builder.groups import all_groups, build_group, lm_head_gemv
+from llama_base.group_contract import Role
+from llama_base.weight_formats import QUANTS
 from llama_base import q4nx
 from llama_runtime.checkpoints import quantize
 from verify import reference as ref

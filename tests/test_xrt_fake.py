@@ -11,7 +11,8 @@ import pytest
 import torch
 from fake_pyxrt import FakeXrt, xclBOSyncDirection
 
-from kernel_builder.groups import Role, build_group
+from kernel_builder.groups import build_group
+from llama_base.group_contract import Role
 from llama_base.errors import KernelCacheError
 from llama_runtime.engine.weight_slots import static_tensors
 from multi_launch_builder import compile as mlb_compile

@@ -31,7 +31,9 @@ import numpy as np
 import torch
 
 from kernel_builder import groups
-from kernel_builder.groups import KernelGroup, Role
+
+from llama_base import weight_formats
+from llama_base.group_contract import KernelGroup, Role
 from llama_base.config import LlamaConfig
 from llama_base.errors import UserError
 from llama_runtime.checkpoints.resolve import TINY, resolve_checkpoint
@@ -237,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-seq", type=int, help="largest prefill bucket (default: the model's context)")
     ap.add_argument("--n-tokens", type=int, default=16, help="greedy tokens compared end to end (0: skip)")
     ap.add_argument("--prompt", default="What is the capital of Japan?")
-    ap.add_argument("--quant", default="bf16", choices=groups.QUANTS,
+    ap.add_argument("--quant", default="bf16", choices=weight_formats.QUANTS,
                     help="weight format of the groups; quantized groups run on the model's own weights, "
                          "quantized, and on synthetic ones, and generation runs on sessions of that format")
     args = ap.parse_args(argv)

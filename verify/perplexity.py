@@ -17,7 +17,7 @@ import gc
 import sys
 import time
 
-from kernel_builder.groups import QUANTS
+from llama_base.weight_formats import QUANTS
 from llama32_1b_inference import build_session
 from llama_base.config import LlamaConfig
 from llama_base.errors import UserError

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from kernel_builder.groups import QUANTS
+from llama_base.weight_formats import QUANTS
 from llama_base.config import LlamaConfig
 from llama_runtime.checkpoints.loader import load_weights
 from llama_runtime.checkpoints.resolve import resolve_model

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from kernel_builder.groups import KernelGroup, Launch, Slot
+from llama_base.group_contract import KernelGroup, Launch, Slot
 from kernel_builder.mlir import add, flash_attention, gemm, gemm_q4nx, gemv, gemv_q4nx, rmsnorm, rope, swiglu
 from kernel_builder.mlir.common import KernelShapeError
 

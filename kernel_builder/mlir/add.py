@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from kernel_builder.groups import Launch, Slot
+from llama_base.group_contract import Launch, Slot
 from kernel_builder.mlir.emit import Emitter, Value
 from kernel_builder.mlir.stream import build_stream
 

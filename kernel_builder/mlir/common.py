@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-from kernel_builder.groups import Launch, Slot
+from llama_base.group_contract import Launch, Slot
 from kernel_builder.mlir.emit import Emitter, Hierarchy, Index, Pattern, Value, memref, memref_parts
 
 

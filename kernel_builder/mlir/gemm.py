@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from kernel_builder.backend_presets import L1_BUDGET, L2_BYTES, gemm_l1_bytes, gemm_l2_bytes
-from kernel_builder.groups import Launch, Slot
+from llama_base.group_contract import Launch, Slot
 from kernel_builder.mlir.common import Kernel, kernel, module, round_to_bf16
 from kernel_builder.mlir.emit import L1, L2, Emitter, Index, Value
 

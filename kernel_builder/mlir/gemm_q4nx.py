@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 
 from kernel_builder import externs
 from kernel_builder.backend_presets import gemm_q4nx_l1_bytes, gemm_q4nx_l2_bytes, q4nx_k_steps
-from kernel_builder.groups import Launch, Slot
+from llama_base.group_contract import Launch, Slot
 from kernel_builder.mlir.common import Kernel
 from kernel_builder.mlir.emit import L1, L2, Emitter, Index, Value
 from kernel_builder.mlir.gemm import Bf16Weights, build_gemm

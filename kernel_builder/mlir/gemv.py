@@ -14,7 +14,7 @@ from typing import Sequence
 
 from kernel_builder import externs
 from kernel_builder.backend_presets import L1_BUDGET, gemv_l1_bytes
-from kernel_builder.groups import Launch, Slot
+from llama_base.group_contract import Launch, Slot
 from kernel_builder.mlir.common import core_index, kernel, module, round_to_bf16, single_herd
 from kernel_builder.mlir.emit import L1
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from kernel_builder import externs
-from kernel_builder.groups import Launch, Slot
+from llama_base.group_contract import Launch, Slot
 from kernel_builder.mlir.common import core_index, kernel, module, row_pattern, single_herd
 from kernel_builder.mlir.emit import L1
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from kernel_builder.groups import Launch, Slot
+from llama_base.group_contract import Launch, Slot
 from kernel_builder.mlir.common import core_index, flat_pattern, kernel, module, single_herd
 from kernel_builder.mlir.emit import L1, Emitter, Value
 

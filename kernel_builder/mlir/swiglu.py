@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from kernel_builder import externs
-from kernel_builder.groups import Launch, Slot
+from llama_base.group_contract import Launch, Slot
 from kernel_builder.mlir.emit import Emitter, Value, memref_parts
 from kernel_builder.mlir.stream import build_stream
 

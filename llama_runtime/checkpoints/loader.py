@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from kernel_builder.groups import QUANTS
+from llama_base.weight_formats import QUANTS
 from llama_base.config import LAYER_TENSORS, LlamaConfig, layer_shapes
 from llama_base.errors import CheckpointError, UserError
 from llama_runtime.checkpoints.resolve import resolve_checkpoint

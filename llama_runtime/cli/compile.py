@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Sequence
 
 from kernel_builder import groups
+
+from llama_base import weight_formats
 from kernel_builder.external_kernels import build_group_objects
 from llama_base.config import LlamaConfig
 from llama_base.errors import UserError
@@ -62,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--model", help="checkpoint (folder, .gguf file, repo id or alias) whose config gives the shapes")
     ap.add_argument("--max-seq", type=int, help="largest prefill bucket to build")
     ap.add_argument("--device", default="auto", choices=DEVICE_KINDS)
-    ap.add_argument("--quant", default="bf16", choices=groups.QUANTS, help="the weight format the groups read")
+    ap.add_argument("--quant", default="bf16", choices=weight_formats.QUANTS, help="the weight format the groups read")
     ap.add_argument("--out", help="also copy each stitched .mlir here, for reading")
     args = ap.parse_args(argv)
     try:

@@ -9,7 +9,7 @@ import argparse
 import sys
 import traceback
 
-from kernel_builder.groups import QUANTS
+from llama_base.weight_formats import QUANTS
 from llama_base.errors import PromptError, UserError
 from llama_runtime.generation.sampling import SamplingParams
 from llama_runtime.generation.session import GenerationResult, Session, build_session

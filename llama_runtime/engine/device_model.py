@@ -13,16 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from cpu_kernels import native_cpu
-from kernel_builder.groups import (
-    DECODE_KINDS,
-    PREFILL_KINDS,
-    KernelGroup,
-    Role,
-    build_group,
-    context_bucket,
-    lm_head_gemv,
-    prefill_buckets,
-)
+from kernel_builder.groups import build_group, context_bucket, lm_head_gemv, prefill_buckets
+from llama_base.group_contract import DECODE_KINDS, PREFILL_KINDS, KernelGroup, Role
 from llama_base.config import LlamaConfig
 from llama_base.errors import PromptError
 from llama_runtime.engine.head_rescore import ROW_CACHE_BYTES, TOP_K, rescore

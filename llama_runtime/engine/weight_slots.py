@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kernel_builder.groups import KernelGroup, Role
+from llama_base.group_contract import KernelGroup, Role
 from llama_base.config import LAYER_TENSORS
 
 

@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from kernel_builder.groups import QUANTS
+from llama_base.weight_formats import QUANTS
 from llama_base.errors import UserError
 from llama_runtime.cli.run import positive_int, user_error
 from llama_runtime.serve.openai_request import (

@@ -22,7 +22,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from kernel_builder import groups
+from llama_base import group_contract
 from llama_base.config import LlamaConfig
 from npu_runtime.cost.hardware import (BF16_MACS_PER_CYCLE, CHANNEL_BYTES_PER_CYCLE, CLOCK_HZ, CORE_CHANNELS,
                                        DMA_TRANSFER_CYCLES, MEMTILE_CHANNELS, SHIM_CHANNELS_PER_COLUMN,
@@ -94,9 +94,9 @@ def _predict(terms, cfg: LlamaConfig, what: str, eff, bw, call):
     g = {k: _group_seconds(rows, eff, bw, call) for k, rows in terms.items()}
     n = cfg.num_hidden_layers
     if what == "ttft":
-        return n * sum(g[k] for k in groups.PREFILL_KINDS) + g["lm_head_gemv"]
+        return n * sum(g[k] for k in group_contract.PREFILL_KINDS) + g["lm_head_gemv"]
     if what == "decode":
-        return n * sum(g[k] for k in groups.DECODE_KINDS) + g["lm_head_gemv"]
+        return n * sum(g[k] for k in group_contract.DECODE_KINDS) + g["lm_head_gemv"]
     return g[what]
 
 

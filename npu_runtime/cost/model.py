@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from kernel_builder import groups
-from kernel_builder.groups import KernelGroup
+
+from llama_base import group_contract
+from llama_base.group_contract import KernelGroup
 from llama_base.config import LlamaConfig
 from multi_launch_builder.compile import compile_group_mlir
 from npu_runtime.cost.counts import LaunchCounts, Work, count_module
@@ -98,7 +100,7 @@ def phase_groups(cfg: LlamaConfig, prompt: int, quant: str = "bf16", wide=frozen
     """The groups one prefill of `prompt` tokens (at its bucket) and one decode step call, in a
     layer that keeps the weights `wide` in bf16."""
     bucket = next((b for b in groups.prefill_buckets(cfg) if b >= prompt), groups.prefill_buckets(cfg)[-1])
-    kinds = [(k, bucket) for k in groups.PREFILL_KINDS] + [(k, 1) for k in groups.DECODE_KINDS + ("lm_head_gemv",)]
+    kinds = [(k, bucket) for k in group_contract.PREFILL_KINDS] + [(k, 1) for k in group_contract.DECODE_KINDS + ("lm_head_gemv",)]
     return {k: groups.build_group(k, cfg, s, quant=quant, wide=wide) for k, s in kinds}
 
 
@@ -111,8 +113,8 @@ def estimate_phases(cfg: LlamaConfig, cal: Calibration, prompt: int, quant: str 
     by_wide = {w: {k: estimate_group(g, cal) for k, g in phase_groups(cfg, prompt, quant, w).items()}
                for w in dict.fromkeys(layer_wide)}
     head = next(iter(by_wide.values()))["lm_head_gemv"].seconds
-    ttft = sum(by_wide[w][k].seconds for w in layer_wide for k in groups.PREFILL_KINDS) + head
-    decode = sum(by_wide[w][k].seconds for w in layer_wide for k in groups.DECODE_KINDS) + head
+    ttft = sum(by_wide[w][k].seconds for w in layer_wide for k in group_contract.PREFILL_KINDS) + head
+    decode = sum(by_wide[w][k].seconds for w in layer_wide for k in group_contract.DECODE_KINDS) + head
     return PhaseEstimate(ttft, decode, by_wide[max(by_wide, key=layer_wide.count)])
 
 

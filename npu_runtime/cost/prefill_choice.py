@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, replace
 
-from kernel_builder import groups
+from llama_base import group_contract
 from kernel_builder.backend_presets import ARRAY_COLS, ARRAY_ROWS, BF16
 from llama_base import q4nx
 from llama_base.config import LlamaConfig
@@ -52,7 +52,7 @@ def dequant_work(n: int, k: int) -> Work:
                 cores=cores, columns=ARRAY_COLS)
 
 
-def projections(group: groups.KernelGroup) -> dict[int, tuple[int, int]]:
+def projections(group: group_contract.KernelGroup) -> dict[int, tuple[int, int]]:
     """The group's weight products: launch index → (N, K) of W."""
     return {i: (l.p("N"), l.p("K")) for i, l in enumerate(group.launches) if l.op in ("gemm", "gemm_q4nx")}
 
@@ -75,9 +75,9 @@ def compare(cfg: LlamaConfig, prompt: int, cal: Calibration = FITTED) -> dict[st
     def products(q: str) -> float:
         """Seconds a prefill spends in its layers' weight products."""
         return layers * sum(est[q].groups[kind].launches[i].seconds
-                            for kind in groups.PREFILL_KINDS for i in projections(built[q][kind]))
+                            for kind in group_contract.PREFILL_KINDS for i in projections(built[q][kind]))
 
-    shapes = [nk for kind in groups.PREFILL_KINDS for nk in projections(built["q4nx"][kind]).values()]
+    shapes = [nk for kind in group_contract.PREFILL_KINDS for nk in projections(built["q4nx"][kind]).values()]
     expand = layers * sum(max(launch_components(dequant_work(n, k), cal).values()) for n, k in shapes)
     head = est["q4nx"].groups["lm_head_gemv"].seconds
     prefill_bf16 = est["bf16"].ttft_s - est["bf16"].groups["lm_head_gemv"].seconds

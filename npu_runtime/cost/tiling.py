@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from kernel_builder.backend_presets import (ARRAY_COLS, BF16, L1_BUDGET, gemv_l1_bytes, q4nx_gemm_herds, q4nx_k_steps,
                                             q4nx_tile_ns)
-from kernel_builder.groups import Launch, Role, Slot
+from llama_base.group_contract import Launch, Role, Slot
 from kernel_builder.hw_rules import WORD
 from kernel_builder.mlir import KernelShapeError, gemm_q4nx
 from npu_runtime.cost.counts import Work, count_module

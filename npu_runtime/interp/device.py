@@ -14,7 +14,7 @@ import numpy as np
 from iree.compiler import ir
 
 from kernel_builder.externs import externs_for_launch
-from kernel_builder.groups import KernelGroup
+from llama_base.group_contract import KernelGroup
 from llama_base.paths import host_kernels_dir
 from npu_runtime.api import Counters, DeviceError
 from npu_runtime.interp.host_kernels import HostKernels

@@ -22,7 +22,7 @@ import torch
 from cpu_kernels import native_cpu
 from cpu_kernels.native_program import NativeProgram
 from cpu_kernels.weight_tiles import DeviceQ4nx, PackedWeight, Packing, Q4nxPacking
-from kernel_builder.groups import KernelGroup
+from llama_base.group_contract import KernelGroup
 from npu_runtime.api import Counters, DeviceError, Sync, copy_bytes
 from npu_runtime.sim import ops
 from npu_runtime.sim.packing import packing_for

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from cpu_kernels import native_cpu
 from cpu_kernels.weight_tiles import DeviceQ4nx, PackedWeight, declared_q4nx, dense
-from kernel_builder.groups import Launch
+from llama_base.group_contract import Launch
 from llama_base import q4nx
 
 _BLOCK_ELEMS = 1 << 19        # f32 temporaries of 2 MiB: resident in L2/L3 while used

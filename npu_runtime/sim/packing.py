@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from cpu_kernels import native_cpu
 from cpu_kernels.weight_tiles import HEADER, LANES, Packing, Q4nxPacking
-from kernel_builder.groups import KernelGroup, Role
+from llama_base.group_contract import KernelGroup, Role
 
 _WEIGHT_OPS = {"gemm", "gemv"}   # ops whose second operand is a [N, K] weight; both read it packed
 _Q4NX_OPS = {"gemm_q4nx", "gemv_q4nx"}

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernel_builder.groups import KernelGroup
+from llama_base.group_contract import KernelGroup
 from npu_runtime.api import Counters, DeviceError, Sync
 
 # Device names XRT reports for NPU2-class (AIE2P) parts.

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from kernel_builder.groups import KernelGroup
+from llama_base.group_contract import KernelGroup
 
 NEW = "%mutant"       # the prefix of every value a mutant adds (no builder emits it)
 COMMUTATIVE = {"arith.addf", "arith.mulf", "arith.addi", "arith.muli", "arith.maximumf", "arith.minimumf",

@@ -27,6 +27,10 @@ from pathlib import Path
 from iree.compiler import ir
 
 from kernel_builder import groups
+
+from llama_base import group_contract
+
+from llama_base import weight_formats
 from llama_base.config import LlamaConfig
 from llama_runtime.checkpoints.resolve import TINY, resolve_checkpoint
 from multi_launch_builder.compile import compile_group_mlir
@@ -78,7 +82,7 @@ def suite_cases(cfg: LlamaConfig, quant: str = "bf16") -> list[verify_mlir.Case]
             continue
         if g.kind == "flash_attn" and not c.q_start:
             continue
-        if g.kind in groups.PREFILL_KINDS and g.seq_len != smallest:
+        if g.kind in group_contract.PREFILL_KINDS and g.seq_len != smallest:
             continue
         picked.append(c)
     return picked
@@ -219,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-operator", type=int, default=12,
                     help="mutants of each operator per group (0: every site)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quant", default="bf16", choices=groups.QUANTS,
+    ap.add_argument("--quant", default="bf16", choices=weight_formats.QUANTS,
                     help="weight format of the groups mutated (a quantized one: only the groups it changes)")
     args = ap.parse_args(argv)
     cfg = LlamaConfig.from_json(resolve_checkpoint(args.model))
