@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     web stack); anything else is the prompt and chat command line."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--serve"]:
-        from llama_runtime.serve.app import serve
+        from llama_runtime.cli.serve import serve
 
         return serve(argv[1:])
     from llama_runtime.cli.run import run_cli

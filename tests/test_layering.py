@@ -23,6 +23,12 @@ LAYERS = (
     ("bench",),
 )
 RANK = {top: i for i, names in enumerate(LAYERS) for top in names}
+# Inside `llama_runtime`, its rooms, bottom to top, by the same rule.
+ROOMS = ("text", "checkpoints", "engine", "generation", "serve", "cli")
+ROOM_RANK = {room: i for i, room in enumerate(ROOMS)}
+# Web and HTTP libraries only the server may import: the engine and generation below it raise
+# the runtime's own errors, which the server turns into HTTP ones.
+HTTP_LIBRARIES = ("starlette", "uvicorn", "http", "fastapi", "httpx")
 
 
 def project_modules() -> dict[str, Path]:
@@ -134,6 +140,49 @@ def test_dependencies_point_down_the_layers():
     upward = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
                     if RANK[d.split(".")[0]] > RANK[m.split(".")[0]])
     assert upward == []
+
+
+def room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "llama_runtime" and len(parts) > 2 else None
+
+
+def test_every_module_of_llama_runtime_lives_in_a_room():
+    """No flat module is left beside the rooms: a newcomer finds each part where its name says."""
+    mods = project_modules()
+    strays = [m for m in mods if m.startswith("llama_runtime.") and room(m) not in ROOM_RANK
+              and m.split(".")[1] not in ROOM_RANK]
+    assert strays == []
+    assert {m.split(".")[1] for m in mods if m.startswith("llama_runtime.")} == set(ROOMS)
+
+
+def test_the_rooms_of_llama_runtime_import_only_downwards():
+    graph = import_graph(project_modules())
+    upward = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                    if room(m) and room(d) and ROOM_RANK[room(d)] > ROOM_RANK[room(m)])
+    assert upward == []
+
+
+def test_the_room_checker_catches_an_upward_import(tmp_path):
+    """The check itself: an engine module that imports the server is reported."""
+    graph = {"llama_runtime.engine.decode": {"llama_runtime.serve.app"}, "llama_runtime.serve.app": set()}
+    upward = [f"{m} -> {d}" for m, deps in graph.items() for d in deps
+              if room(m) and room(d) and ROOM_RANK[room(d)] > ROOM_RANK[room(m)]]
+    assert upward == ["llama_runtime.engine.decode -> llama_runtime.serve.app"]
+
+
+def test_only_the_server_speaks_http():
+    """Below `serve/` nothing imports a web library, so no engine or generation code can raise an
+    HTTP error; the server maps the runtime's errors to statuses."""
+    offenders = []
+    for module, path in project_modules().items():
+        if room(module) not in ("text", "checkpoints", "engine", "generation"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            offenders += [f"{module} -> {n}" for n in names if n.split(".")[0] in HTTP_LIBRARIES]
+    assert offenders == []
 
 
 def test_devices_stay_apart_and_the_cache_drives_any_of_them():

@@ -7,44 +7,19 @@ from __future__ import annotations
 
 import argparse
 import sys
-import traceback
 
-from llama_base.weight_formats import QUANTS
 from llama_base.errors import PromptError, UserError
+from llama_runtime.cli.options import OneLineParser, add_model_options, positive_int, user_error
 from llama_runtime.generation.sampling import SamplingParams
 from llama_runtime.generation.session import GenerationResult, Session, build_session
-from npu_runtime.devices import DEVICE_KINDS
-
-
-def positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {v}")
-    return v
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a bad flag is one line on stderr (exit 2) rather than usage plus the error."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message} (see --help)\n")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="llama32_1b_inference.py",
-                                description="Llama-3.2-1B on the AMD NPU2 (or the simulated NPU) through MLIR-AIR.")
+    p = OneLineParser(prog="llama32_1b_inference.py",
+                      description="Llama-3.2-1B on the AMD NPU2 (or the simulated NPU) through MLIR-AIR.")
     p.add_argument("--prompt", "-p", help="prompt text; '-' reads it from standard input")
-    p.add_argument("--model", "-m", default="instruct",
-                   help="instruct | base | embedded | llama1b-shape | tiny | a local folder | a .gguf file | a HF repo id "
-                        "(default: instruct)")
+    add_model_options(p, max_context=True)
     p.add_argument("--n-tokens", "-n", type=positive_int, default=32, help="tokens to generate (default 32)")
-    p.add_argument("--device", choices=DEVICE_KINDS, default="auto")
-    p.add_argument("--quant", choices=QUANTS, default="bf16",
-                   help="weight format: bf16, or q4nx (4-bit, made from the checkpoint on first use and cached)")
-    p.add_argument("--max-context", type=positive_int, help="KV cache length in positions (default 4096)")
     p.add_argument("--system", help="system prompt for chat models")
     p.add_argument("--raw", action="store_true", help="no chat template, even for instruct models")
     p.add_argument("--interactive", "-i", action="store_true", help="chat: /reset, /quit, Ctrl-D to leave")
@@ -74,7 +49,7 @@ def _read_prompt(args) -> str:
 
 def _summary(r: GenerationResult) -> str:
     why = {"end_token": "end of answer", "n_tokens": "token budget reached", "context_limit": "context limit reached",
-           "interrupted": "interrupted"}[r.stop_reason]
+           "interrupted": "interrupted", "cancelled": "cancelled"}[r.stop_reason]
     return (f"[stats] prompt {r.prompt_tokens} tokens, TTFT {r.ttft_s:.3f} s, {len(r.tokens)} tokens at "
             f"{r.decode_tokens_per_s:.2f} tok/s, stopped: {why}")
 
@@ -115,14 +90,6 @@ def _chat(session: Session, args: argparse.Namespace, sampling: SamplingParams) 
             print(f"\n[chat] {note}", flush=True)
         conv.notices.clear()
         print(f"\n{_summary(r)}", flush=True)
-
-
-def user_error(e: UserError, verbose: bool) -> int:
-    """One `error:` line (the traceback too with --verbose); the exit status of bad input."""
-    if verbose:
-        traceback.print_exc()
-    print(f"error: {e}", file=sys.stderr)
-    return 2
 
 
 def run_cli(argv: list[str] | None = None) -> int:

@@ -11,17 +11,25 @@ docs/profile.md.
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import llguidance
 import numpy as np
 import torch
 
-from llama_runtime.serve.openai_request import ApiError
+from llama_base.errors import PromptError
 
 # Compact JSON (no optional whitespace): a small model can otherwise fill its budget with
 # spaces and newlines that the grammar allows between tokens.
 JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+class GrammarError(PromptError):
+    """A schema that cannot become a grammar; `param` names the request field it came from, so
+    the server can point at it."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 class Grammars:
@@ -41,37 +49,15 @@ class Grammars:
                                                      eos_token=sorted(t.end_token_ids))
             return self._lltok
 
-    def for_response_format(self, rf: Any) -> "Constraint | None":
-        """The constraint `response_format` asks for (None for plain text), or a 400 naming
-        the field that is wrong."""
-        if rf is None:
-            return None
-        if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
-            raise ApiError(400, "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
-                           "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
-                           "response_format")
-        if rf["type"] == "text":
-            return None
-        if rf["type"] == "json_object":
-            return self.for_schema({"type": "object"}, "response_format")
-        spec = rf.get("json_schema")
-        if not isinstance(spec, dict):
-            raise ApiError(400, "'response_format.json_schema' must be an object with a 'schema'",
-                           "response_format.json_schema")
-        schema = spec.get("schema", {"type": "object"})
-        if not isinstance(schema, dict):
-            raise ApiError(400, "'response_format.json_schema.schema' must be a JSON schema object",
-                           "response_format.json_schema.schema")
-        return self.for_schema(schema, "response_format.json_schema.schema")
-
     def for_schema(self, schema: dict, param: str) -> "Constraint":
+        """The grammar of documents `schema` accepts; a `GrammarError` naming `param` if it has none."""
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         except (ValueError, TypeError) as e:
-            raise ApiError(400, f"'{param}' is not a usable JSON schema: {e}", param) from None
+            raise GrammarError(f"'{param}' is not a usable JSON schema: {e}", param) from None
         matcher = llguidance.LLMatcher(self._ll(), grammar, log_level=0)
         if matcher.is_error():
-            raise ApiError(400, f"'{param}' cannot be compiled into a grammar: {matcher.get_error()}", param)
+            raise GrammarError(f"'{param}' cannot be compiled into a grammar: {matcher.get_error()}", param)
         return Constraint(matcher, self._tokenizer.vocab_size)
 
 

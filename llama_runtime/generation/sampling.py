@@ -80,7 +80,6 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
         """The next token; `last_logits` keeps the adjusted logits it was chosen from."""
-        p = self.params
         logits = self.last_logits = self.adjust(logits, history)
         tok = self._choose(logits)
         if self.constraint is not None:

@@ -10,7 +10,6 @@ server-sent events in OpenAI's chunk format, closed by `data: [DONE]`.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import socket
@@ -30,9 +29,6 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from llama_base.weight_formats import QUANTS
-from llama_base.errors import UserError
-from llama_runtime.cli.run import positive_int, user_error
 from llama_runtime.serve.openai_request import (
     DEFAULT_TEMPERATURE,
     MAX_TEMPERATURE,
@@ -48,16 +44,16 @@ from llama_runtime.serve.openai_request import (
     logit_bias,
     number_param,
     refuse_unsupported,
+    response_format_schema,
     shutting_down,
     stop_strings,
 )
-from llama_runtime.generation.constrained import Grammars
+from llama_runtime.generation.constrained import GrammarError, Grammars
 from llama_runtime.generation.logprobs import MAX_TOP_CHAT, MAX_TOP_COMPLETIONS, TokenText
 from llama_runtime.generation.sampling import SamplingParams
-from llama_runtime.serve.worker import DEFAULT_QUEUE_SIZE, Job, Piece, QueueFull, Worker
-from llama_runtime.generation.session import Session, build_session
+from llama_runtime.serve.worker import Job, Piece, QueueFull, Worker
+from llama_runtime.generation.session import Session
 from llama_runtime.serve.tool_calls import ToolRequest, tool_request
-from npu_runtime.devices import DEVICE_KINDS
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -297,10 +293,15 @@ class Api:
             if rf is not None and rf != {"type": "text"}:
                 raise ApiError(400, "'response_format' cannot be combined with a tool_choice that requires a call",
                                "response_format")
-            return await asyncio.to_thread(self.grammars.for_schema, schema, "tools")
-        if rf is None:
-            return None
-        return await asyncio.to_thread(self.grammars.for_response_format, rf)
+            return await self._grammar(schema, "tools")
+        wanted = response_format_schema(rf)
+        return None if wanted is None else await self._grammar(*wanted)
+
+    async def _grammar(self, schema: dict, param: str):
+        try:
+            return await asyncio.to_thread(self.grammars.for_schema, schema, param)
+        except GrammarError as e:
+            raise ApiError(400, str(e), e.param) from None
 
     async def completions(self, request: Request):
         body = await json_body(request)
@@ -396,61 +397,10 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="llama32_1b_inference.py --serve",
-                                description="OpenAI-compatible HTTP server (/v1/models[/{id}], /v1/chat/completions, "
-                                            "/v1/completions) for one model on one device.")
-    p.add_argument("--model", "-m", default="instruct", help="as for make run (default: instruct)")
-    p.add_argument("--device", choices=DEVICE_KINDS, default="auto")
-    p.add_argument("--quant", choices=QUANTS, default="bf16", help="weight format (bf16 or q4nx)")
-    p.add_argument("--max-context", type=positive_int, help="KV cache length in positions (default 4096)")
-    p.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT}; 0 picks a free one)")
-    p.add_argument("--queue-size", type=positive_int, default=DEFAULT_QUEUE_SIZE,
-                   help=f"requests that may wait for the model; more get 503 (default {DEFAULT_QUEUE_SIZE})")
-    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
-                   help="a web origin (scheme://host[:port]) whose pages may call the API from a browser; "
-                        "repeat for several, '*' for any (default: none)")
-    p.add_argument("--run-only", action="store_true", help="never compile; fail if the kernel cache lacks a group")
-    p.add_argument("--verbose", "-v", action="store_true", help="tracebacks on errors")
-    return p
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    """Bind before the model loads, so a taken port fails in a second, not after the load."""
-    try:
-        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(info[0], socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(info[4])
-    except OSError as e:
-        raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e})") from None
-    return sock
-
-
-def serve(argv: list[str] | None = None) -> int:
-    """`make serve`: parse, bind, build the session, serve until Ctrl-C; the exit status."""
-    args = parser().parse_args(argv)
-
-    def log(line: str) -> None:
-        print(line, flush=True)
-
-    sock = None
-    try:
-        sock = _listen(args.host, args.port)
-        session = build_session(args.model, args.device, args.max_context, allow_compile=not args.run_only, log=log,
-                                quant=args.quant)
-    except (UserError, KeyboardInterrupt) as e:
-        if sock is not None:
-            sock.close()
-        return 130 if isinstance(e, KeyboardInterrupt) else user_error(e, args.verbose)
-    worker = Worker(session, args.queue_size, log=log)
-    host, port = sock.getsockname()[:2]
-    model_id = session.resolved.name
-    log(f"[serve] model '{model_id}' on {type(session.device).__name__}, context {worker.max_context}, "
-        f"queue {args.queue_size}; ready in {session.build_s:.1f} s")
-    log(f"[serve] OpenAI-compatible API at http://{host}:{port}/v1, chat page at http://{host}:{port}/ (Ctrl-C stops)")
-    config = uvicorn.Config(create_app(worker, model_id, args.cors_origin, log), log_level="warning", access_log=False,
+def run(worker: Worker, sock: socket.socket, model_id: str, cors_origins: Sequence[str],
+        log: Callable[[str], None]) -> None:
+    """Serve on a bound socket until Ctrl-C, then cancel what is in flight and stop the worker."""
+    config = uvicorn.Config(create_app(worker, model_id, cors_origins, log), log_level="warning", access_log=False,
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     try:
         _Server(config, worker).run(sockets=[sock])
@@ -458,6 +408,3 @@ def serve(argv: list[str] | None = None) -> int:
         pass
     finally:
         worker.stop(timeout=SHUTDOWN_GRACE_S)
-        sock.close()
-    log("[serve] stopped")
-    return 0

@@ -199,6 +199,30 @@ def chat_messages(messages: Any) -> list[dict]:
     return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + out
 
 
+def response_format_schema(rf: Any) -> tuple[dict, str] | None:
+    """The JSON schema `response_format` asks for and the field it sits in (None for plain
+    text), or a 400 naming the field that is wrong."""
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+        raise ApiError(400, "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                       "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                       "response_format")
+    if rf["type"] == "text":
+        return None
+    if rf["type"] == "json_object":
+        return {"type": "object"}, "response_format"
+    spec = rf.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ApiError(400, "'response_format.json_schema' must be an object with a 'schema'",
+                       "response_format.json_schema")
+    schema = spec.get("schema", {"type": "object"})
+    if not isinstance(schema, dict):
+        raise ApiError(400, "'response_format.json_schema.schema' must be a JSON schema object",
+                       "response_format.json_schema.schema")
+    return schema, "response_format.json_schema.schema"
+
+
 def as_request_error(fn: Callable[[], list[int]], param: str) -> list[int]:
     try:
         return fn()

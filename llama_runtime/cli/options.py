@@ -1,0 +1,61 @@
+"""The flags every command line shares, defined once: which model, on which device, in which
+weight format, with how much context; and how a command reports a user's mistake.
+
+`make run`, `make serve`, `make compile`, `verify`, `verify.mlir`, the mutants, perplexity and
+the bench all take them, so a new model alias, device or format appears in every one at once.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+
+from llama_base.errors import UserError
+from llama_base.weight_formats import QUANTS
+from npu_runtime.devices import DEVICE_KINDS
+
+MODEL_HELP = ("instruct | base | embedded | llama1b-shape | tiny | a local folder | a .gguf file | a HF repo id "
+              "(default: %(default)s)")
+
+
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {v}")
+    return v
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line on stderr (exit 2) rather than usage plus the error."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def add_model_options(p: argparse.ArgumentParser, *, model: str | None = "instruct", model_help: str = MODEL_HELP,
+                      device: str | None = "auto", devices: tuple[str, ...] = DEVICE_KINDS,
+                      quant: str | None = "bf16", max_context: bool = False) -> argparse.ArgumentParser:
+    """`--model`, `--device`, `--quant` (and `--max-context`) as every command spells them; a
+    default of None leaves that flag out (a command that has no device to choose)."""
+    if model is not None:
+        p.add_argument("--model", "-m", default=model, help=model_help)
+    if device is not None:
+        p.add_argument("--device", choices=devices, default=device, help="where the model runs (default: %(default)s)")
+    if quant is not None:
+        p.add_argument("--quant", choices=QUANTS, default=quant,
+                       help="weight format: bf16, or q4nx (4-bit, made from the checkpoint on first use and cached; "
+                            "default: %(default)s)")
+    if max_context:
+        p.add_argument("--max-context", type=positive_int, help="KV cache length in positions (default 4096)")
+    return p
+
+
+def user_error(e: UserError, verbose: bool) -> int:
+    """One `error:` line (the traceback too with --verbose); the exit status of bad input."""
+    if verbose:
+        traceback.print_exc()
+    print(f"error: {e}", file=sys.stderr)
+    return 2

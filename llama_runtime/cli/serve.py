@@ -1,0 +1,72 @@
+"""`make serve`'s command line: parse, bind the port, build the session, serve until Ctrl-C.
+
+The port is bound before the model loads, so a taken port fails in a second, not after the
+load; the app itself is `llama_runtime.serve.app`.
+"""
+from __future__ import annotations
+
+import socket
+
+from llama_base.errors import UserError
+from llama_runtime.cli.options import OneLineParser, add_model_options, positive_int, user_error
+from llama_runtime.generation.session import build_session
+from llama_runtime.serve import app
+from llama_runtime.serve.worker import DEFAULT_QUEUE_SIZE, Worker
+
+
+def parser() -> OneLineParser:
+    p = OneLineParser(prog="llama32_1b_inference.py --serve",
+                      description="OpenAI-compatible HTTP server (/v1/models[/{id}], /v1/chat/completions, "
+                                  "/v1/completions) for one model on one device.")
+    add_model_options(p, max_context=True)
+    p.add_argument("--host", default=app.DEFAULT_HOST, help=f"address to listen on (default {app.DEFAULT_HOST})")
+    p.add_argument("--port", type=int, default=app.DEFAULT_PORT,
+                   help=f"TCP port (default {app.DEFAULT_PORT}; 0 picks a free one)")
+    p.add_argument("--queue-size", type=positive_int, default=DEFAULT_QUEUE_SIZE,
+                   help=f"requests that may wait for the model; more get 503 (default {DEFAULT_QUEUE_SIZE})")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="a web origin (scheme://host[:port]) whose pages may call the API from a browser; "
+                        "repeat for several, '*' for any (default: none)")
+    p.add_argument("--run-only", action="store_true", help="never compile; fail if the kernel cache lacks a group")
+    p.add_argument("--verbose", "-v", action="store_true", help="tracebacks on errors")
+    return p
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(info[0], socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+    except OSError as e:
+        raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e})") from None
+    return sock
+
+
+def serve(argv: list[str] | None = None) -> int:
+    """`make serve`: the exit status."""
+    args = parser().parse_args(argv)
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+
+    sock = None
+    try:
+        sock = _listen(args.host, args.port)
+        session = build_session(args.model, args.device, args.max_context, allow_compile=not args.run_only, log=log,
+                                quant=args.quant)
+    except (UserError, KeyboardInterrupt) as e:
+        if sock is not None:
+            sock.close()
+        return 130 if isinstance(e, KeyboardInterrupt) else user_error(e, args.verbose)
+    worker = Worker(session, args.queue_size, log=log)
+    host, port = sock.getsockname()[:2]
+    log(f"[serve] model '{session.resolved.name}' on {type(session.device).__name__}, context {worker.max_context}, "
+        f"queue {args.queue_size}; ready in {session.build_s:.1f} s")
+    log(f"[serve] OpenAI-compatible API at http://{host}:{port}/v1, chat page at http://{host}:{port}/ (Ctrl-C stops)")
+    try:
+        app.run(worker, sock, session.resolved.name, args.cors_origin, log)
+    finally:
+        sock.close()
+    log("[serve] stopped")
+    return 0
