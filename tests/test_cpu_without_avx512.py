@@ -43,8 +43,8 @@ def test_the_kernel_tests_pass_on_a_cpu_without_avx512():
         # The suite itself has just run these files on a real CPU without AVX-512, where an
         # emulated rerun only repeats them many times slower.
         pytest.skip("this CPU has no AVX-512: the suite ran these files natively on it")
-    # Less the greedy generation across classes: emulated, its torch side alone took 6 of the
-    # run's 25 minutes, and the suite compares the same classes natively on this CPU.
+    # Less the greedy generation across classes: emulated, its torch side is most of the rerun's
+    # time, and the suite compares the same classes natively on this CPU.
     r = _child("-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k", "not greedy_generation", *FILES)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     summary = r.stdout.strip().splitlines()[-1]
