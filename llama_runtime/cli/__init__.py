@@ -1,2 +1,2 @@
-"""The command lines: `make run` / `make chat` (`run`), `make compile` (`compile`) and the
-`make profile` report."""
+"""The command lines: `make run` / `make chat` (`run`), `make serve` (`serve`), `make compile`
+(`compile`), the `make profile` report, and the flags they all share (`options`)."""
