@@ -174,7 +174,7 @@ def test_greedy_choice_is_torch_argmax():
     for x in cases:
         assert greedy(x) == int(torch.argmax(x)), x.shape
     assert greedy(tied) == 17 and greedy(nan) == 30
-    assert Sampler()(tied, []) == 17
+    assert Sampler()(tied) == 17
 
 
 def test_over_long_input_is_refused(session):

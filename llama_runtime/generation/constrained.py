@@ -3,8 +3,8 @@
 llguidance (Microsoft's Rust constrained-decoding library, one wheel with no dependencies)
 compiles a JSON schema into a matcher that, after each token, gives the set of tokens that
 keep the text a valid prefix of a document the schema accepts. The mask is applied to the
-logits on the host, in `Sampler.adjust`, so it works the same on every device, and once the
-document is complete only an end token is allowed. xgrammar was measured too: as fast per
+logits on the host, as the last logits processor (processors.GrammarMask), so it works the
+same on every device, and once the document is complete only an end token is allowed. xgrammar was measured too: as fast per
 token, but it installs triton (about 1 GB) and its default JSON layout differs; see
 docs/profile.md.
 """

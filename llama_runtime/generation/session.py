@@ -23,6 +23,7 @@ from llama_runtime.engine.device_model import DeviceModel
 from llama_runtime.generation.logprobs import TokenLogprob, score
 from llama_runtime.checkpoints.resolve import ResolvedModel, resolve_model
 from llama_runtime.engine.prefill import prefill
+from llama_runtime.generation.processors import processors_for
 from llama_runtime.generation.sampling import Sampler, SamplingParams
 from llama_runtime.text.tokenizer import StreamDecoder, Tokenizer
 from npu_runtime.api import Device
@@ -113,7 +114,8 @@ class Session:
 
         `logprobs` = k (0 or more) scores every generated token with its k most likely
         alternatives (`on_logprob` gets each before its text). `constraint`
-        (constrained.Constraint) masks, before each choice, the tokens its grammar forbids.
+        (constrained.Constraint) masks, before each choice, the tokens its grammar forbids
+        (processors.py: after the repetition penalty and the logit bias).
         """
         if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 1:
             raise PromptError(f"the number of tokens to generate must be a positive integer (got {n_tokens!r})")
@@ -126,7 +128,7 @@ class Session:
                               f"the context limit is {limit} (raise it with --max-context)")
         start = self.reusable(ids) if reuse_cache else 0
         new = ids[start:]
-        sampler = Sampler(sampling, constraint)
+        shape, sampler = processors_for(sampling, constraint), Sampler(sampling)
         decoder = StreamDecoder(self.tokenizer)
         ends = self.tokenizer.end_token_ids
         out: list[int] = []
@@ -138,7 +140,8 @@ class Session:
             pos = len(ids)
             while True:
                 with self.profiler.host_op("sampling"):
-                    tok = sampler(logits, ids + out)
+                    shaped = shape(logits, ids + out)
+                    tok = sampler(shaped)
                 if not out:
                     t_first = time.perf_counter()
                     ttft = t_first - t0
@@ -147,7 +150,7 @@ class Session:
                     break
                 out.append(tok)
                 if logprobs is not None:
-                    scored.append(score(sampler.last_logits, tok, logprobs))
+                    scored.append(score(shaped, tok, logprobs))
                     if on_logprob:
                         on_logprob(scored[-1])
                 piece = decoder.push(tok)
@@ -188,11 +191,11 @@ class Session:
         """
         if not ids or len(ids) >= self.model.max_context:
             raise PromptError(f"the prompt must have 1 to {self.model.max_context - 1} tokens to be scored")
-        sampler = Sampler(sampling)
+        shape = processors_for(sampling)
         out: list[TokenLogprob | None] = [None]
         for i, t in enumerate(ids[:-1]):
             logits = decode_step(self.model, t, i)
-            out.append(score(sampler.adjust(logits, ids[: i + 1]), ids[i + 1], k))
+            out.append(score(shape(logits, ids[: i + 1]), ids[i + 1], k))
         return out
 
 
