@@ -27,6 +27,7 @@ from typing import NamedTuple
 from llama_runtime.generation.logprobs import TokenLogprob
 from llama_runtime.generation.sampling import SamplingParams
 from llama_runtime.generation.session import Session
+from llama_runtime.generation.stops import StopText
 
 DEFAULT_QUEUE_SIZE = 16
 # Weight of the latest job in the running mean of job durations that Retry-After is based on.
@@ -97,40 +98,6 @@ class Job:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
         except RuntimeError:    # the loop is closed: nobody is listening any more
             pass
-
-
-class StopText:
-    """Cuts generated text at the first stop string and holds back what could begin one.
-
-    Streamed pieces never show a stop string or any part of it; what `push` and `finish`
-    return concatenates to the answer up to (not including) the first stop string.
-    """
-
-    def __init__(self, stops: tuple[str, ...]):
-        self.stops = tuple(s for s in stops if s)
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.text = ""
-        self.sent = 0
-        self.hit = False
-
-    def push(self, piece: str) -> str:
-        if self.hit:
-            return ""
-        self.text += piece
-        start = max(self.sent - self.hold, 0)
-        found = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-        if found:
-            self.hit = True
-            self.text = self.text[: min(found)]
-            end = len(self.text)
-        else:
-            end = max(len(self.text) - self.hold, self.sent)
-        out, self.sent = self.text[self.sent : end], end
-        return out
-
-    def finish(self) -> str:
-        out, self.sent = self.text[self.sent :], len(self.text)
-        return out
 
 
 class Worker:
