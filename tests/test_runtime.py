@@ -199,6 +199,24 @@ def test_the_cache_knows_its_tokens_and_a_prompt_reuses_their_prefix(session):
     assert session.cached_ids == ids[:2]
 
 
+def test_the_token_stream_yields_each_token_with_the_logits_it_was_chosen_from(session):
+    """The layer under the text: greedy tokens are the argmax of the logits they come with, and
+    `generate` reads the same tokens. A reader that stops after two leaves the second unfed:
+    the cache holds the prompt and the first answer token, and knows it."""
+    ids = session.encode("Name three colours.")
+    steps = list(session.tokens(ids, 6, reuse_cache=False))
+    assert len(steps) == 6 and all(s.token == greedy(s.logits) for s in steps)
+    assert [s.token for s in steps] == session.generate(ids, 6, reuse_cache=False).tokens
+    stream = session.tokens(ids, 6)
+    for i, _ in enumerate(stream):
+        if i == 1:
+            break
+    assert stream.stop_reason is None and stream.tokens == [s.token for s in steps[:2]]
+    assert stream.cached == len(ids) + 1 and session.cached_ids == ids + stream.tokens[:1]
+    with pytest.raises(RuntimeError, match="once"):
+        iter(stream)
+
+
 def test_generation_stops_at_the_context_limit(session):
     """Three free positions: three answer tokens are fed back, and a fourth is chosen from the
     last one. End tokens are forbidden, so the context is the only limit reached."""
