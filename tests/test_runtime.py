@@ -217,6 +217,17 @@ def test_the_token_stream_yields_each_token_with_the_logits_it_was_chosen_from(s
         iter(stream)
 
 
+def test_a_stop_string_ends_the_answer_before_it_and_is_never_streamed(session):
+    prompt = "What is the capital of Japan?"
+    full = session.generate(prompt, 16, reuse_cache=False)
+    assert "Tokyo" in full.text
+    pieces: list[str] = []
+    cut = session.generate(prompt, 16, pieces.append, stop=("never", "Tokyo"))
+    assert cut.stop_reason == "stop_string" and cut.stop_string == "Tokyo"
+    assert cut.text == "".join(pieces) == full.text[: full.text.index("Tokyo")]
+    assert cut.tokens == full.tokens[: len(cut.tokens)] and len(cut.tokens) < len(full.tokens)
+
+
 def test_generation_stops_at_the_context_limit(session):
     """Three free positions: three answer tokens are fed back, and a fourth is chosen from the
     last one. End tokens are forbidden, so the context is the only limit reached."""

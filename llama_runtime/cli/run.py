@@ -6,6 +6,7 @@ traceback. Ctrl-C stops the current answer; in chat the conversation stays usabl
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from llama_base.errors import PromptError, UserError
@@ -49,7 +50,8 @@ def _read_prompt(args) -> str:
 
 def _summary(r: GenerationResult) -> str:
     why = {"end_token": "end of answer", "n_tokens": "token budget reached", "context_limit": "context limit reached",
-           "interrupted": "interrupted", "cancelled": "cancelled"}[r.stop_reason]
+           "interrupted": "interrupted", "cancelled": "cancelled",
+           "stop_string": f"stop string {json.dumps(r.stop_string)}"}[r.stop_reason]
     return (f"[stats] prompt {r.prompt_tokens} tokens, TTFT {r.ttft_s:.3f} s, {len(r.tokens)} tokens at "
             f"{r.decode_tokens_per_s:.2f} tok/s, stopped: {why}")
 

@@ -14,7 +14,7 @@ import gc
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from llama_base.errors import PromptError
 from llama_runtime.checkpoints.loader import load_weights
@@ -23,6 +23,7 @@ from llama_runtime.generation.logprobs import TokenLogprob, score
 from llama_runtime.checkpoints.resolve import ResolvedModel, resolve_model
 from llama_runtime.generation.processors import processors_for
 from llama_runtime.generation.sampling import Sampler, SamplingParams
+from llama_runtime.generation.stops import StopText
 from llama_runtime.generation.tokens import TokenStream, read_prompt, reusable_prefix
 from llama_runtime.text.tokenizer import StreamDecoder, Tokenizer
 from npu_runtime.api import Device
@@ -38,12 +39,13 @@ class GenerationResult:
     text: str
     tokens: list[int]
     prompt_tokens: int
-    stop_reason: str            # end_token | n_tokens | context_limit | interrupted | cancelled
+    stop_reason: str            # end_token | stop_string | n_tokens | context_limit | interrupted | cancelled
     ttft_s: float = 0.0         # prompt in → first token chosen
     decode_s: float = 0.0
     cached: int = 0             # positions now in the KV cache (prompt + every token fed back)
     prefill_tokens: int = 0     # tokens this call prefilled (the prompt past the reused prefix)
     logprobs: list[TokenLogprob] = field(default_factory=list)   # one per token, if asked
+    stop_string: str | None = None   # the one that ended the answer (stop reason "stop_string")
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -104,15 +106,16 @@ class Session:
                  sampling: SamplingParams = SamplingParams(), chat: bool | None = None,
                  should_stop: Callable[[], bool] | None = None, logprobs: int | None = None,
                  on_logprob: Callable[[TokenLogprob], None] | None = None,
-                 constraint=None, reuse_cache: bool = True) -> GenerationResult:
+                 constraint=None, reuse_cache: bool = True, stop: Sequence[str] = ()) -> GenerationResult:
         """Answer `prompt` (text, or token ids used as given): prefill it, then decode.
 
         The prompt is the whole context (a chat turn passes the transcript so far). With
         `reuse_cache`, only the tokens past the longest prefix already in the KV cache are
         prefilled; without it, all of them (a fresh run). Generation stops at an end token,
-        after `n_tokens`, or at the context limit; Ctrl-C stops it too and returns what was
-        produced, and so does `should_stop` returning True (checked once per token; stop
-        reason "cancelled").
+        where the text first shows one of the `stop` strings (the text ends before it, and
+        the streamed pieces never show any of it: stops.py), after `n_tokens`, or at the
+        context limit; Ctrl-C stops it too and returns what was produced, and so does
+        `should_stop` returning True (checked once per token; stop reason "cancelled").
 
         `logprobs` = k (0 or more) scores every generated token with its k most likely
         alternatives (`on_logprob` gets each before its text). `constraint`
@@ -121,8 +124,14 @@ class Session:
         """
         ids = list(prompt) if isinstance(prompt, (list, tuple)) else self.encode(prompt, chat)
         stream = self.tokens(ids, n_tokens, sampling, constraint, should_stop, reuse_cache)
-        decoder = StreamDecoder(self.tokenizer)
+        decoder, cut = StreamDecoder(self.tokenizer), StopText(stop)
         scored: list[TokenLogprob] = []
+
+        def show(piece: str) -> None:
+            shown = cut.push(piece)
+            if shown and on_text:
+                on_text(shown)
+
         reason, ttft = None, 0.0
         t0 = time.perf_counter()
         t_first = t0
@@ -136,9 +145,10 @@ class Session:
                     scored.append(score(step.logits, step.token, logprobs))
                     if on_logprob:
                         on_logprob(scored[-1])
-                piece = decoder.push(step.token)
-                if piece and on_text:
-                    on_text(piece)
+                show(decoder.push(step.token))
+                if cut.hit:
+                    reason = "stop_string"
+                    break
         except KeyboardInterrupt:
             reason = "interrupted"
         finally:
@@ -149,15 +159,20 @@ class Session:
             ttft = time.perf_counter() - t0
         # Cut short (budget, context, cancel), the last tokens may hold part of a character:
         # those bytes are dropped rather than shown as U+FFFD, in the stream and in `text`.
-        tail = decoder.flush(keep_partial=reason == "end_token")
-        if tail and on_text:
-            on_text(tail)
-        text = self.tokenizer.decode(out)
-        if reason != "end_token":
-            text = text.rstrip("\ufffd")
+        show(decoder.flush(keep_partial=reason == "end_token"))
+        held = cut.finish()             # what could have begun a stop string, and did not
+        if held and on_text:
+            on_text(held)
+        if cut.hit:
+            text = cut.text             # what was streamed: the answer up to the stop string
+        else:
+            text = self.tokenizer.decode(out)
+            if reason != "end_token":
+                text = text.rstrip("\ufffd")
         decode_s = time.perf_counter() - t_first if out else 0.0
         return GenerationResult(text, out, len(ids), reason, ttft, decode_s,
-                                cached=stream.cached, prefill_tokens=stream.prefill_tokens, logprobs=scored)
+                                cached=stream.cached, prefill_tokens=stream.prefill_tokens, logprobs=scored,
+                                stop_string=cut.matched)
 
     def score_prompt(self, ids: list[int], k: int, sampling: SamplingParams = SamplingParams()
                      ) -> list[TokenLogprob | None]:

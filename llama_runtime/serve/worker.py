@@ -9,8 +9,9 @@ The session remembers which token ids sit in its KV cache, so a prompt that exte
 next turn of a conversation, the same system prompt, a repeated request) prefills only what
 is new. Matching is on token ids, so it works for any client, with no conversation identifiers.
 
-A job stops early when its client goes away, when the server shuts down, or when its text
-reaches one of its stop strings; `Session.generate` checks `should_stop` once per token.
+A job stops early when its client goes away or the server shuts down (`Session.generate`
+checks `should_stop` once per token), and where its text reaches one of its stop strings
+(generation does that too, and streams nothing of them).
 """
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ from typing import NamedTuple
 from llama_runtime.generation.logprobs import TokenLogprob
 from llama_runtime.generation.sampling import SamplingParams
 from llama_runtime.generation.session import Session
-from llama_runtime.generation.stops import StopText
 
 DEFAULT_QUEUE_SIZE = 16
 # Weight of the latest job in the running mean of job durations that Retry-After is based on.
@@ -175,26 +175,24 @@ class Worker:
         started = time.perf_counter()
         if job.score_prompt:
             job._post("prompt", self.session.score_prompt(ids, job.logprobs or 0, job.sampling))
-        cut = StopText(job.stops)
+        pieces: list[str] = []
         scores: list[TokenLogprob] = []     # since the last piece posted
 
         def on_text(piece: str) -> None:
-            out = cut.push(piece)
-            if out:
-                job._post("text", Piece(out, scores[:]))
-                scores.clear()
+            pieces.append(piece)
+            job._post("text", Piece(piece, scores[:]))
+            scores.clear()
 
         r = self.session.generate(ids, job.max_tokens, on_text, job.sampling,
-                                  should_stop=lambda: cut.hit or job.cancelled_by is not None,
-                                  logprobs=job.logprobs, on_logprob=scores.append, constraint=job.constraint)
+                                  should_stop=lambda: job.cancelled_by is not None, logprobs=job.logprobs,
+                                  on_logprob=scores.append, constraint=job.constraint, stop=job.stops)
         # Scoring read the whole prompt, so nothing of it was reused, whatever the cache held.
         reused = 0 if job.score_prompt else r.reused_tokens
         elapsed = time.perf_counter() - started
         self._mean_job_s += _DURATION_EMA * (elapsed - self._mean_job_s)
-        tail = cut.finish()
-        if tail or scores:
-            job._post("text", Piece(tail, scores[:]))
-        if cut.hit or r.stop_reason == "end_token":
+        if scores:
+            job._post("text", Piece("", scores[:]))
+        if r.stop_reason in ("end_token", "stop_string"):
             reason = "stop"
         elif r.stop_reason in ("n_tokens", "context_limit"):
             reason = "length"
@@ -202,7 +200,7 @@ class Worker:
             reason = None
         by = job.cancelled_by if reason is None else None
         wait = started - job.enqueued_at
-        out = Outcome(cut.text, reason, len(ids), reused, len(r.tokens), by, r.logprobs, wait, r.ttft_s,
+        out = Outcome("".join(pieces), reason, len(ids), reused, len(r.tokens), by, r.logprobs, wait, r.ttft_s,
                       r.decode_tokens_per_s)
         self.log(f"[serve] {job.id} prompt {len(ids)} tokens, {reused} reused from the cache, {len(r.tokens)} generated, "
                  f"queued {wait:.2f} s, TTFT {r.ttft_s:.3f} s, {r.decode_tokens_per_s:.2f} tok/s, "
