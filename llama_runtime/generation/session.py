@@ -24,7 +24,7 @@ from llama_runtime.checkpoints.resolve import ResolvedModel, resolve_model
 from llama_runtime.generation.processors import processors_for
 from llama_runtime.generation.sampling import Sampler, SamplingParams
 from llama_runtime.generation.stops import StopText
-from llama_runtime.generation.tokens import TokenStream, read_prompt, reusable_prefix
+from llama_runtime.generation.tokens import TokenStream, read_prompt
 from llama_runtime.text.tokenizer import StreamDecoder, Tokenizer
 from npu_runtime.api import Device
 from npu_runtime.cache import KernelCache
@@ -79,10 +79,6 @@ class Session:
     def cached_ids(self) -> list[int]:
         """The token at each KV cache position that holds valid K/V, from position 0."""
         return list(self.model.kv.token_ids)
-
-    def reusable(self, ids: list[int]) -> int:
-        """Length of the cached prefix `ids` can keep (all but its last token at most)."""
-        return reusable_prefix(self.model.kv.token_ids, ids)
 
     @property
     def config(self):
