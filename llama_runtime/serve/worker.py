@@ -190,7 +190,7 @@ class Worker:
         by = job.cancelled_by if reason is None else None
         wait = started - job.enqueued_at
         out = Done("".join(pieces), reason, len(ids), reused, len(r.tokens), by, r.logprobs, wait, r.ttft_s,
-                      r.decode_tokens_per_s)
+                   r.decode_tokens_per_s)
         self.log(f"[serve] {job.id} prompt {len(ids)} tokens, {reused} reused from the cache, {len(r.tokens)} generated, "
                  f"queued {wait:.2f} s, TTFT {r.ttft_s:.3f} s, {r.decode_tokens_per_s:.2f} tok/s, "
                  f"finish {reason or 'cancelled by ' + str(by)}")
