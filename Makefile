@@ -14,15 +14,18 @@ TOP_K     ?= 0
 TOP_P     ?= 1
 REPETITION_PENALTY ?= 1
 SEED      ?=
+STOP      ?=
+JSON_SCHEMA ?=
 HOST      ?=
 PORT      ?=
 QUEUE_SIZE ?=
-export PROMPT
+export PROMPT STOP JSON_SCHEMA
 
 RUN_ARGS = --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)" --n-tokens "$(N_TOKENS)" \
 	--temperature "$(TEMPERATURE)" --top-k "$(TOP_K)" --top-p "$(TOP_P)" \
 	--repetition-penalty "$(REPETITION_PENALTY)" $(if $(SEED),--seed "$(SEED)") \
-	$(if $(MAX_CONTEXT),--max-context "$(MAX_CONTEXT)")
+	$(if $(MAX_CONTEXT),--max-context "$(MAX_CONTEXT)") \
+	$(if $(STOP),--stop "$$STOP") $(if $(JSON_SCHEMA),--json-schema "$$JSON_SCHEMA")
 
 # Empty HOST/PORT/QUEUE_SIZE leave the server's own defaults (127.0.0.1, 8000, 16);
 # CORS_ORIGINS is a space-separated list of web origins allowed to call the API (default none).
@@ -51,6 +54,7 @@ help:
 	@echo "make clean        remove caches, reports and build files"
 	@echo "variables: PROMPT MODEL=instruct|base|embedded|llama1b-shape|tiny|<folder>|<file.gguf> N_TOKENS DEVICE=auto|npu|sim|interp"
 	@echo "           QUANT=bf16|q4nx (4-bit weights) MAX_CONTEXT TEMPERATURE TOP_K TOP_P REPETITION_PENALTY SEED"
+	@echo "           STOP (end the answer at this text) JSON_SCHEMA (a schema file or JSON the answer must follow)"
 	@echo "           make serve: HOST (127.0.0.1) PORT (8000) QUEUE_SIZE (16) MODEL DEVICE MAX_CONTEXT"
 	@echo "                       CORS_ORIGINS (none; e.g. \"http://localhost:5173\")"
 

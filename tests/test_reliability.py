@@ -217,8 +217,8 @@ def session(tmp_path_factory):
 LOGIT_ULPS = 10
 
 
-def _recording(monkeypatch, inference, record):
-    prefill, decode_step = inference.prefill, inference.decode_step
+def _recording(monkeypatch, tokens, record):
+    prefill, decode_step = tokens.prefill, tokens.decode_step
 
     def recorded_prefill(*a, **k):
         record.append(prefill(*a, **k).float())
@@ -228,8 +228,8 @@ def _recording(monkeypatch, inference, record):
         record.append(decode_step(*a, **k).float())
         return record[-1]
 
-    monkeypatch.setattr(inference, "prefill", recorded_prefill)
-    monkeypatch.setattr(inference, "decode_step", recorded_decode)
+    monkeypatch.setattr(tokens, "prefill", recorded_prefill)
+    monkeypatch.setattr(tokens, "decode_step", recorded_decode)
 
 
 def test_ctrl_c_in_prefill_and_decode_keeps_the_chat_usable(session, monkeypatch):
@@ -242,20 +242,20 @@ def test_ctrl_c_in_prefill_and_decode_keeps_the_chat_usable(session, monkeypatch
     it what a fresh `generate` computes up to the first differing choice, and the logits are
     compared at every step; the greedy choices must agree up to a near-tie.
     """
-    import llama_runtime.generation.session as inference
+    import llama_runtime.generation.tokens as tokens
     from llama_runtime.generation.chat import Conversation
 
-    real_prefill, real_decode = inference.prefill, inference.decode_step
+    real_prefill, real_decode = tokens.prefill, tokens.decode_step
     conv = Conversation(session)
     conv.ask("What is the capital of Japan?", 6)   # cut short: its last token is chosen, never fed back
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(inference, "prefill", interrupted)
+    monkeypatch.setattr(tokens, "prefill", interrupted)
     r = conv.ask("Name a large river.", 12)
     assert r.stop_reason == "interrupted" and r.tokens == []
-    monkeypatch.setattr(inference, "prefill", real_prefill)
+    monkeypatch.setattr(tokens, "prefill", real_prefill)
 
     def stop_after_two(text, seen=[]):
         seen.append(text)
@@ -266,7 +266,7 @@ def test_ctrl_c_in_prefill_and_decode_keeps_the_chat_usable(session, monkeypatch
     assert r.stop_reason == "interrupted"
     start = len(session.cached_ids)
     cached: list[torch.Tensor] = []
-    _recording(monkeypatch, inference, cached)
+    _recording(monkeypatch, tokens, cached)
     third = conv.ask("Thanks. And of Italy?", 12)
     monkeypatch.undo()
     prompt = session.tokenizer.chat.render(conv.messages[:-1])

@@ -174,7 +174,7 @@ def test_greedy_choice_is_torch_argmax():
     for x in cases:
         assert greedy(x) == int(torch.argmax(x)), x.shape
     assert greedy(tied) == 17 and greedy(nan) == 30
-    assert Sampler()(tied, []) == 17
+    assert Sampler()(tied) == 17
 
 
 def test_over_long_input_is_refused(session):
@@ -197,6 +197,35 @@ def test_the_cache_knows_its_tokens_and_a_prompt_reuses_their_prefix(session):
     assert again.prefill_tokens == 1 and again.reused_tokens == len(ids) - 1
     prefill(session.model, ids[:2])          # a step called directly keeps the record true too
     assert session.cached_ids == ids[:2]
+
+
+def test_the_token_stream_yields_each_token_with_the_logits_it_was_chosen_from(session):
+    """The layer under the text: greedy tokens are the argmax of the logits they come with, and
+    `generate` reads the same tokens. A reader that stops after two leaves the second unfed:
+    the cache holds the prompt and the first answer token, and knows it."""
+    ids = session.encode("Name three colours.")
+    steps = list(session.tokens(ids, 6, reuse_cache=False))
+    assert len(steps) == 6 and all(s.token == greedy(s.logits) for s in steps)
+    assert [s.token for s in steps] == session.generate(ids, 6, reuse_cache=False).tokens
+    stream = session.tokens(ids, 6)
+    for i, _ in enumerate(stream):
+        if i == 1:
+            break
+    assert stream.stop_reason is None and stream.tokens == [s.token for s in steps[:2]]
+    assert stream.cached == len(ids) + 1 and session.cached_ids == ids + stream.tokens[:1]
+    with pytest.raises(RuntimeError, match="once"):
+        iter(stream)
+
+
+def test_a_stop_string_ends_the_answer_before_it_and_is_never_streamed(session):
+    prompt = "What is the capital of Japan?"
+    full = session.generate(prompt, 16, reuse_cache=False)
+    assert "Tokyo" in full.text
+    pieces: list[str] = []
+    cut = session.generate(prompt, 16, pieces.append, stop=("never", "Tokyo"))
+    assert cut.stop_reason == "stop_string" and cut.stop_string == "Tokyo"
+    assert cut.text == "".join(pieces) == full.text[: full.text.index("Tokyo")]
+    assert cut.tokens == full.tokens[: len(cut.tokens)] and len(cut.tokens) < len(full.tokens)
 
 
 def test_generation_stops_at_the_context_limit(session):

@@ -12,7 +12,8 @@ from llama_runtime.checkpoints import builtin
 from llama_runtime.text.chat_format import GENERIC_TOOLS_INTRO, Llama3ChatFormat
 from llama_runtime.serve.openai_request import ApiError
 from llama_runtime.text.tokenizer import Tokenizer
-from llama_runtime.serve.tool_calls import tool_request
+from llama_runtime.serve.events import TextPiece, ToolCall
+from llama_runtime.serve.tool_calls import CallHold, tool_request
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -74,3 +75,24 @@ def test_tool_choice_decides_the_schema():
     with pytest.raises(ApiError) as e:
         tool_request({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
     assert e.value.param == "tool_choice"
+
+
+def _hold(pieces: list[str], complete: bool):
+    """What a streamed answer shows, piece by piece, then at its end."""
+    hold = CallHold(tool_request({"tools": [WEATHER, TIME]}))
+    shown = [hold.push(TextPiece(p, [])) for p in pieces]
+    return shown, hold.finish(complete)
+
+
+def test_a_streamed_answer_is_held_while_it_may_be_a_call_and_ends_as_one():
+    shown, last = _hold([" ", '{"name": "get_time",', ' "parameters": {}}'], complete=True)
+    assert shown == [None, None, None]
+    assert isinstance(last, ToolCall) and last.call["function"] == {"name": "get_time", "arguments": "{}"}
+
+
+def test_text_is_released_once_it_cannot_be_a_call_and_a_cut_call_stays_text():
+    shown, last = _hold(["  ", "It is", " sunny."], complete=True)
+    assert shown == [None, TextPiece("  It is", []), TextPiece(" sunny.", [])] and last is None
+    cut = '{"name": "get_time", "param'
+    shown, last = _hold([cut], complete=False)          # the token budget ended it mid-call
+    assert shown == [None] and last == TextPiece(cut, [])

@@ -1,15 +1,22 @@
 """Command line of `llama32_1b_inference.py` (`make run`, `make chat`): one prompt, or an interactive chat.
 
-Errors a user can cause print one line (`error: ...`) and exit 2; `--verbose` adds the
-traceback. Ctrl-C stops the current answer; in chat the conversation stays usable.
+Stop strings (`--stop`) and a JSON schema the answer must follow (`--json-schema`, `--json`)
+go through the same generation layer as the server's `stop` and `response_format`. Errors a
+user can cause print one line (`error: ...`) and exit 2, a bad schema before any loading;
+`--verbose` adds the traceback. Ctrl-C stops the current answer; in chat the conversation
+stays usable.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 from llama_base.errors import PromptError, UserError
 from llama_runtime.cli.options import OneLineParser, add_model_options, positive_int, user_error
+from llama_runtime.generation.constrained import ANY_OBJECT, Constraint, Grammars, json_grammar
 from llama_runtime.generation.sampling import SamplingParams
 from llama_runtime.generation.session import GenerationResult, Session, build_session
 
@@ -31,6 +38,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the answer where its text first shows TEXT (repeatable)")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE_OR_JSON",
+                       help="the answer must be a JSON document this schema accepts (a file, or the schema itself)")
+    shape.add_argument("--json", action="store_true", help="the answer must be a JSON object")
     p.add_argument("--verbose", "-v", action="store_true", help="tracebacks on errors")
     return p
 
@@ -47,14 +60,39 @@ def _read_prompt(args) -> str:
     return args.prompt
 
 
+def _grammar(args) -> tuple[str, str] | None:
+    """The grammar `--json-schema` or `--json` asks for, and the flag it came from; checked
+    here, before the model loads."""
+    if args.json:
+        return json_grammar(ANY_OBJECT, "--json"), "--json"
+    if args.json_schema is None:
+        return None
+    text = args.json_schema
+    if not text.lstrip().startswith("{"):
+        try:
+            text = Path(text).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise PromptError(f"--json-schema: {text!r} is neither a JSON object nor a readable file "
+                              f"({getattr(e, 'strerror', None) or e})") from None
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PromptError(f"--json-schema is not valid JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise PromptError(f"--json-schema must be a JSON object (a schema), got {type(schema).__name__}")
+    return json_grammar(schema, "--json-schema"), "--json-schema"
+
+
 def _summary(r: GenerationResult) -> str:
     why = {"end_token": "end of answer", "n_tokens": "token budget reached", "context_limit": "context limit reached",
-           "interrupted": "interrupted", "cancelled": "cancelled"}[r.stop_reason]
+           "interrupted": "interrupted", "cancelled": "cancelled",
+           "stop_string": f"stop string {json.dumps(r.stop_string)}"}[r.stop_reason]
     return (f"[stats] prompt {r.prompt_tokens} tokens, TTFT {r.ttft_s:.3f} s, {len(r.tokens)} tokens at "
             f"{r.decode_tokens_per_s:.2f} tok/s, stopped: {why}")
 
 
-def _chat(session: Session, args: argparse.Namespace, sampling: SamplingParams) -> None:
+def _chat(session: Session, args: argparse.Namespace, sampling: SamplingParams,
+          constraint: Callable[[], Constraint | None]) -> None:
     from llama_runtime.generation.chat import Conversation
 
     conv = Conversation(session, system=args.system)
@@ -79,7 +117,8 @@ def _chat(session: Session, args: argparse.Namespace, sampling: SamplingParams) 
             continue
         print("assistant> ", end="", flush=True)
         try:
-            r = conv.ask(line, args.n_tokens, lambda t: print(t, end="", flush=True), sampling)
+            r = conv.ask(line, args.n_tokens, lambda t: print(t, end="", flush=True), sampling,
+                         stop=tuple(args.stop), constraint=constraint())
         except KeyboardInterrupt:
             print("\n[chat] stopped", flush=True)
             continue
@@ -100,6 +139,7 @@ def run_cli(argv: list[str] | None = None) -> int:
         prompt = None if (args.interactive or args.compile_only) else _read_prompt(args)
         if prompt is not None and not prompt.strip():
             raise PromptError("the prompt is empty")
+        grammar = _grammar(args)
         session = build_session(args.model, args.device, args.max_context, profile=args.profile,
                                 allow_compile=not args.run_only, chat=False if args.raw else None, quant=args.quant)
         k = session.kc.stats
@@ -107,12 +147,18 @@ def run_cli(argv: list[str] | None = None) -> int:
               f"{k.loaded_from_disk} from cache ({session.kc.dir}); ready in {session.build_s:.1f} s", flush=True)
         if args.compile_only:
             return 0
+        grammars = Grammars(session.tokenizer)
+
+        def constraint() -> Constraint | None:        # each answer follows the grammar afresh
+            return None if grammar is None else grammars.for_grammar(*grammar)
+
         if args.interactive:
-            _chat(session, args, sampling)
+            _chat(session, args, sampling, constraint)
             return 0
         session.profiler.reset()
         ids = session.encode(prompt, system=args.system)
-        r = session.generate(ids, args.n_tokens, lambda t: print(t, end="", flush=True), sampling)
+        r = session.generate(ids, args.n_tokens, lambda t: print(t, end="", flush=True), sampling,
+                             constraint=constraint(), stop=tuple(args.stop))
         print()
         print(_summary(r), flush=True)
         if args.profile:

@@ -10,7 +10,7 @@ dropped and the rest is rendered again (the session still reuses whatever prefix
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from llama_base.errors import PromptError
 from llama_runtime.generation.sampling import SamplingParams
@@ -35,7 +35,10 @@ class Conversation:
         return fmt.render(head + self.messages)
 
     def ask(self, text: str, n_tokens: int, on_text: Callable[[str], None] | None = None,
-            sampling: SamplingParams = SamplingParams()) -> GenerationResult:
+            sampling: SamplingParams = SamplingParams(), stop: Sequence[str] = (),
+            constraint=None) -> GenerationResult:
+        """The answer to `text`, the next user message; `stop` and `constraint` (a fresh
+        constrained.Constraint for this answer) as `Session.generate` takes them."""
         if not text or not text.strip():
             raise PromptError("the message is empty")
         fmt = self.session.tokenizer.chat
@@ -53,7 +56,7 @@ class Conversation:
             self.messages.pop()
             raise PromptError(f"the message needs {len(prompt)} tokens; the context limit is {limit}")
         try:
-            result = self.session.generate(prompt, n_tokens, on_text, sampling)
+            result = self.session.generate(prompt, n_tokens, on_text, sampling, constraint=constraint, stop=stop)
         except BaseException:
             self.messages.pop()
             raise

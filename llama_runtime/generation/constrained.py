@@ -1,12 +1,13 @@
-"""Structured output: `response_format` turned into a token mask that the sampler applies.
+"""Structured output: a JSON schema (a request's `response_format` or required tool call, the
+command line's `--json-schema`) turned into a token mask that the sampler's logits obey.
 
 llguidance (Microsoft's Rust constrained-decoding library, one wheel with no dependencies)
 compiles a JSON schema into a matcher that, after each token, gives the set of tokens that
 keep the text a valid prefix of a document the schema accepts. The mask is applied to the
-logits on the host, in `Sampler.adjust`, so it works the same on every device, and once the
-document is complete only an end token is allowed. xgrammar was measured too: as fast per
-token, but it installs triton (about 1 GB) and its default JSON layout differs; see
-docs/profile.md.
+logits on the host, as the last logits processor (processors.GrammarMask), so it works the
+same on every device, and once the document is complete only an end token is allowed.
+xgrammar was measured too: as fast per token, but it installs triton (about 1 GB) and its
+default JSON layout differs; see docs/profile.md.
 """
 from __future__ import annotations
 
@@ -21,15 +22,30 @@ from llama_base.errors import PromptError
 # Compact JSON (no optional whitespace): a small model can otherwise fill its budget with
 # spaces and newlines that the grammar allows between tokens.
 JSON_OPTIONS = {"whitespace_flexible": False}
+ANY_OBJECT = {"type": "object"}   # the schema of "any JSON object" (OpenAI's json_object mode)
 
 
 class GrammarError(PromptError):
-    """A schema that cannot become a grammar; `param` names the request field it came from, so
-    the server can point at it."""
+    """A schema that cannot become a grammar; `param` names the request field (or the command
+    line flag) it came from, so the caller can point at it."""
 
     def __init__(self, message: str, param: str):
-        super().__init__(message)
+        super().__init__(" ".join(message.split()))     # one line: llguidance's can span several
         self.param = param
+
+
+def json_grammar(schema: dict, param: str) -> str:
+    """The grammar of documents `schema` accepts; a `GrammarError` naming `param` if it has none.
+    It is checked without a tokenizer, so a command line refuses a bad schema before it loads
+    a model."""
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    except (ValueError, TypeError) as e:
+        raise GrammarError(f"'{param}' is not a usable JSON schema: {e}", param) from None
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise GrammarError(f"'{param}' cannot be compiled into a grammar: {error}", param)
+    return grammar
 
 
 class Grammars:
@@ -50,11 +66,11 @@ class Grammars:
             return self._lltok
 
     def for_schema(self, schema: dict, param: str) -> "Constraint":
-        """The grammar of documents `schema` accepts; a `GrammarError` naming `param` if it has none."""
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-        except (ValueError, TypeError) as e:
-            raise GrammarError(f"'{param}' is not a usable JSON schema: {e}", param) from None
+        """One answer's constraint to documents `schema` accepts (`json_grammar`)."""
+        return self.for_grammar(json_grammar(schema, param), param)
+
+    def for_grammar(self, grammar: str, param: str) -> "Constraint":
+        """One answer's constraint to `grammar` (from `json_grammar`): each answer needs its own."""
         matcher = llguidance.LLMatcher(self._ll(), grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"'{param}' cannot be compiled into a grammar: {matcher.get_error()}", param)

@@ -1,5 +1,6 @@
-"""Next-token choice: greedy by default; temperature, top-k, top-p, repetition penalty and
-per-token logit bias on request.
+"""Next-token choice: greedy by default; temperature, top-k and top-p on request. The
+repetition penalty and logit bias that `SamplingParams` also carry shape the logits before
+the choice (processors.py).
 
 Sampling uses its own `torch.Generator`, so a seed reproduces a run exactly and nothing else
 in the process (or another session) shifts its random stream.
@@ -47,46 +48,18 @@ class SamplingParams:
 
 
 class Sampler:
-    """`constraint` (constrained.Constraint, optional) masks the tokens a grammar forbids
-    before every choice and is told each chosen token."""
+    """The pick from logits already shaped by the processors (processors.py): the largest, or a
+    draw at `temperature` from the top-k / top-p tokens."""
 
-    def __init__(self, params: SamplingParams = SamplingParams(), constraint=None):
+    def __init__(self, params: SamplingParams = SamplingParams()):
         self.params = params
-        self.constraint = constraint
         self.generator = torch.Generator()
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
         else:
             self.generator.seed()
 
-    def adjust(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
-        """The logits every choice starts from (float32): repetition penalty, logit bias, then
-        the constraint's mask. Log probabilities reported to clients are taken from these too
-        (logprobs.py)."""
-        p = self.params
-        logits = logits.float()
-        if p.repetition_penalty != 1.0 and history:
-            # The CTRL rule: shrink positive logits, grow negative ones, of tokens already seen.
-            idx = torch.tensor(sorted(set(history)), dtype=torch.long)
-            seen = logits[idx]
-            logits = logits.clone()
-            logits[idx] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
-        if p.logit_bias:
-            idx = torch.tensor([i for i, _ in p.logit_bias], dtype=torch.long)
-            logits = logits.index_add(0, idx, torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype))
-        if self.constraint is not None:
-            logits = logits.masked_fill(~self.constraint.allowed(), float("-inf"))
-        return logits
-
-    def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
-        """The next token; `last_logits` keeps the adjusted logits it was chosen from."""
-        logits = self.last_logits = self.adjust(logits, history)
-        tok = self._choose(logits)
-        if self.constraint is not None:
-            self.constraint.consume(tok)
-        return tok
-
-    def _choose(self, logits: torch.Tensor) -> int:
+    def __call__(self, logits: torch.Tensor) -> int:
         p = self.params
         if p.temperature == 0:
             return greedy(logits)

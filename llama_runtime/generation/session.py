@@ -3,9 +3,9 @@
 `build_session` resolves the checkpoint (falling back to the embedded model when Llama
 weights are absent), opens the device (NPU through pyxrt, else the simulated NPU), compiles
 or loads every kernel group through the KernelCache, uploads each layer's weights once, and
-builds the RoPE table and KV cache. `generate` prefills the prompt, then decodes token by
-token, streaming BPE-safe text as it is produced and stopping at an end token, at the token
-budget or at the context limit, and says which.
+builds the RoPE table and KV cache. `tokens` generates an answer as tokens (tokens.py:
+prefill, then decode step by step); `generate` reads them as text, streaming BPE-safe pieces
+as they are produced, with their log probabilities and timings, and says why it stopped.
 """
 from __future__ import annotations
 
@@ -14,16 +14,17 @@ import gc
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from llama_base.errors import PromptError
 from llama_runtime.checkpoints.loader import load_weights
-from llama_runtime.engine.decode import decode_step
 from llama_runtime.engine.device_model import DeviceModel
 from llama_runtime.generation.logprobs import TokenLogprob, score
 from llama_runtime.checkpoints.resolve import ResolvedModel, resolve_model
-from llama_runtime.engine.prefill import prefill
+from llama_runtime.generation.processors import processors_for
 from llama_runtime.generation.sampling import Sampler, SamplingParams
+from llama_runtime.generation.stops import StopText
+from llama_runtime.generation.tokens import TokenStream, read_prompt
 from llama_runtime.text.tokenizer import StreamDecoder, Tokenizer
 from npu_runtime.api import Device
 from npu_runtime.cache import KernelCache
@@ -38,12 +39,13 @@ class GenerationResult:
     text: str
     tokens: list[int]
     prompt_tokens: int
-    stop_reason: str            # end_token | n_tokens | context_limit | interrupted | cancelled
+    stop_reason: str            # end_token | stop_string | n_tokens | context_limit | interrupted | cancelled
     ttft_s: float = 0.0         # prompt in → first token chosen
     decode_s: float = 0.0
     cached: int = 0             # positions now in the KV cache (prompt + every token fed back)
     prefill_tokens: int = 0     # tokens this call prefilled (the prompt past the reused prefix)
     logprobs: list[TokenLogprob] = field(default_factory=list)   # one per token, if asked
+    stop_string: str | None = None   # the one that ended the answer (stop reason "stop_string")
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -78,15 +80,6 @@ class Session:
         """The token at each KV cache position that holds valid K/V, from position 0."""
         return list(self.model.kv.token_ids)
 
-    def reusable(self, ids: list[int]) -> int:
-        """Length of the cached prefix `ids` can keep. The last prompt token is always
-        prefilled: its logits are what the first answer token is chosen from."""
-        cached = self.model.kv.token_ids
-        n, limit = 0, min(len(cached), len(ids) - 1)
-        while n < limit and cached[n] == ids[n]:
-            n += 1
-        return n
-
     @property
     def config(self):
         return self.model.config
@@ -97,103 +90,98 @@ class Session:
         use_chat = self.chat if chat is None else chat
         return self.tokenizer.encode_prompt(prompt, chat=use_chat, system=system)
 
+    def tokens(self, prompt_ids: list[int], n_tokens: int, sampling: SamplingParams = SamplingParams(),
+               constraint=None, should_stop: Callable[[], bool] | None = None,
+               reuse_cache: bool = True) -> TokenStream:
+        """The answer to `prompt_ids` as tokens, each with the logits it was chosen from
+        (tokens.TokenStream); `generate` reads it as text."""
+        return TokenStream(self.model, prompt_ids, n_tokens, processors_for(sampling, constraint), Sampler(sampling),
+                           self.tokenizer.end_token_ids, should_stop, reuse_cache, self.profiler)
+
     def generate(self, prompt: str | list[int], n_tokens: int = 32, on_text: Callable[[str], None] | None = None,
                  sampling: SamplingParams = SamplingParams(), chat: bool | None = None,
                  should_stop: Callable[[], bool] | None = None, logprobs: int | None = None,
                  on_logprob: Callable[[TokenLogprob], None] | None = None,
-                 constraint=None, reuse_cache: bool = True) -> GenerationResult:
+                 constraint=None, reuse_cache: bool = True, stop: Sequence[str] = ()) -> GenerationResult:
         """Answer `prompt` (text, or token ids used as given): prefill it, then decode.
 
         The prompt is the whole context (a chat turn passes the transcript so far). With
         `reuse_cache`, only the tokens past the longest prefix already in the KV cache are
         prefilled; without it, all of them (a fresh run). Generation stops at an end token,
-        after `n_tokens`, or at the context limit; Ctrl-C stops it too and returns what was
-        produced, and so does `should_stop` returning True (checked once per token; stop
-        reason "cancelled").
+        where the text first shows one of the `stop` strings (the text ends before it, and
+        the streamed pieces never show any of it: stops.py), after `n_tokens`, or at the
+        context limit; Ctrl-C stops it too and returns what was produced, and so does
+        `should_stop` returning True (checked once per token; stop reason "cancelled").
 
         `logprobs` = k (0 or more) scores every generated token with its k most likely
         alternatives (`on_logprob` gets each before its text). `constraint`
-        (constrained.Constraint) masks, before each choice, the tokens its grammar forbids.
+        (constrained.Constraint) masks, before each choice, the tokens its grammar forbids
+        (processors.py: after the repetition penalty and the logit bias).
         """
-        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 1:
-            raise PromptError(f"the number of tokens to generate must be a positive integer (got {n_tokens!r})")
         ids = list(prompt) if isinstance(prompt, (list, tuple)) else self.encode(prompt, chat)
-        if not ids:
-            raise PromptError("the prompt is empty")
-        limit = self.model.max_context
-        if len(ids) >= limit:
-            raise PromptError(f"the prompt needs {len(ids)} positions and leaves no room to generate: "
-                              f"the context limit is {limit} (raise it with --max-context)")
-        start = self.reusable(ids) if reuse_cache else 0
-        new = ids[start:]
-        sampler = Sampler(sampling, constraint)
-        decoder = StreamDecoder(self.tokenizer)
-        ends = self.tokenizer.end_token_ids
-        out: list[int] = []
+        stream = self.tokens(ids, n_tokens, sampling, constraint, should_stop, reuse_cache)
+        decoder, cut = StreamDecoder(self.tokenizer), StopText(stop)
         scored: list[TokenLogprob] = []
+
+        def show(piece: str) -> None:
+            shown = cut.push(piece)
+            if shown and on_text:
+                on_text(shown)
+
+        reason, ttft = None, 0.0
         t0 = time.perf_counter()
-        pos, reason, ttft, t_first = start, "n_tokens", 0.0, t0
+        t_first = t0
+        steps = iter(stream)
         try:
-            logits = prefill(self.model, new, start=start)
-            pos = len(ids)
-            while True:
-                with self.profiler.host_op("sampling"):
-                    tok = sampler(logits, ids + out)
-                if not out:
+            for step in steps:
+                if len(stream.tokens) == 1:
                     t_first = time.perf_counter()
                     ttft = t_first - t0
-                if tok in ends:
-                    reason = "end_token"
-                    break
-                out.append(tok)
                 if logprobs is not None:
-                    scored.append(score(sampler.last_logits, tok, logprobs))
+                    scored.append(score(step.logits, step.token, logprobs))
                     if on_logprob:
                         on_logprob(scored[-1])
-                piece = decoder.push(tok)
-                if piece and on_text:
-                    on_text(piece)
-                if len(out) >= n_tokens:
+                show(decoder.push(step.token))
+                if cut.hit:
+                    reason = "stop_string"
                     break
-                if pos >= limit:
-                    reason = "context_limit"
-                    break
-                if should_stop is not None and should_stop():
-                    reason = "cancelled"
-                    break
-                logits = decode_step(self.model, tok, pos)
-                pos += 1
         except KeyboardInterrupt:
             reason = "interrupted"
+        finally:
+            steps.close()
+        out = stream.tokens
+        reason = reason or stream.stop_reason
+        if not out and reason == "end_token":     # the first token chosen ended the answer
+            ttft = time.perf_counter() - t0
         # Cut short (budget, context, cancel), the last tokens may hold part of a character:
         # those bytes are dropped rather than shown as U+FFFD, in the stream and in `text`.
-        tail = decoder.flush(keep_partial=reason == "end_token")
-        if tail and on_text:
-            on_text(tail)
-        text = self.tokenizer.decode(out)
-        if reason != "end_token":
-            text = text.rstrip("\ufffd")
+        show(decoder.flush(keep_partial=reason == "end_token"))
+        held = cut.finish()             # what could have begun a stop string, and did not
+        if held and on_text:
+            on_text(held)
+        if cut.hit:
+            text = cut.text             # what was streamed: the answer up to the stop string
+        else:
+            text = self.tokenizer.decode(out)
+            if reason != "end_token":
+                text = text.rstrip("\ufffd")
         decode_s = time.perf_counter() - t_first if out else 0.0
         return GenerationResult(text, out, len(ids), reason, ttft, decode_s,
-                                cached=pos, prefill_tokens=len(new), logprobs=scored)
+                                cached=stream.cached, prefill_tokens=stream.prefill_tokens, logprobs=scored,
+                                stop_string=cut.matched)
 
     def score_prompt(self, ids: list[int], k: int, sampling: SamplingParams = SamplingParams()
                      ) -> list[TokenLogprob | None]:
         """Each prompt token's log probability given the ones before it (None for the first),
         with the `k` likeliest alternatives, shaped by `sampling` as generated tokens are.
 
-        Prefill keeps only its last row's logits, so the prompt goes through decode steps one
-        token at a time (slower than a prefill). All but its last token end up in the cache,
-        so a `generate(ids)` that follows prefills only that one.
+        The prompt is read one decode step at a time (tokens.read_prompt); all but its last
+        token end up in the cache, so a `generate(ids)` that follows prefills only that one.
         """
         if not ids or len(ids) >= self.model.max_context:
             raise PromptError(f"the prompt must have 1 to {self.model.max_context - 1} tokens to be scored")
-        sampler = Sampler(sampling)
-        out: list[TokenLogprob | None] = [None]
-        for i, t in enumerate(ids[:-1]):
-            logits = decode_step(self.model, t, i)
-            out.append(score(sampler.adjust(logits, ids[: i + 1]), ids[i + 1], k))
-        return out
+        shaped = read_prompt(self.model, ids, processors_for(sampling))
+        return [None] + [score(logits, tok, k) for logits, tok in zip(shaped, ids[1:])]
 
 
 END_OF_TURN = ("<|eot_id|>", "<|im_end|>")

@@ -3,8 +3,8 @@
 
 Clients of local runtimes speak OpenAI's API, so this module only translates: it has a
 request checked the way OpenAI would check it (openai_request.py: same error body, same status
-codes), turns it into prompt token ids, and hands a `Job` to the `Worker` (serve_worker.py),
-which owns the model.
+codes), turns it into prompt token ids, and hands a `Job` to the `Worker` (worker.py),
+which owns the model and answers with typed events (events.py).
 Everything here runs on the event loop and never generates; streamed answers are
 server-sent events in OpenAI's chunk format, closed by `data: [DONE]`.
 """
@@ -51,7 +51,8 @@ from llama_runtime.serve.openai_request import (
 from llama_runtime.generation.constrained import GrammarError, Grammars
 from llama_runtime.generation.logprobs import MAX_TOP_CHAT, MAX_TOP_COMPLETIONS, TokenText
 from llama_runtime.generation.sampling import SamplingParams
-from llama_runtime.serve.worker import Job, Piece, QueueFull, Worker
+from llama_runtime.serve.events import Done, Event, Failed, PromptScores, TextPiece, ToolCall
+from llama_runtime.serve.worker import Job, QueueFull, Worker
 from llama_runtime.generation.session import Session
 from llama_runtime.serve.tool_calls import ToolRequest, tool_request
 
@@ -60,7 +61,7 @@ DEFAULT_PORT = 8000
 CHAT_PAGE = resources.files("llama_runtime.serve") / "web" / "chat.html"   # GET /: package data, works offline
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions (chat: the rest of the context)
 SHUTDOWN_GRACE_S = 5       # in-flight answers are cancelled at once; this bounds their goodbye
-# A route's shaping of one choice: (piece, finish_reason, streaming, prompt scores if echoed).
+# A route's shaping of one choice: (piece or call, finish_reason, streaming, prompt scores if echoed).
 Choice = Callable[..., dict]
 
 
@@ -145,17 +146,20 @@ class Api:
             return StreamingResponse(self._events(job, head, include_usage, choice, echo),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        prompt_scores: list = [None] * len(job.prompt_ids)
-        out = await self._outcome(request, job, prompt_scores)
-        if out is None:                 # the client left; nobody reads this
+        finished = await self._finished(request, job)
+        if finished is None:            # the client left; nobody reads this
             return JSONResponse({}, status_code=499)
-        answer = choice(Piece(out.text, out.logprobs), out.finish_reason, False, prompt_scores if echo else None)
-        return JSONResponse({**head, "choices": [answer], "usage": self._usage(out), "system_fingerprint": None})
+        done, before = finished
+        prompt = next((e.scores for e in before if isinstance(e, PromptScores)), [None] * len(job.prompt_ids))
+        call = next((e for e in before if isinstance(e, ToolCall)), None)
+        answer = choice(call or TextPiece(done.text, done.logprobs), done.finish_reason, False, prompt if echo else None)
+        return JSONResponse({**head, "choices": [answer], "usage": self._usage(done), "system_fingerprint": None})
 
-    async def _outcome(self, request: Request, job: Job, prompt_scores: list):
-        """The finished job, or None if the client disconnected first (the job is then cancelled).
-        The prompt's scores, if the job reports them, are put in `prompt_scores`."""
+    async def _finished(self, request: Request, job: Job) -> tuple[Done, list[Event]] | None:
+        """The job's `Done` and the events before it, or None if the client disconnected first
+        (the job is then cancelled)."""
         gone = asyncio.ensure_future(_disconnected(request))
+        before: list[Event] = []
         try:
             while True:
                 get = asyncio.ensure_future(job.events.get())
@@ -164,15 +168,15 @@ class Api:
                     get.cancel()
                     job.cancel("client")
                     return None
-                what, value = get.result()
-                if what == "error":
-                    raise as_api_error(value)
-                if what == "prompt":
-                    prompt_scores[:] = value
-                if what == "done":
-                    if value.cancelled_by == "shutdown":
+                match get.result():
+                    case Failed(error):
+                        raise as_api_error(error)
+                    case Done(cancelled_by="shutdown"):
                         raise shutting_down()
-                    return value
+                    case Done() as done:
+                        return done, before
+                    case event:
+                        before.append(event)
         finally:
             gone.cancel()
 
@@ -184,7 +188,7 @@ class Api:
         def sse(obj: dict) -> str:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-        nothing = Piece("", [])
+        nothing = TextPiece("", [])
         try:
             if chunk_kind == "chat.completion.chunk":
                 yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
@@ -192,21 +196,21 @@ class Api:
             if echo and not job.score_prompt:      # the echoed prompt leads; no scores to wait for
                 yield sse({**head, "choices": [choice(nothing, None, True, [None] * len(job.prompt_ids))], **extra})
             while True:
-                what, value = await job.events.get()
-                if what in ("text", "prompt"):
-                    piece, prompt = (value, None) if what == "text" else (nothing, value)
-                    shaped = choice(piece, None, True, prompt)
-                    if shaped is not None:      # None: the route holds this piece back for now
-                        yield sse({**head, "choices": [shaped], **extra})
-                    continue
-                if what == "error":
-                    yield sse(as_api_error(value).body())
-                elif value.cancelled_by is not None:
-                    yield sse(shutting_down().body())
-                else:
-                    yield sse({**head, "choices": [choice(nothing, value.finish_reason, True)], **extra})
-                    if include_usage:
-                        yield sse({**head, "choices": [], "usage": self._usage(value)})
+                match await job.events.get():
+                    case PromptScores(scores):
+                        yield sse({**head, "choices": [choice(nothing, None, True, scores)], **extra})
+                        continue
+                    case TextPiece() | ToolCall() as piece:
+                        yield sse({**head, "choices": [choice(piece, None, True)], **extra})
+                        continue
+                    case Failed(error):
+                        yield sse(as_api_error(error).body())
+                    case Done(cancelled_by=by) if by is not None:
+                        yield sse(shutting_down().body())
+                    case Done() as done:
+                        yield sse({**head, "choices": [choice(nothing, done.finish_reason, True)], **extra})
+                        if include_usage:
+                            yield sse({**head, "choices": [], "usage": self._usage(done)})
                 yield "data: [DONE]\n\n"
                 return
         finally:
@@ -255,29 +259,18 @@ class Api:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
         job.logprobs = (top or 0) if wanted else None
         job.constraint = await self._constraint(body, tools)
+        job.tools = tools               # the worker tells a call from text (tool_calls.CallHold)
         texts = TokenText(self.session.tokenizer)
-        # With tools, a streamed answer is held back while it may still be a call: from its
-        # start while it is blank or begins with "{", to its end if it does.
-        holding, held = tools is not None, Piece("", [])
 
-        def choice(piece: Piece, finish: str | None, streaming: bool, prompt=None) -> dict | None:
-            nonlocal holding, held
-            if streaming and holding:
-                piece = held = Piece(held.text + piece.text, held.logprobs + piece.logprobs)
-                if finish is None and held.text.lstrip()[:1] in ("", "{"):
-                    return None
-                holding = False
+        def choice(piece: TextPiece | ToolCall, finish: str | None, streaming: bool, prompt=None) -> dict:
             lp = {"content": texts.chat_content(piece.logprobs), "refusal": None} if wanted else None
-            text, call = piece.text, None
-            if tools is not None and finish == "stop":
-                call = tools.as_call(text.strip())
-            if call is not None:
-                finish = "tool_calls"
+            call = piece.call if isinstance(piece, ToolCall) else None
+            text = None if call else piece.text
             if streaming:
                 lp = lp if piece.logprobs else None     # as OpenAI: none on the role and finish chunks
                 delta = {"tool_calls": [{"index": 0, **call}]} if call else {"content": text} if text else {}
                 return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
-            message = {"role": "assistant", "content": None if call else text, "refusal": None}
+            message = {"role": "assistant", "content": text, "refusal": None}
             if call:
                 message["tool_calls"] = [call]
             return {"index": 0, "message": message, "finish_reason": finish, "logprobs": lp}
@@ -319,7 +312,7 @@ class Api:
         prompt_text = self.session.tokenizer.decode(ids) if echo else ""
         offset = 0                      # text_offset runs on across a stream's chunks
 
-        def choice(piece: Piece, finish: str | None, streaming: bool, prompt=None) -> dict:
+        def choice(piece: TextPiece, finish: str | None, streaming: bool, prompt=None) -> dict:
             nonlocal offset
             text, tokens, scores = piece.text, [e.token for e in piece.logprobs], list(piece.logprobs)
             if prompt is not None:      # the echoed prompt leads the text, its first token unscored

@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from llama_base.errors import UserError
+from llama_runtime.generation.constrained import ANY_OBJECT
 from llama_runtime.text.chat_format import CHAT_ROLES
 
 MAX_TEMPERATURE = 2.0      # OpenAI's range for `temperature`
@@ -211,12 +212,12 @@ def response_format_schema(rf: Any) -> tuple[dict, str] | None:
     if rf["type"] == "text":
         return None
     if rf["type"] == "json_object":
-        return {"type": "object"}, "response_format"
+        return ANY_OBJECT, "response_format"
     spec = rf.get("json_schema")
     if not isinstance(spec, dict):
         raise ApiError(400, "'response_format.json_schema' must be an object with a 'schema'",
                        "response_format.json_schema")
-    schema = spec.get("schema", {"type": "object"})
+    schema = spec.get("schema", ANY_OBJECT)
     if not isinstance(schema, dict):
         raise ApiError(400, "'response_format.json_schema.schema' must be a JSON schema object",
                        "response_format.json_schema.schema")

@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from llama_runtime.serve.events import TextPiece, ToolCall
 from llama_runtime.serve.openai_request import ApiError
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -51,6 +52,37 @@ class ToolRequest:
             return None
         return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                 "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+class CallHold:
+    """An answer's text, held back while it may still be a call: from its start, while it is
+    blank or begins with "{", to its end if it does. Then it is a `ToolCall` if it parses as
+    one, else the text it held."""
+
+    def __init__(self, request: ToolRequest):
+        self.request = request
+        self.holding, self.held = True, TextPiece("", [])
+
+    def push(self, piece: TextPiece) -> TextPiece | None:
+        """What may be shown now: `piece`, everything held so far, or None (still holding)."""
+        if not self.holding:
+            return piece
+        self.held = TextPiece(self.held.text + piece.text, self.held.logprobs + piece.logprobs)
+        if self.held.text.lstrip()[:1] in ("", "{"):
+            return None
+        self.holding = False
+        return self.held
+
+    def finish(self, complete: bool) -> TextPiece | ToolCall | None:
+        """What is still held when the answer ends; only a `complete` answer (one that ended
+        itself, not at the token budget) can be a call."""
+        if not self.holding:
+            return None
+        self.holding = False
+        call = self.request.as_call(self.held.text.strip()) if complete else None
+        if call is not None:
+            return ToolCall(call, self.held.logprobs)
+        return self.held if self.held.text or self.held.logprobs else None
 
 
 def tool_request(body: dict) -> ToolRequest | None:

@@ -9,8 +9,9 @@ The session remembers which token ids sit in its KV cache, so a prompt that exte
 next turn of a conversation, the same system prompt, a repeated request) prefills only what
 is new. Matching is on token ids, so it works for any client, with no conversation identifiers.
 
-A job stops early when its client goes away, when the server shuts down, or when its text
-reaches one of its stop strings; `Session.generate` checks `should_stop` once per token.
+A job stops early when its client goes away or the server shuts down (`Session.generate`
+checks `should_stop` once per token), and where its text reaches one of its stop strings
+(generation does that too, and streams nothing of them).
 """
 from __future__ import annotations
 
@@ -22,11 +23,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from llama_runtime.generation.logprobs import TokenLogprob
 from llama_runtime.generation.sampling import SamplingParams
 from llama_runtime.generation.session import Session
+from llama_runtime.serve.events import Done, Event, Failed, PromptScores, TextPiece, ToolCall
+from llama_runtime.serve.tool_calls import CallHold, ToolRequest
 
 DEFAULT_QUEUE_SIZE = 16
 # Weight of the latest job in the running mean of job durations that Retry-After is based on.
@@ -44,36 +46,12 @@ class QueueFull(Exception):
         self.retry_after_s = retry_after_s
 
 
-class Piece(NamedTuple):
-    """A piece of streamed text and the scores of the tokens generated since the last piece
-    (empty unless asked for; text held back for a stop string can leave a piece with scores
-    and no text)."""
-    text: str
-    logprobs: list[TokenLogprob]
-
-
-@dataclass
-class Outcome:
-    """What a finished job hands back (the full text, for non-streaming answers)."""
-    text: str
-    finish_reason: str | None      # "stop" | "length"; None when the job was cancelled
-    prompt_tokens: int
-    cached_tokens: int             # prompt tokens whose K/V were reused rather than prefilled
-    completion_tokens: int
-    cancelled_by: str | None = None  # "client" | "shutdown"
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    queued_s: float = 0.0          # arrival to start
-    ttft_s: float = 0.0            # start of prefill to the first token chosen
-    tokens_per_s: float = 0.0      # decode speed after the first token
-
-
 @dataclass
 class Job:
-    """One request's generation. `events` receives ("prompt", [TokenLogprob | None]) first if
-    `score_prompt`, ("text", Piece), then ("done", Outcome) or ("error", Exception), always
-    ending with exactly one of the last two. `logprobs` = k asks for each token's score and k
-    alternatives; `score_prompt` for the prompt's too, which reads the whole prompt again
-    (no reuse of the cache)."""
+    """One request's generation. `events` receives what events.py lists, ending with exactly
+    one `Done` or `Failed`. `logprobs` = k asks for each token's score and k alternatives;
+    `score_prompt` for the prompt's too, which reads the whole prompt again (no reuse of the
+    cache). With `tools`, an answer that is a call of one comes as a `ToolCall`, not as text."""
     prompt_ids: list[int]
     max_tokens: int
     sampling: SamplingParams
@@ -82,6 +60,7 @@ class Job:
     logprobs: int | None = None
     score_prompt: bool = False
     constraint: object = None           # constrained.Constraint: the answer must match its grammar
+    tools: ToolRequest | None = None
     id: str = ""
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled_by: str | None = None
@@ -92,45 +71,11 @@ class Job:
         if self.cancelled_by is None:
             self.cancelled_by = by
 
-    def _post(self, kind: str, value) -> None:
+    def _post(self, event: Event) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:    # the loop is closed: nobody is listening any more
             pass
-
-
-class StopText:
-    """Cuts generated text at the first stop string and holds back what could begin one.
-
-    Streamed pieces never show a stop string or any part of it; what `push` and `finish`
-    return concatenates to the answer up to (not including) the first stop string.
-    """
-
-    def __init__(self, stops: tuple[str, ...]):
-        self.stops = tuple(s for s in stops if s)
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.text = ""
-        self.sent = 0
-        self.hit = False
-
-    def push(self, piece: str) -> str:
-        if self.hit:
-            return ""
-        self.text += piece
-        start = max(self.sent - self.hold, 0)
-        found = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-        if found:
-            self.hit = True
-            self.text = self.text[: min(found)]
-            end = len(self.text)
-        else:
-            end = max(len(self.text) - self.hold, self.sent)
-        out, self.sent = self.text[self.sent : end], end
-        return out
-
-    def finish(self) -> str:
-        out, self.sent = self.text[self.sent :], len(self.text)
-        return out
 
 
 class Worker:
@@ -194,12 +139,12 @@ class Worker:
                 if job.cancelled_by is not None:
                     self.log(f"[serve] {job.id} prompt {len(job.prompt_ids)} tokens, never started: queued "
                              f"{time.perf_counter() - job.enqueued_at:.2f} s, cancelled by {job.cancelled_by}")
-                    job._post("done", Outcome("", None, len(job.prompt_ids), 0, 0, job.cancelled_by))
+                    job._post(Done("", None, len(job.prompt_ids), 0, 0, job.cancelled_by))
                 else:
                     self._generate(job)
             except Exception as e:  # noqa: BLE001 -- a bug or a device failure: report it, keep serving
                 self.log(f"[serve] {job.id} failed: {type(e).__name__}: {e}")
-                job._post("error", e)
+                job._post(Failed(e))
             finally:
                 self._current = None
 
@@ -207,37 +152,46 @@ class Worker:
         ids = job.prompt_ids
         started = time.perf_counter()
         if job.score_prompt:
-            job._post("prompt", self.session.score_prompt(ids, job.logprobs or 0, job.sampling))
-        cut = StopText(job.stops)
+            job._post(PromptScores(self.session.score_prompt(ids, job.logprobs or 0, job.sampling)))
+        pieces: list[str] = []
         scores: list[TokenLogprob] = []     # since the last piece posted
+        calls = CallHold(job.tools) if job.tools is not None else None
+
+        def post(piece: TextPiece) -> None:
+            shown = piece if calls is None else calls.push(piece)
+            if shown is not None:
+                job._post(shown)
 
         def on_text(piece: str) -> None:
-            out = cut.push(piece)
-            if out:
-                job._post("text", Piece(out, scores[:]))
-                scores.clear()
+            pieces.append(piece)
+            post(TextPiece(piece, scores[:]))
+            scores.clear()
 
         r = self.session.generate(ids, job.max_tokens, on_text, job.sampling,
-                                  should_stop=lambda: cut.hit or job.cancelled_by is not None,
-                                  logprobs=job.logprobs, on_logprob=scores.append, constraint=job.constraint)
+                                  should_stop=lambda: job.cancelled_by is not None, logprobs=job.logprobs,
+                                  on_logprob=scores.append, constraint=job.constraint, stop=job.stops)
         # Scoring read the whole prompt, so nothing of it was reused, whatever the cache held.
         reused = 0 if job.score_prompt else r.reused_tokens
         elapsed = time.perf_counter() - started
         self._mean_job_s += _DURATION_EMA * (elapsed - self._mean_job_s)
-        tail = cut.finish()
-        if tail or scores:
-            job._post("text", Piece(tail, scores[:]))
-        if cut.hit or r.stop_reason == "end_token":
+        if scores:
+            post(TextPiece("", scores[:]))
+        if r.stop_reason in ("end_token", "stop_string"):
             reason = "stop"
         elif r.stop_reason in ("n_tokens", "context_limit"):
             reason = "length"
         else:
             reason = None
+        last = calls.finish(reason == "stop") if calls is not None else None
+        if last is not None:
+            job._post(last)
+            if isinstance(last, ToolCall):
+                reason = "tool_calls"
         by = job.cancelled_by if reason is None else None
         wait = started - job.enqueued_at
-        out = Outcome(cut.text, reason, len(ids), reused, len(r.tokens), by, r.logprobs, wait, r.ttft_s,
-                      r.decode_tokens_per_s)
+        out = Done("".join(pieces), reason, len(ids), reused, len(r.tokens), by, r.logprobs, wait, r.ttft_s,
+                   r.decode_tokens_per_s)
         self.log(f"[serve] {job.id} prompt {len(ids)} tokens, {reused} reused from the cache, {len(r.tokens)} generated, "
                  f"queued {wait:.2f} s, TTFT {r.ttft_s:.3f} s, {r.decode_tokens_per_s:.2f} tok/s, "
                  f"finish {reason or 'cancelled by ' + str(by)}")
-        job._post("done", out)
+        job._post(out)
