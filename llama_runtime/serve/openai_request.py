@@ -1,6 +1,6 @@
 """Reading an OpenAI API request the way OpenAI does: the same checks, the same error body
 ({"error": {message, type, param, code}}) and status codes, so that clients written against
-OpenAI report our refusals as they would report theirs. `server` routes; this module only
+OpenAI report our refusals as they would report theirs. `app` routes; this module only
 judges a request's fields.
 """
 from __future__ import annotations
