@@ -11,7 +11,7 @@ import torch
 
 from llama_base.config import LAYER_TENSORS, LlamaConfig, layer_shapes
 from llama_base.paths import ENV_CACHE, models_dir
-from llama_runtime.checkpoints import builtin
+from llama_runtime.checkpoints import builtin, store
 from llama_runtime.checkpoints.gguf import importer
 from llama_runtime.checkpoints.loader import load_weights
 from llama_runtime.checkpoints.writer import INDEX_FILE, balanced_shards
@@ -214,14 +214,14 @@ def test_llama1b_shape_has_the_real_llama_tokenizer(llama1b_dir):
 def test_fixtures_live_in_the_cache_and_once_built_are_only_checked(embedded_dir, monkeypatch):
     """A built fixture costs a few `stat` calls: no import, and not even the lock is taken."""
     assert embedded_dir == models_dir() / builtin.EMBEDDED_DIR
-    stamp = embedded_dir / builtin.STAMP_FILE
+    stamp = embedded_dir / store.STAMP_FILE
     before = stamp.stat().st_mtime_ns
 
     def refuse(*_args, **_kwargs):
         raise AssertionError("a built fixture was built again")
 
     monkeypatch.setattr(importer, "import_gguf", refuse)
-    monkeypatch.setattr(builtin, "FileLock", refuse)
+    monkeypatch.setattr(store, "FileLock", refuse)
     assert builtin.ensure_embedded_model() == embedded_dir
     assert stamp.stat().st_mtime_ns == before
 
@@ -245,16 +245,16 @@ def _counting_builder(calls: list, fail: bool = False):
 def test_cache_builds_once_and_rebuilds_when_stale_or_damaged(private_cache):
     calls: list = []
     build, source = _counting_builder(calls), {"package": "p", "version": "1"}
-    folder = builtin._ensure("m", source, build)
+    folder = store.MODELS.ensure("m", source, build)
     assert folder == private_cache / "m" and (folder / "weights.bin").is_file() and len(calls) == 1
-    assert builtin._ensure("m", source, build) == folder and len(calls) == 1
+    assert store.MODELS.ensure("m", source, build) == folder and len(calls) == 1
     (folder / "weights.bin").write_bytes(b"x" * 10)           # truncated file
-    builtin._ensure("m", source, build)
+    store.MODELS.ensure("m", source, build)
     assert len(calls) == 2 and (folder / "weights.bin").stat().st_size == 100
-    builtin._ensure("m", {"package": "p", "version": "2"}, build)  # source package upgraded
+    store.MODELS.ensure("m", {"package": "p", "version": "2"}, build)  # source package upgraded
     assert len(calls) == 3
-    (folder / builtin.STAMP_FILE).unlink()                    # no stamp: never trusted
-    builtin._ensure("m", {"package": "p", "version": "2"}, build)
+    (folder / store.STAMP_FILE).unlink()                    # no stamp: never trusted
+    store.MODELS.ensure("m", {"package": "p", "version": "2"}, build)
     assert len(calls) == 4
     assert sorted(p.name for p in private_cache.iterdir()) == [".m.lock", "m"]
 
@@ -262,11 +262,11 @@ def test_cache_builds_once_and_rebuilds_when_stale_or_damaged(private_cache):
 def test_cache_failed_build_leaves_nothing_and_leftovers_are_removed(private_cache):
     calls: list = []
     with pytest.raises(RuntimeError):
-        builtin._ensure("m", {}, _counting_builder(calls, fail=True))
+        store.MODELS.ensure("m", {}, _counting_builder(calls, fail=True))
     assert not (private_cache / "m").exists()
     assert not list(private_cache.glob(".m.build-*"))
     (private_cache / ".m.build-crashed").mkdir()              # as left by a killed process
-    builtin._ensure("m", {}, _counting_builder(calls))
+    store.MODELS.ensure("m", {}, _counting_builder(calls))
     assert not (private_cache / ".m.build-crashed").exists()
 
 
@@ -274,7 +274,7 @@ def test_cache_concurrent_callers_share_one_build(private_cache):
     calls: list = []
     build = _counting_builder(calls)
     results: list = []
-    threads = [threading.Thread(target=lambda: results.append(builtin._ensure("m", {}, build))) for _ in range(4)]
+    threads = [threading.Thread(target=lambda: results.append(store.MODELS.ensure("m", {}, build))) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:

@@ -22,9 +22,9 @@ Q4NX bytes, BF16 ones for the weights kept wide) with its digest beside it (`_di
 key hashes what decides the bytes: the source checkpoint's safetensors headers, sizes and
 modification times (and the GGUF's name, size and package version or modification time), and
 the code of the format and the quantizer. A build
-runs once, under a lock, into a temporary folder renamed into place (`builtin._ensure`), so a
-crash leaves nothing half-written; a file whose hash no longer matches (damaged on disk) is
-rebuilt. A new build removes the ones it replaces: those of the same checkpoint made by older
+is an entry of the model cache's store (`store.MODELS`): made once, under a lock, into a
+temporary folder renamed into place, so a crash leaves nothing half-written; a file cut short,
+or whose hash no longer matches (damaged on disk), is rebuilt. A new build removes the ones it replaces: those of the same checkpoint made by older
 code or from another install of its GGUF, and those the model cache's own imports made from
 their older files.
 """
@@ -36,23 +36,21 @@ import json
 import math
 import os
 import re
-import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from filelock import Timeout
 
 from llama_base import q4nx
 from llama_base.config import LAYER_TENSORS, LlamaConfig, layer_shapes
 from llama_base.errors import CheckpointError
-from llama_base.paths import models_dir
 from llama_runtime.checkpoints import builtin
 from llama_runtime.checkpoints.gguf import reader
 from llama_runtime.checkpoints import quantize
 from llama_runtime.checkpoints.safetensors_io import Checkpoint
+from llama_runtime.checkpoints.store import MISSING, MODELS, code_digest
 from llama_runtime.checkpoints.weights import LayerWeights, LlamaWeights
 
 FORMAT = 2          # 2: a linear weight may be stored in bf16 (kept wide)
@@ -99,11 +97,15 @@ def _digest(path: Path) -> str:
     return f"{DIGEST_SCHEME}:{hashlib.sha256(pieces).hexdigest()}"
 
 
-def _intact(folder: Path) -> bool:
+def _damage(folder: Path) -> str | None:
+    """What is wrong with a build whose stamp holds (`store.DerivedStore.ensure`'s deeper look):
+    a file whose bytes changed since it was made keeps its size, only its digest can tell."""
     try:
-        return (folder / DIGEST_FILE).read_text().strip() == _digest(folder / WEIGHTS_FILE)
+        if (folder / DIGEST_FILE).read_text().strip() == _digest(folder / WEIGHTS_FILE):
+            return None
     except OSError:
-        return False
+        pass
+    return f"{folder / WEIGHTS_FILE} does not match its hash"
 
 
 def _source_of(folder: Path) -> dict:
@@ -119,17 +121,11 @@ def _source_of(folder: Path) -> dict:
     return {"files": files}
 
 
-def _imported(folder: Path) -> bool:
-    """Whether `folder` is one of the model cache's own checkpoints (an import, remade in place
-    when its source or the importer changes), not a folder of the user's."""
-    return folder.resolve().parent == models_dir().resolve()
-
-
 def _gguf_for(folder: Path) -> Path | None:
     """The GGUF `folder` was imported from: the embedded model's, or a user's (`MODEL=x.gguf`)."""
     from llama_runtime.checkpoints.gguf import importer
 
-    if not _imported(folder):
+    if not MODELS.holds(folder):
         return None
     if folder.name == builtin.EMBEDDED_DIR:
         return importer.smollm2_gguf_path()
@@ -270,31 +266,24 @@ def ensure_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = p
     """The cache folder holding `folder`'s weights in Q4NX, built now if missing, stale or damaged."""
     gguf = _gguf_for(folder)
     source = {"format": FORMAT, "q4nx": [q4nx.ROWS, q4nx.COLS, q4nx.GROUP],
-              "code": builtin._code_digest(q4nx, quantize, reader, _quantized_tensors, _gguf_kinds,
-                                            _gguf_plan, _gguf_tensors, _build),
+              "code": code_digest(q4nx, quantize, reader, _quantized_tensors, _gguf_kinds,
+                                  _gguf_plan, _gguf_tensors, _build),
               "checkpoint": _source_of(folder)}
     if gguf is not None:
         source["gguf"] = _gguf_stamp(gguf, packaged=folder.name == builtin.EMBEDDED_DIR)
     key = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:16]
     name = f"q4nx-{folder.name}-{key}"
-    target = models_dir() / name
-    built = not (target / WEIGHTS_FILE).is_file()
+    built = MODELS.state(name, source) == MISSING
     if built:
-        log(f"[quant] making Q4NX weights of {folder.name} (once; cached in {target})")
-    elif not builtin._is_current(target, source):
-        # A file cut short or removed (a full disk, an interrupted copy): say why it is made again.
-        log(f"[quant] {target} is incomplete (a file's size differs from its stamp): rebuilding it")
-    path = builtin._ensure(name, source, lambda tmp: _build(bf16, gguf, tmp, log))
+        log(f"[quant] making Q4NX weights of {folder.name} (once; cached in {MODELS.path(name)})")
+    path = MODELS.ensure(name, source, lambda tmp: _build(bf16, gguf, tmp, log), intact=_damage,
+                         log=lambda line: log(f"[quant] {line}"))
     if built:
-        _remove_superseded(folder.name, target, source, _imported(folder), log)
-    if not _intact(path):
-        log(f"[quant] {path / WEIGHTS_FILE} does not match its hash: rebuilding it")
-        shutil.rmtree(path, ignore_errors=True)
-        path = builtin._ensure(name, source, lambda tmp: _build(bf16, gguf, tmp, log))
+        _remove_superseded(folder.name, name, source, MODELS.holds(folder), log)
     return path
 
 
-def _remove_superseded(folder_name: str, current: Path, source: dict, owned: bool,
+def _remove_superseded(folder_name: str, current: str, source: dict, owned: bool,
                        log: Callable[[str], None]) -> None:
     """Remove the builds this one replaces: the same checkpoint (its files as stamped, and the
     GGUF) made by another version of the format or the quantizer, or from another install of
@@ -306,41 +295,24 @@ def _remove_superseded(folder_name: str, current: Path, source: dict, owned: boo
     do those of builds that no longer exist."""
     pattern = re.compile(re.escape(f"q4nx-{folder_name}-") + "[0-9a-f]{16}")
     freed, removed = 0, 0
-    for lock_file in current.parent.glob(f".q4nx-{folder_name}-*.lock"):
-        entry = current.parent / lock_file.name[1:-len(".lock")]
-        if entry != current and pattern.fullmatch(entry.name) and not entry.exists():
-            _remove_locked(entry)
-    for entry in current.parent.iterdir():
-        if entry == current or not pattern.fullmatch(entry.name):
+    for name in MODELS.names(pattern):
+        if name == current:
             continue
-        try:
-            old = json.loads((entry / builtin.STAMP_FILE).read_text()).get("source", {})
-        except (OSError, ValueError, AttributeError):
+        if not MODELS.path(name).exists():
+            MODELS.remove(name)                # only its lock file is left
+            continue
+        old = MODELS.source_of(name)
+        if old is None:
             continue
         if not owned and (old.get("checkpoint") != source["checkpoint"]
                           or not _same_gguf(old.get("gguf"), source.get("gguf"))):
             continue
-        size = _remove_locked(entry)
+        size = MODELS.remove(name)
         if size is not None:
             freed, removed = freed + size, removed + 1
     if removed:
         log(f"[quant] removed {removed} older Q4NX build{'s' if removed > 1 else ''} of {folder_name} "
             f"({freed / 1e9:.2f} GB)")
-
-
-def _remove_locked(entry: Path) -> int | None:
-    """Remove a cache entry (if it still exists) and then its lock file, holding the lock: the
-    bytes freed, or None, with nothing removed, while another process holds the lock."""
-    try:
-        with builtin.build_lock(entry, timeout=0) as lock:
-            size = 0
-            if entry.exists():
-                size = sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
-                shutil.rmtree(entry)
-            Path(lock.lock_file).unlink(missing_ok=True)
-    except (Timeout, OSError):
-        return None
-    return size
 
 
 def _same_gguf(old, new) -> bool:
