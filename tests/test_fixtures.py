@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from llama_base.config import LAYER_TENSORS, LlamaConfig, layer_shapes
+from llama_base.config import LlamaConfig, layer_shapes
 from llama_base.paths import ENV_CACHE, models_dir
+from llama_base.tensor_names import EMBED, LM_HEAD, layer_tensor
 from llama_runtime.checkpoints import builtin, store
 from llama_runtime.checkpoints.gguf import importer
 from llama_runtime.checkpoints.loader import load_weights
@@ -95,7 +96,7 @@ def test_unpermuted_weights_rotate_like_the_gguf_weights_under_half_split_rope()
 def test_embedded_import_equals_transformers_gguf_loader(embedded_dir, hf_gguf_model):
     from safetensors import safe_open
 
-    reference = {k: v for k, v in hf_gguf_model.state_dict().items() if k != "lm_head.weight"}
+    reference = {k: v for k, v in hf_gguf_model.state_dict().items() if k != LM_HEAD}
     with safe_open(str(embedded_dir / "model.safetensors"), framework="pt") as f:
         assert set(f.keys()) == set(reference)
         for name, ref in reference.items():
@@ -178,7 +179,7 @@ def test_llama1b_shape_loads_sharded_and_tied(llama1b_dir):
     index = json.loads((llama1b_dir / INDEX_FILE).read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) == 2
-    assert "lm_head.weight" not in index["weight_map"]
+    assert LM_HEAD not in index["weight_map"]
     sizes = [(llama1b_dir / s).stat().st_size for s in shards]
     assert abs(sizes[0] - sizes[1]) < 0.25 * sum(sizes)
     w = load_weights(llama1b_dir)
@@ -190,10 +191,10 @@ def test_llama1b_shape_loads_sharded_and_tied(llama1b_dir):
     assert w.nbytes() == index["metadata"]["total_size"]
     assert 0.015 < w.layers[3].wq.float().std().item() < 0.025
     # The official reader agrees with the runtime's own on a tensor from each shard.
-    for name in ("model.embed_tokens.weight", f"model.layers.{cfg.num_hidden_layers - 1}.{LAYER_TENSORS['wv']}"):
+    for name in (EMBED, layer_tensor(cfg.num_hidden_layers - 1, "wv")):
         with safe_open(str(llama1b_dir / index["weight_map"][name]), framework="pt") as f:
             ref = f.get_tensor(name)
-        mine = w.embed if name.startswith("model.embed") else w.layers[-1].wv
+        mine = w.embed if name == EMBED else w.layers[-1].wv
         assert torch.equal(ref, mine)
 
 

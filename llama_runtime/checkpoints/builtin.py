@@ -106,14 +106,14 @@ def llama_tokenizer_dir() -> Path:
 
 def _random_tensors(cfg, seed: int) -> dict:
     """HF-named bf16 tensors of `synthetic_weights` (no lm_head: the configs here tie it)."""
-    from llama_base.config import LAYER_TENSORS
+    from llama_base.tensor_names import EMBED, FINAL_NORM, layer_tensor
     from llama_runtime.checkpoints.weights import synthetic_weights
 
     weights = synthetic_weights(cfg, seed=seed)
-    tensors = {"model.embed_tokens.weight": weights.embed}
+    tensors = {EMBED: weights.embed}
     for i, lw in enumerate(weights.layers):
-        tensors.update({f"model.layers.{i}.{LAYER_TENSORS[short]}": t for short, t in lw.by_name().items()})
-    tensors["model.norm.weight"] = weights.final_norm
+        tensors.update({layer_tensor(i, short): t for short, t in lw.by_name().items()})
+    tensors[FINAL_NORM] = weights.final_norm
     return tensors
 
 

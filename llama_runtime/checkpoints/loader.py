@@ -10,8 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from llama_base.weight_formats import QUANTS
-from llama_base.config import LAYER_TENSORS, LlamaConfig, layer_shapes
+from llama_base.config import LlamaConfig, layer_shapes
 from llama_base.errors import CheckpointError, UserError
+from llama_base.tensor_names import EMBED, FINAL_NORM, LAYER_TENSORS, LM_HEAD, layer_tensor
 from llama_runtime.checkpoints.resolve import resolve_checkpoint
 from llama_runtime.checkpoints.q4nx_weights import load_q4nx
 from llama_runtime.checkpoints.safetensors_io import Checkpoint
@@ -32,16 +33,16 @@ def _load_bf16(folder: Path) -> LlamaWeights:
     cfg = LlamaConfig.from_json(folder)
     ckpt = Checkpoint(folder)
     h, v = cfg.hidden_size, cfg.vocab_size
-    embed = ckpt.get("model.embed_tokens.weight", (v, h))
-    if cfg.tie_word_embeddings or "lm_head.weight" not in ckpt:
+    embed = ckpt.get(EMBED, (v, h))
+    if cfg.tie_word_embeddings or LM_HEAD not in ckpt:
         if not cfg.tie_word_embeddings:
-            raise CheckpointError(f"{folder}: tensor 'lm_head.weight' is missing and embeddings are not tied")
+            raise CheckpointError(f"{folder}: tensor {LM_HEAD!r} is missing and embeddings are not tied")
         lm_head = embed
     else:
-        lm_head = ckpt.get("lm_head.weight", (v, h))
+        lm_head = ckpt.get(LM_HEAD, (v, h))
     shapes = layer_shapes(cfg)
     layers = [
-        LayerWeights(**{n: ckpt.get(f"model.layers.{i}.{t}", shapes[n]) for n, t in LAYER_TENSORS.items()})
+        LayerWeights(**{n: ckpt.get(layer_tensor(i, n), shapes[n]) for n in LAYER_TENSORS})
         for i in range(cfg.num_hidden_layers)
     ]
-    return LlamaWeights(cfg, embed, ckpt.get("model.norm.weight", (h,)), lm_head, layers, str(folder), ckpt)
+    return LlamaWeights(cfg, embed, ckpt.get(FINAL_NORM, (h,)), lm_head, layers, str(folder), ckpt)

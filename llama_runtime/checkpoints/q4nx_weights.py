@@ -44,8 +44,9 @@ from pathlib import Path
 import torch
 
 from llama_base import q4nx
-from llama_base.config import LAYER_TENSORS, LlamaConfig, layer_shapes
+from llama_base.config import LlamaConfig, layer_shapes
 from llama_base.errors import CheckpointError
+from llama_base.tensor_names import LM_HEAD, layer_tensor
 from llama_runtime.checkpoints import builtin
 from llama_runtime.checkpoints.gguf import reader
 from llama_runtime.checkpoints import quantize
@@ -56,7 +57,6 @@ from llama_runtime.checkpoints.weights import LayerWeights, LlamaWeights
 FORMAT = 2          # 2: a linear weight may be stored in bf16 (kept wide)
 WEIGHTS_FILE = "weights.safetensors"
 DIGEST_FILE = "weights.digest"
-LM_HEAD = "lm_head.weight"
 
 
 def linear_names(cfg: LlamaConfig) -> list[str]:
@@ -152,7 +152,7 @@ def _quantized_tensors(bf16: LlamaWeights, from_gguf: dict[str, Callable[[], tor
     t0 = time.perf_counter()
     for i, lw in enumerate(bf16.layers):
         for short in linear_names(cfg):
-            name = f"model.layers.{i}.{LAYER_TENSORS[short]}"
+            name = layer_tensor(i, short)
             w = getattr(lw, short)
             yield name, w if name in wide else from_gguf.pop(name)() if name in from_gguf else quantize.quantize(w)
         bf16.release_pages()
@@ -215,7 +215,7 @@ def wide_sets(folder: Path, cfg: LlamaConfig) -> tuple[frozenset[str], ...]:
 
     gguf = _gguf_for(folder)
     wide = _gguf_plan(gguf, open_gguf(gguf), cfg)[1] if gguf is not None else set()
-    layers = [frozenset(s for s in linear_names(cfg) if f"model.layers.{i}.{LAYER_TENSORS[s]}" in wide)
+    layers = [frozenset(s for s in linear_names(cfg) if layer_tensor(i, s) in wide)
               for i in range(cfg.num_hidden_layers)]
     return tuple(dict.fromkeys(layers))
 
@@ -248,7 +248,7 @@ def _build(bf16: LlamaWeights, gguf: Path | None, out: Path, log: Callable[[str]
     specs = []
     for i in range(cfg.num_hidden_layers):
         for short in linear_names(cfg):
-            name = f"model.layers.{i}.{LAYER_TENSORS[short]}"
+            name = layer_tensor(i, short)
             specs.append((name, torch.bfloat16, shapes[short]) if name in wide
                          else (name, torch.uint8, (q4nx.nbytes(*shapes[short]),)))
     specs.append((LM_HEAD, torch.uint8, (q4nx.nbytes(lm_head_rows(cfg), cfg.hidden_size),)))
@@ -334,7 +334,7 @@ def load_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = pri
     for i, lw in enumerate(bf16.layers):
         fields = lw.by_name()
         for short in linear_names(cfg):
-            name = f"model.layers.{i}.{LAYER_TENSORS[short]}"
+            name = layer_tensor(i, short)
             wide = ckpt.dtype_of(name) == "BF16"
             fields[short] = ckpt.get_raw(name, shapes[short] if wide else (q4nx.nbytes(*shapes[short]),))
         layers.append(LayerWeights(**fields))

