@@ -120,16 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     from bench.plan import FULL, prompt_ids
     from bench.protocol import measure
     from llama32_1b_inference import build_session
-    from llama_base.config import LlamaConfig
     from llama_runtime.checkpoints.resolve import resolve_checkpoint
     from verify.our_runner import OurRunner
 
     plan = FULL
     buckets = tuple(int(b) for b in args.buckets.split(",")) if args.buckets else None
-    folder = resolve_checkpoint(args.model)
-    prompts = prompt_ids(folder, LlamaConfig.from_json(folder), plan.prompt_lengths)
+    resolved = resolve_checkpoint(args.model, quant=args.quant)
+    prompts = prompt_ids(resolved.folder, resolved.config, plan.prompt_lengths)
     session = steps.run("build_session (load, preload)",
-                        lambda: build_session(args.model, device=args.device, max_context=plan.max_context,
+                        lambda: build_session(resolved, device=args.device, max_context=plan.max_context,
                                               log=lambda _: None, quant=args.quant, buckets=buckets))
     runner = OurRunner(session)
     log(f"kernel cache: {session.kc.stats}")

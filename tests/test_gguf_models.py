@@ -148,7 +148,7 @@ def imported(source, tmp_path_factory):
         m.setenv(ENV_CACHE, str(root / "cache"))
         path = write_gguf(root / "my model.gguf", source)
         lines: list[str] = []
-        yield path, resolve_checkpoint(str(path), lines.append), lines
+        yield path, resolve_checkpoint(str(path), lines.append).folder, lines
 
 
 def _imports():
@@ -177,7 +177,7 @@ def test_a_gguf_file_is_imported_once_with_its_config_and_dequantized_values(sou
         want = unpermute_rope_rows(want, heads) if heads else want
         assert torch.equal(getattr(w.layers[1], short), want.to(torch.bfloat16)), short
     again: list[str] = []
-    assert resolve_checkpoint(str(path), again.append) == folder and again == []     # cached
+    assert resolve_checkpoint(str(path), again.append).folder == folder and again == []     # cached
 
 
 def test_q4nx_keeps_the_files_4_bit_values(source, imported):
@@ -261,7 +261,7 @@ def test_a_4_bit_files_wider_tensors_stay_bf16_in_the_layers_holding_them(source
     assert torch.nn.functional.cosine_similarity(ours, want, dim=0) > 0.995
 
     # `make compile` finds the same variants from the file's header alone
-    assert wide_sets(session.resolved.folder, cfg) == w.wide_sets() == ({"wv", "w_down"}, frozenset())
+    assert wide_sets(session.resolved.gguf, cfg) == w.wide_sets() == ({"wv", "w_down"}, frozenset())
     assert compile_cli(["--model", str(path), "--quant", "q4nx", "--device", "sim", "--max-seq", "64"]) == 0
     printed = capsys.readouterr().out
     for name in ("rms_gemv_rope_q4nx_bf16_wv", "o_ffn_s64_q4nx_bf16_w_down", "o_ffn_s64_q4nx"):
@@ -286,7 +286,7 @@ def test_a_changed_file_is_imported_again_into_the_same_folder(imported):
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))        # the file replaced
     lines: list[str] = []
-    assert resolve_checkpoint(str(path), lines.append) == folder and len(lines) == 1
+    assert resolve_checkpoint(str(path), lines.append).folder == folder and len(lines) == 1
     assert _imports() == [folder.name]
 
 

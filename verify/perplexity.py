@@ -19,7 +19,6 @@ import time
 
 from llama_base.weight_formats import QUANTS
 from llama32_1b_inference import build_session
-from llama_base.config import LlamaConfig
 from llama_base.errors import UserError
 from llama_runtime.checkpoints.resolve import LLAMA1B_SHAPE, TINY, resolve_model
 from llama_runtime.text.tokenizer import Tokenizer
@@ -33,10 +32,10 @@ RANDOM_WEIGHTS = (LLAMA1B_SHAPE, TINY)
 HF_LABEL = "HF transformers bf16"
 
 
-def _ours(folder, quant: str, device: str, chunks: list[list[int]], log) -> dict:
+def _ours(resolved, quant: str, device: str, chunks: list[list[int]], log) -> dict:
     from verify.our_runner import OurRunner
 
-    session = build_session(str(folder), device=device, quant=quant, max_context=len(chunks[0]), log=log)
+    session = build_session(resolved, device=device, quant=quant, max_context=len(chunks[0]), log=log)
     t0 = time.perf_counter()
     scores = score_chunks(OurRunner(session), chunks)
     scores["seconds"] = time.perf_counter() - t0
@@ -59,12 +58,13 @@ def measure(model: str, quants: list[str], device: str = "auto", n_chunks: int =
             chunk_len: int = CHUNK_LEN, hf: bool = False, log=print) -> dict:
     """Each format's scores over the same chunks, with perplexity and agreement with the first format."""
     resolved = resolve_model(model, log)
-    cfg = LlamaConfig.from_json(resolved.folder)
-    chunks = eval_chunks(Tokenizer(resolved.folder, cfg), n_chunks, chunk_len)
+    if resolved.fallback_note:
+        log(f"[model] {resolved.fallback_note}")
+    chunks = eval_chunks(Tokenizer(resolved.folder, resolved.config), n_chunks, chunk_len)
     runs: dict[str, dict] = {}
     for q in quants:
         log(f"[perplexity] {resolved.name} {q}: {n_chunks} chunks of {chunk_len} tokens ...")
-        runs[q] = _ours(resolved.folder, q, device, chunks, log)
+        runs[q] = _ours(resolved, q, device, chunks, log)
     if hf:
         log(f"[perplexity] {resolved.name} {HF_LABEL} ...")
         runs[HF_LABEL] = _hf(resolved.folder, chunks)

@@ -21,9 +21,13 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from llama_base.errors import CheckpointError
 from llama_runtime.checkpoints.store import MODELS, code_digest, file_sizes
+
+if TYPE_CHECKING:      # the importer (torch, numpy) loads only when a model is imported
+    from llama_runtime.checkpoints.gguf.importer import GGUFOrigin
 
 EMBEDDED_DIR = "smollm2-135m-instruct"
 LLAMA1B_SHAPE_DIR = "llama-3.2-1b-shape"
@@ -56,16 +60,16 @@ def ensure_embedded_model() -> Path:
     return MODELS.ensure(EMBEDDED_DIR, source, lambda tmp: importer.import_gguf(gguf_path, tmp))
 
 
-def ensure_gguf_model(gguf_path: Path, log: Callable[[str], None] | None = None,
-                      check: Callable | None = None) -> Path:
+def ensure_gguf_model(gguf_path: Path, log: Callable[[str], None] | None = None, quant: str = "bf16") -> Path:
     """The checkpoint folder of a llama GGUF file, imported on first use.
 
     One folder per file, named by its resolved path: a changed file (size or modification
     time) or importer is imported again into the same folder, so re-downloads do not pile up
     copies of the weights (2.5 GB of bf16 for Llama-3.2-1B). The stamp names the file, which
-    is how `QUANT=q4nx` finds its 4-bit values again (`gguf_source`). `check` may refuse the
-    file (`importer.read_gguf`), as a damaged or foreign one is refused, before anything is
-    written or locked.
+    is how `QUANT=q4nx` finds its 4-bit values again (`gguf_origin`). A file is refused before
+    anything is written or locked: a damaged or foreign one (`importer.read_gguf`), and one
+    whose tensors the weight format `quant` cannot hold (`q4nx_weights.gguf_plan`); once
+    imported, the format's own build refuses it.
     """
     from llama_runtime.checkpoints import writer
     from llama_runtime.checkpoints.gguf import reader
@@ -80,16 +84,28 @@ def ensure_gguf_model(gguf_path: Path, log: Callable[[str], None] | None = None,
     name = f"{GGUF_DIR_PREFIX}{stem}-{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
     opened = None
     if not MODELS.is_current(name, source):
-        opened = importer.read_gguf(path, check)   # a file it refuses leaves the cache untouched
+        opened = importer.read_gguf(path)     # a file it refuses leaves the cache untouched
+        if quant != "bf16":
+            from llama_runtime.checkpoints.q4nx_weights import gguf_plan
+
+            gguf_plan(opened.reader, opened.config)
         if log is not None:
             log(f"[model] importing {path.name} (once; cached in {MODELS.path(name)})")
-    return MODELS.ensure(name, source, lambda tmp: importer.import_gguf(path, tmp, check, opened))
+    return MODELS.ensure(name, source, lambda tmp: importer.import_gguf(path, tmp, opened))
 
 
-def gguf_source(folder: Path) -> Path | None:
-    """The GGUF file `folder` was imported from by `ensure_gguf_model`, while it is still there."""
-    src = (MODELS.source_of(Path(folder).name) or {}).get("gguf") if MODELS.holds(folder) else None
-    return Path(src) if isinstance(src, str) and Path(src).is_file() else None
+def gguf_origin(folder: Path) -> GGUFOrigin | None:
+    """The GGUF file a folder of the model cache was imported from (`importer.GGUFOrigin`): the
+    embedded model's, or a user's (`ensure_gguf_model`, while the file is still there); None for
+    any other folder."""
+    from llama_runtime.checkpoints.gguf import importer
+
+    if not MODELS.holds(folder):
+        return None
+    if Path(folder).name == EMBEDDED_DIR:
+        return importer.GGUFOrigin(importer.smollm2_gguf_path(), packaged=True)
+    src = (MODELS.source_of(Path(folder).name) or {}).get("gguf")
+    return importer.GGUFOrigin(Path(src)) if isinstance(src, str) and Path(src).is_file() else None
 
 
 def llama_tokenizer_dir() -> Path:

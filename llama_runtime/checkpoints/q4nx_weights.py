@@ -11,7 +11,7 @@ the bf16 rows (`head_rescore`; docs/explain.md has the measured perplexities).
 Where the weights come from: a GGUF (the embedded model's, or a user's `MODEL=x.gguf`) whose
 linear tensors are Q4_1 (the embedded model), Q4_0 or Q4_K keeps its 4-bit values exactly and
 only rounds its scales and mins to bf16 (`quantize.q4_1_to_q4nx`). Such a file's linear tensors
-of a wider type stay wide, in bf16 (`_gguf_plan`): llama.cpp's Q4_K_M gives the V and down
+of a wider type stay wide, in bf16 (`gguf_plan`): llama.cpp's Q4_K_M gives the V and down
 projections of some layers (half of Llama-3.2-1B's) 6 bits, and taking them to 4 would lose
 what the file's maker paid for. Those layers then run group variants with a bf16 GEMV or GEMM
 for those weights (`KernelGroup.wide`). Everything else (a bf16 checkpoint, a GGUF with no
@@ -47,8 +47,9 @@ from llama_base import q4nx
 from llama_base.config import LlamaConfig, layer_shapes
 from llama_base.errors import CheckpointError
 from llama_base.tensor_names import LM_HEAD, layer_tensor
-from llama_runtime.checkpoints import builtin
-from llama_runtime.checkpoints.gguf import reader
+from llama_runtime.checkpoints.gguf import importer, reader
+from llama_runtime.checkpoints.gguf.importer import GGUFOrigin
+from llama_runtime.checkpoints.gguf.reader import GGUFFile
 from llama_runtime.checkpoints import quantize
 from llama_runtime.checkpoints.safetensors_io import Checkpoint
 from llama_runtime.checkpoints.store import MISSING, MODELS, code_digest
@@ -121,26 +122,13 @@ def _source_of(folder: Path) -> dict:
     return {"files": files}
 
 
-def _gguf_for(folder: Path) -> Path | None:
-    """The GGUF `folder` was imported from: the embedded model's, or a user's (`MODEL=x.gguf`)."""
-    from llama_runtime.checkpoints.gguf import importer
-
-    if not MODELS.holds(folder):
-        return None
-    if folder.name == builtin.EMBEDDED_DIR:
-        return importer.smollm2_gguf_path()
-    return builtin.gguf_source(folder)
-
-
-def _gguf_stamp(gguf: Path, packaged: bool) -> list:
+def _gguf_stamp(gguf: GGUFOrigin) -> list:
     """A GGUF as its import is keyed: name, size, and the embedded package's version (when
     `packaged`) or a user's file's modification time. Not the packaged file's time: every new
     environment installs the package afresh, and each would otherwise build, and keep, a copy
     of the same weights."""
-    from llama_runtime.checkpoints.gguf import importer
-
-    st = gguf.stat()
-    return [gguf.name, st.st_size, importer.smollm2_version() if packaged else st.st_mtime_ns]
+    st = gguf.path.stat()
+    return [gguf.path.name, st.st_size, importer.smollm2_version() if gguf.packaged else st.st_mtime_ns]
 
 
 def _quantized_tensors(bf16: LlamaWeights, from_gguf: dict[str, Callable[[], torch.Tensor]], wide: set[str],
@@ -172,7 +160,7 @@ def _gguf_kinds():
     return held, wider
 
 
-def _gguf_plan(path: Path, reader, cfg: LlamaConfig) -> tuple[list, set[str]]:
+def gguf_plan(file: GGUFFile, cfg: LlamaConfig) -> tuple[list, set[str]]:
     """What Q4NX does with a GGUF's linear weights: (held, wide).
 
     held: (tensor, HF name, short name, shape, the function reading its fields) of each weight
@@ -181,13 +169,12 @@ def _gguf_plan(path: Path, reader, cfg: LlamaConfig) -> tuple[list, set[str]]:
     with none (F16, Q8_0 throughout), every weight is quantized from its values like a bf16
     checkpoint's, since QUANT=q4nx asks for 4 bits. Any other type (2- and 3-bit k-quants, the
     non-linear IQ types) is refused, naming the tensor: holding it would put a second rounding
-    on values coarser than Q4NX's own."""
-    from llama_runtime.checkpoints.gguf.importer import gguf_tensor_name, weight_tensors
-
+    on values coarser than Q4NX's own, and is refused before a file's import begins
+    (`builtin.ensure_gguf_model`)."""
     kinds, wider = _gguf_kinds()
     held, wide = [], set()
-    for t in weight_tensors(reader):
-        name, short, shape = gguf_tensor_name(t.name, cfg)
+    for t in importer.weight_tensors(file):
+        name, short, shape = importer.gguf_tensor_name(t.name, cfg)
         if len(shape) != 2 or short == "":
             continue
         if t.tensor_type in wider:
@@ -195,26 +182,18 @@ def _gguf_plan(path: Path, reader, cfg: LlamaConfig) -> tuple[list, set[str]]:
         elif t.tensor_type in kinds:
             held.append((t, name, short, shape, kinds[t.tensor_type]))
         else:
-            raise CheckpointError(f"{path.name}: tensor {t.name!r} is {t.tensor_type.name}, which QUANT=q4nx cannot "
-                                  "hold (it keeps Q4_0, Q4_1 and Q4_K values, and wider types in bf16 or quantized); "
+            raise CheckpointError(f"{file.path.name}: tensor {t.name!r} is {t.tensor_type.name}, which QUANT=q4nx "
+                                  "cannot hold (it keeps Q4_0, Q4_1 and Q4_K values, and wider types in bf16 or quantized); "
                                   "QUANT=bf16 runs the file from its dequantized values")
     return held, wide if held else set()
 
 
-def check_gguf(path: Path, reader, cfg: LlamaConfig) -> None:
-    """Refuse a GGUF whose linear weights QUANT=q4nx cannot hold (`importer.import_gguf`'s
-    check: before any tensor is converted)."""
-    _gguf_plan(path, reader, cfg)
-
-
-def wide_sets(folder: Path, cfg: LlamaConfig) -> tuple[frozenset[str], ...]:
-    """The distinct sets of linear weights a layer of `folder`'s Q4NX build keeps in bf16, in
-    layer order (`_gguf_plan`; `LlamaWeights.wide_sets` of the loaded build), read from the
-    GGUF's header without building anything: the group variants `make compile` compiles."""
-    from llama_runtime.checkpoints.gguf.importer import open_gguf
-
-    gguf = _gguf_for(folder)
-    wide = _gguf_plan(gguf, open_gguf(gguf), cfg)[1] if gguf is not None else set()
+def wide_sets(gguf: GGUFOrigin | None, cfg: LlamaConfig) -> tuple[frozenset[str], ...]:
+    """The distinct sets of linear weights a layer of a Q4NX build from `gguf` (a resolved
+    model's, `ResolvedModel.gguf`) keeps in bf16, in layer order (`gguf_plan`;
+    `LlamaWeights.wide_sets` of the loaded build), read from the GGUF's header without building
+    anything: the group variants `make compile` compiles."""
+    wide = gguf_plan(importer.open_gguf(gguf.path), cfg)[1] if gguf is not None else set()
     layers = [frozenset(s for s in linear_names(cfg) if layer_tensor(i, s) in wide)
               for i in range(cfg.num_hidden_layers)]
     return tuple(dict.fromkeys(layers))
@@ -222,19 +201,17 @@ def wide_sets(folder: Path, cfg: LlamaConfig) -> tuple[frozenset[str], ...]:
 
 def _gguf_tensors(path: Path, cfg: LlamaConfig) -> tuple[dict[str, Callable[[], torch.Tensor]], set[str]]:
     """The GGUF's 4-bit linear weights, each as a function making its Q4NX bytes with their
-    values kept, and the names of those kept wide (`_gguf_plan`). The bytes are made when
+    values kept, and the names of those kept wide (`gguf_plan`). The bytes are made when
     written, so a build holds one at a time."""
-    from llama_runtime.checkpoints.gguf.importer import open_gguf, rope_heads, unpermute_rope_rows
-
     def make(t, short: str, n: int, k: int, fields) -> torch.Tensor:
         q, d, m = fields(t.data, n, k)
-        heads = rope_heads(short, cfg)
+        heads = importer.rope_heads(short, cfg)
         if heads:      # rows permuted for llama.cpp's RoPE: every per-row field moves with its row
-            q, d, m = (unpermute_rope_rows(x, heads) for x in (q, d, m))
+            q, d, m = (importer.unpermute_rope_rows(x, heads) for x in (q, d, m))
         s, mn = quantize.q4_1_to_q4nx(q, d, m)
         return q4nx.pack(q, s, mn)
 
-    held, wide = _gguf_plan(path, open_gguf(path), cfg)
+    held, wide = gguf_plan(importer.open_gguf(path), cfg)
     return {name: functools.partial(make, t, short, n, k, fields) for t, name, short, (n, k), fields in held}, wide
 
 
@@ -262,21 +239,22 @@ def _build(bf16: LlamaWeights, gguf: Path | None, out: Path, log: Callable[[str]
     (out / DIGEST_FILE).write_text(_digest(out / WEIGHTS_FILE) + "\n")
 
 
-def ensure_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = print) -> Path:
-    """The cache folder holding `folder`'s weights in Q4NX, built now if missing, stale or damaged."""
-    gguf = _gguf_for(folder)
+def ensure_q4nx(folder: Path, gguf: GGUFOrigin | None, bf16: LlamaWeights,
+                log: Callable[[str], None] = print) -> Path:
+    """The cache folder holding `folder`'s weights in Q4NX (with the 4-bit values of the GGUF it
+    was imported from, `gguf`), built now if missing, stale or damaged."""
     source = {"format": FORMAT, "q4nx": [q4nx.ROWS, q4nx.COLS, q4nx.GROUP],
               "code": code_digest(q4nx, quantize, reader, _quantized_tensors, _gguf_kinds,
-                                  _gguf_plan, _gguf_tensors, _build),
+                                  gguf_plan, _gguf_tensors, _build),
               "checkpoint": _source_of(folder)}
     if gguf is not None:
-        source["gguf"] = _gguf_stamp(gguf, packaged=folder.name == builtin.EMBEDDED_DIR)
+        source["gguf"] = _gguf_stamp(gguf)
     key = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:16]
     name = f"q4nx-{folder.name}-{key}"
     built = MODELS.state(name, source) == MISSING
     if built:
         log(f"[quant] making Q4NX weights of {folder.name} (once; cached in {MODELS.path(name)})")
-    path = MODELS.ensure(name, source, lambda tmp: _build(bf16, gguf, tmp, log), intact=_damage,
+    path = MODELS.ensure(name, source, lambda tmp: _build(bf16, gguf and gguf.path, tmp, log), intact=_damage,
                          log=lambda line: log(f"[quant] {line}"))
     if built:
         _remove_superseded(folder.name, name, source, MODELS.holds(folder), log)
@@ -324,11 +302,13 @@ def _same_gguf(old, new) -> bool:
     return isinstance(old, list) and old[:2] == new[:2]
 
 
-def load_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = print) -> LlamaWeights:
-    """`bf16`'s model with its linear weights and LM head in Q4NX (uint8 tensors of their
-    bytes), but for the weights the build kept wide (bf16 [out, in], `LlamaWeights.wide`)."""
+def load_q4nx(folder: Path, gguf: GGUFOrigin | None, bf16: LlamaWeights,
+              log: Callable[[str], None] = print) -> LlamaWeights:
+    """`bf16` (the weights of `folder`, imported from `gguf` if from any) with its linear
+    weights and LM head in Q4NX (uint8 tensors of their bytes), but for the weights the build
+    kept wide (bf16 [out, in], `LlamaWeights.wide`)."""
     cfg = bf16.config
-    ckpt = Checkpoint(ensure_q4nx(folder, bf16, log))
+    ckpt = Checkpoint(ensure_q4nx(folder, gguf, bf16, log))
     shapes = layer_shapes(cfg)
     layers = []
     for i, lw in enumerate(bf16.layers):

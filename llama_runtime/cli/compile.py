@@ -33,11 +33,10 @@ def _config(args: argparse.Namespace) -> tuple[LlamaConfig, tuple[frozenset[str]
     if args.model_config:
         return LlamaConfig.from_json(args.model_config), uniform
     if args.model:
-        resolved = resolve_model(args.model, print)
+        resolved = resolve_model(args.model, print, args.quant)
         if resolved.fallback_note:
             print(f"[model] {resolved.fallback_note}")
-        cfg = LlamaConfig.from_json(resolved.folder)
-        return cfg, uniform if args.quant == "bf16" else wide_sets(resolved.folder, cfg)
+        return resolved.config, uniform if args.quant == "bf16" else wide_sets(resolved.gguf, resolved.config)
     return LlamaConfig(), uniform
 
 

