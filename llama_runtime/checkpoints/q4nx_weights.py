@@ -202,7 +202,18 @@ def wide_sets(gguf: GGUFOrigin | None, cfg: LlamaConfig) -> tuple[frozenset[str]
 def _gguf_tensors(path: Path, cfg: LlamaConfig) -> tuple[dict[str, Callable[[], torch.Tensor]], set[str]]:
     """The GGUF's 4-bit linear weights, each as a function making its Q4NX bytes with their
     values kept, and the names of those kept wide (`gguf_plan`). The bytes are made when
-    written, so a build holds one at a time."""
+    written, so a build holds one at a time.
+
+    On a file's first QUANT=q4nx run this reads its 4-bit tensors a second time, after the
+    import dequantized them into the bf16 folder, and that cannot be avoided without making the
+    two in one pass: the folder cannot give the 4-bit values back (its tensors are q * d + m
+    rounded to bf16), and the import and this build are separate cache entries with lives of
+    their own (a bf16 run, the HF reference and `make compile` need the import alone; a build
+    from a file imported by an earlier run has to read it in any case). One pass would save
+    only a second touch of pages the import has just left in the page cache, a few thousandths
+    of a first run that both passes spend converting (the import dequantizing, this pass
+    repacking fields the import never computes), at the price of tying the two entries' keys,
+    locks and rebuilds together."""
     def make(t, short: str, n: int, k: int, fields) -> torch.Tensor:
         q, d, m = fields(t.data, n, k)
         heads = importer.rope_heads(short, cfg)
