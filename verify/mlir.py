@@ -32,11 +32,11 @@ import torch
 
 from kernel_builder import groups
 
-from llama_base import weight_formats
 from llama_base.group_contract import KernelGroup, Role
 from llama_base.config import LlamaConfig
 from llama_base.errors import UserError
 from llama_runtime.checkpoints.resolve import TINY, ResolvedModel, resolve_checkpoint
+from llama_runtime.cli.options import add_model_options
 from llama_runtime.checkpoints.quantize import quantize
 from llama_runtime.engine.weight_slots import static_tensors
 from multi_launch_builder.compile import compile_group_mlir
@@ -235,13 +235,13 @@ def generation(model: str | ResolvedModel, n_tokens: int, prompt: str, quant: st
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m verify.mlir", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=TINY, help="model whose shapes (config.json) the groups take")
+    add_model_options(ap, model=TINY, model_help="model whose shapes (config.json) the groups take",
+                      quant_help="weight format of the groups; quantized groups run on the model's own weights, "
+                                 "quantized, and on synthetic ones, and generation runs on sessions of that format",
+                      without=("device",))        # the interpreter against the simulated device, always
     ap.add_argument("--max-seq", type=int, help="largest prefill bucket (default: the model's context)")
     ap.add_argument("--n-tokens", type=int, default=16, help="greedy tokens compared end to end (0: skip)")
     ap.add_argument("--prompt", default="What is the capital of Japan?")
-    ap.add_argument("--quant", default="bf16", choices=weight_formats.QUANTS,
-                    help="weight format of the groups; quantized groups run on the model's own weights, "
-                         "quantized, and on synthetic ones, and generation runs on sessions of that format")
     args = ap.parse_args(argv)
     try:
         resolved = resolve_checkpoint(args.model, quant=args.quant)

@@ -21,8 +21,8 @@ from llama_base.weight_formats import QUANTS
 from llama32_1b_inference import build_session
 from llama_base.errors import UserError
 from llama_runtime.checkpoints.resolve import LLAMA1B_SHAPE, TINY, resolve_model
+from llama_runtime.cli.options import add_model_options
 from llama_runtime.text.tokenizer import Tokenizer
-from npu_runtime.devices import DEVICE_KINDS
 from verify import VerifyError
 from verify.eval_text import CHUNK_LEN, N_CHUNKS, SOURCE, eval_chunks
 from verify.report import md_table, write_report
@@ -91,9 +91,7 @@ def markdown(data: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m verify.perplexity", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="instruct",
-                    help="instruct | base | embedded | a checkpoint folder | a HF repo id")
-    ap.add_argument("--device", default="auto", choices=DEVICE_KINDS)
+    add_model_options(ap, without=("quant",))       # the formats compared are a list, `--quants`
     ap.add_argument("--quants", default=",".join(QUANTS),
                     help=f"comma-separated weight formats, the first the reference (default {','.join(QUANTS)})")
     ap.add_argument("--chunks", type=int, default=N_CHUNKS, help=f"chunks of text to score (default {N_CHUNKS})")

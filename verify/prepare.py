@@ -12,12 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from llama_base.weight_formats import QUANTS
 from llama_runtime.checkpoints.loader import load_weights
 from llama_runtime.checkpoints.resolve import ResolvedModel, resolve_model
+from llama_runtime.cli.options import add_model_options
 from llama_runtime.generation.session import Session, build_session, is_chat_model
 from llama_runtime.text.tokenizer import Tokenizer
-from npu_runtime.devices import DEVICE_KINDS
 from verify import VerifyError
 from verify.prompts import prompt_set
 
@@ -82,8 +81,5 @@ def build_ours(prep: Prepared, device: str, log: Callable[[str], None] = print) 
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="instruct",
-                        help="instruct | base | embedded | llama1b-shape | a checkpoint folder | a HF repo id")
-    parser.add_argument("--device", default="auto", choices=DEVICE_KINDS)
-    parser.add_argument("--quant", default="bf16", choices=QUANTS,
-                        help="our side's weight format; the HF side runs the same weights dequantized")
+    """The shared model flags, as both checkers read `--quant`."""
+    add_model_options(parser, quant_help="our side's weight format; the HF side runs the same weights dequantized")
