@@ -260,6 +260,31 @@ def test_cache_builds_once_and_rebuilds_when_stale_or_damaged(private_cache):
     assert sorted(p.name for p in private_cache.iterdir()) == [".m.lock", "m"]
 
 
+def test_cache_says_why_it_rebuilds_an_entry_cut_short_or_damaged(private_cache):
+    """A file cut short shows in the stamp's sizes; bytes changed in place only to the deeper
+    look its maker gives (`intact`). Either is rebuilt, saying why; a current entry says nothing."""
+    calls: list = []
+    lines: list[str] = []
+    build = _counting_builder(calls)
+    damage: list[str] = []                        # what `intact` finds, once
+
+    def intact(folder):
+        return damage.pop() if damage else None
+
+    folder = store.MODELS.ensure("m", {}, build, intact=intact, log=lines.append)
+    assert store.MODELS.ensure("m", {}, build, intact=intact, log=lines.append) == folder
+    assert len(calls) == 1 and lines == []
+    (folder / "weights.bin").write_bytes(b"x" * 10)
+    assert store.MODELS.state("m", {}) == store.INCOMPLETE
+    store.MODELS.ensure("m", {}, build, intact=intact, log=lines.append)
+    assert len(calls) == 2 and len(lines) == 1 and "is incomplete" in lines[0] and "rebuilding" in lines[0]
+    lines.clear()
+    damage.append(f"{folder / 'weights.bin'} does not match its hash")
+    store.MODELS.ensure("m", {}, build, intact=intact, log=lines.append)
+    assert len(calls) == 3 and lines == [f"{folder / 'weights.bin'} does not match its hash: rebuilding it"]
+    assert store.MODELS.state("m", {}) is None and store.MODELS.state("m", {"other": 1}) == store.STALE
+
+
 def test_cache_failed_build_leaves_nothing_and_leftovers_are_removed(private_cache):
     calls: list = []
     with pytest.raises(RuntimeError):

@@ -290,6 +290,18 @@ def test_a_changed_file_is_imported_again_into_the_same_folder(imported):
     assert _imports() == [folder.name]
 
 
+def test_an_import_cut_short_is_imported_again_saying_why(imported):
+    path, folder, _ = imported
+    weights = folder / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.truncate(size // 2)                     # a full disk, an interrupted copy
+    lines: list[str] = []
+    assert resolve_checkpoint(str(path), lines.append).folder == folder
+    assert len(lines) == 1 and "is incomplete" in lines[0] and "rebuilding" in lines[0], lines
+    assert weights.stat().st_size == size and _imports() == [folder.name]
+
+
 def test_a_type_q4nx_cannot_hold_is_refused_before_the_import(source, tmp_path, monkeypatch, capsys):
     """A Q3_K layer (as in llama.cpp's Q3_K_M files): QUANT=q4nx names it in one line, exit 2,
     and imports nothing; QUANT=bf16 runs the file from its dequantized values."""

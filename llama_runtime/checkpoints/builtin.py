@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llama_base.errors import CheckpointError
-from llama_runtime.checkpoints.store import MODELS, code_digest, file_sizes
+from llama_runtime.checkpoints.store import INCOMPLETE, MODELS, code_digest, file_sizes
 
 if TYPE_CHECKING:      # the importer (torch, numpy) loads only when a model is imported
     from llama_runtime.checkpoints.gguf.importer import GGUFOrigin
@@ -82,16 +82,17 @@ def ensure_gguf_model(gguf_path: Path, log: Callable[[str], None] | None = None,
               "code": code_digest(importer, reader, values, writer)}
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem)[:48]
     name = f"{GGUF_DIR_PREFIX}{stem}-{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
-    opened = None
-    if not MODELS.is_current(name, source):
+    opened, state = None, MODELS.state(name, source)
+    if state is not None:
         opened = importer.read_gguf(path)     # a file it refuses leaves the cache untouched
         if quant != "bf16":
             from llama_runtime.checkpoints.q4nx_weights import gguf_plan
 
             gguf_plan(opened.reader, opened.config)
-        if log is not None:
+        if log is not None and state != INCOMPLETE:       # the store says why it remakes a cut-short one
             log(f"[model] importing {path.name} (once; cached in {MODELS.path(name)})")
-    return MODELS.ensure(name, source, lambda tmp: importer.import_gguf(path, tmp, opened))
+    said = None if log is None else lambda line: log(f"[model] {line}")
+    return MODELS.ensure(name, source, lambda tmp: importer.import_gguf(path, tmp, opened), log=said)
 
 
 def gguf_origin(folder: Path) -> GGUFOrigin | None:
