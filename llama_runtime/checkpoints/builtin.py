@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from llama_base.errors import CheckpointError
 from llama_runtime.checkpoints.store import INCOMPLETE, MODELS, code_digest, file_sizes
 
-if TYPE_CHECKING:      # the importer (torch, numpy) loads only when a model is imported
+if TYPE_CHECKING:      # for the annotation: the functions below import the importer where they use it
     from llama_runtime.checkpoints.gguf.importer import GGUFOrigin
 
 EMBEDDED_DIR = "smollm2-135m-instruct"

@@ -21,12 +21,12 @@ The cache: `models/q4nx-<folder>-<key>/weights.safetensors` (U8 tensors holding 
 Q4NX bytes, BF16 ones for the weights kept wide) with its digest beside it (`_digest`). The
 key hashes what decides the bytes: the source checkpoint's safetensors headers, sizes and
 modification times (and the GGUF's name, size and package version or modification time), and
-the code of the format and the quantizer. A build
-is an entry of the model cache's store (`store.MODELS`): made once, under a lock, into a
-temporary folder renamed into place, so a crash leaves nothing half-written; a file cut short,
-or whose hash no longer matches (damaged on disk), is rebuilt. A new build removes the ones it replaces: those of the same checkpoint made by older
-code or from another install of its GGUF, and those the model cache's own imports made from
-their older files.
+the code of the format and the quantizer. A build is an entry of the model cache's store
+(`store.MODELS`): made once, under a lock, into a temporary folder renamed into place, so a
+crash leaves nothing half-written; a file cut short, or whose hash no longer matches (damaged
+on disk), is rebuilt. A new build removes the ones it replaces: those of the same checkpoint
+made by older code or from another install of its GGUF, and those the model cache's own
+imports made from their older files.
 """
 from __future__ import annotations
 

