@@ -13,21 +13,21 @@ import sys
 from bench.machine import CLASS_ENV, CPU_CLASSES
 from bench.plan import FULL, QUICK
 from bench.run import run_bench
-from llama_base.weight_formats import QUANTS
 from llama_base.errors import UserError
 from llama_runtime.checkpoints.resolve import EMBEDDED, LLAMA1B_SHAPE
+from llama_runtime.cli.options import add_model_options
 
 DEFAULT_MODELS = f"{LLAMA1B_SHAPE},{EMBEDDED}"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="auto", choices=("auto", "npu", "sim"), help="our runtime's device")
+    add_model_options(ap, devices=("auto", "npu", "sim"), device_help="our runtime's device",
+                      quant_help="our weight format: bf16 (against HF and llama.cpp bf16/q8_0) or q4nx (against "
+                                 "llama.cpp q4_0/q4_1/q4_k_m and our own bf16)",
+                      without=("model",))         # a bench measures a list of models, `--models`
     ap.add_argument("--models", default=DEFAULT_MODELS,
                     help=f"comma-separated models (names or checkpoint folders); default {DEFAULT_MODELS}")
-    ap.add_argument("--quant", default="bf16", choices=QUANTS,
-                    help="our weight format: bf16 (against HF and llama.cpp bf16/q8_0) or q4nx (against llama.cpp "
-                         "q4_0/q4_1/q4_k_m and our own bf16)")
     ap.add_argument("--quick", action="store_true", help="a short smoke run of every path (not a result)")
     ap.add_argument("--skip-llamacpp", action="store_true", help="do not build or run llama.cpp")
     ap.add_argument("--rebuild-llamacpp", action="store_true", help="retry a llama.cpp build that failed before")
@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     if not models:
         ap.error("--models names no model")
     try:
-        data, md, (jpath, mpath) = run_bench(models, (QUICK if args.quick else FULL).for_quant(args.quant), args.device,
-                                             args.skip_llamacpp, args.rebuild_llamacpp, cpu_class=args.cpu_class)
+        _, md, (jpath, mpath) = run_bench(models, (QUICK if args.quick else FULL).for_quant(args.quant), args.device,
+                                          args.skip_llamacpp, args.rebuild_llamacpp, cpu_class=args.cpu_class)
     except UserError as e:
         print(f"[bench] ERROR: {e}", file=sys.stderr)
         return 2

@@ -93,15 +93,20 @@ def buffer_breakdown(kc) -> dict[str, int]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line, built once the runtime is imported (`main`): the shared flags' module
+    loads torch, whose memory the first steps must not yet hold."""
+    from llama_runtime.checkpoints.resolve import LLAMA1B_SHAPE
+    from llama_runtime.cli.options import add_model_options
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="llama1b-shape")
-    ap.add_argument("--quant", default="q4nx")
-    ap.add_argument("--device", default="sim")
+    add_model_options(ap, model=LLAMA1B_SHAPE, device="sim", quant="q4nx")
     ap.add_argument("--buckets", help="prefill buckets, comma-separated (default: the session's own)")
     ap.add_argument("--json", type=Path, help="also write the figures here")
-    args = ap.parse_args(argv)
+    return ap
 
+
+def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
@@ -117,19 +122,19 @@ def main(argv: list[str] | None = None) -> int:
         import verify.our_runner  # noqa: F401
 
     steps.run("imports (torch, runtime)", imports)
+    args = _parser().parse_args(argv)
     from bench.plan import FULL, prompt_ids
     from bench.protocol import measure
     from llama32_1b_inference import build_session
-    from llama_base.config import LlamaConfig
     from llama_runtime.checkpoints.resolve import resolve_checkpoint
     from verify.our_runner import OurRunner
 
     plan = FULL
     buckets = tuple(int(b) for b in args.buckets.split(",")) if args.buckets else None
-    folder = resolve_checkpoint(args.model)
-    prompts = prompt_ids(folder, LlamaConfig.from_json(folder), plan.prompt_lengths)
+    resolved = resolve_checkpoint(args.model, quant=args.quant)
+    prompts = prompt_ids(resolved.folder, resolved.config, plan.prompt_lengths)
     session = steps.run("build_session (load, preload)",
-                        lambda: build_session(args.model, device=args.device, max_context=plan.max_context,
+                        lambda: build_session(resolved, device=args.device, max_context=plan.max_context,
                                               log=lambda _: None, quant=args.quant, buckets=buckets))
     runner = OurRunner(session)
     log(f"kernel cache: {session.kc.stats}")

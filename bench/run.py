@@ -177,8 +177,8 @@ def bench_model(model: str, plan: Plan, device: str, llamacpp, work: Path, notes
                 log) -> tuple[LlamaConfig, dict[str, dict], str, list[float | None] | None]:
     """Every runtime's raw results on `model`, the bandwidth sampled again after each one; last,
     the bandwidth sampled in each decode turn (None when the turns did not sample it)."""
-    folder = resolve_checkpoint(model)
-    cfg = LlamaConfig.from_json(folder)
+    resolved = resolve_checkpoint(model)
+    folder, cfg = resolved.folder, resolved.config
     prompts = prompt_ids(folder, cfg, plan.prompt_lengths)
     base = {"prompts": {str(n): ids for n, ids in prompts.items()}, "decode_length": plan.decode_length,
             "n_decode": plan.n_decode, "runs": plan.runs, "short_runs": plan.short_runs,

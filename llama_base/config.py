@@ -148,21 +148,6 @@ class LlamaConfig:
         return d
 
 
-# Names of a layer's tensors. These are also the static slot names of the kernel groups,
-# which is how the KernelCache's preload finds each weight without a second mapping table.
-LAYER_TENSORS = {
-    "attn_norm": "input_layernorm.weight",
-    "wq": "self_attn.q_proj.weight",
-    "wk": "self_attn.k_proj.weight",
-    "wv": "self_attn.v_proj.weight",
-    "wo": "self_attn.o_proj.weight",
-    "ffn_norm": "post_attention_layernorm.weight",
-    "w_gate": "mlp.gate_proj.weight",
-    "w_up": "mlp.up_proj.weight",
-    "w_down": "mlp.down_proj.weight",
-}
-
-
 def layer_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """HF layout: linear weights are [out_features, in_features]."""
     h, f = cfg.hidden_size, cfg.intermediate_size

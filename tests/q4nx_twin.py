@@ -15,7 +15,7 @@ from llama_runtime.checkpoints.weights import LayerWeights
 
 
 def dequantized_model(session) -> DeviceModel:
-    w = load_weights(str(session.resolved.folder), "q4nx", lambda _: None)
+    w = load_weights(session.resolved, "q4nx", lambda _: None)
     cfg, layers = w.config, []
     for lw, plain in zip(w.layers, w.backing.layers):
         fields = lw.by_name()

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from llama_base.config import LAYER_TENSORS, LlamaConfig, layer_shapes
+from llama_base.config import LlamaConfig, layer_shapes
 from llama_base.paths import ENV_CACHE, models_dir
-from llama_runtime.checkpoints import builtin
+from llama_base.tensor_names import EMBED, LM_HEAD, layer_tensor
+from llama_runtime.checkpoints import builtin, store
 from llama_runtime.checkpoints.gguf import importer
 from llama_runtime.checkpoints.loader import load_weights
 from llama_runtime.checkpoints.writer import INDEX_FILE, balanced_shards
@@ -95,7 +96,7 @@ def test_unpermuted_weights_rotate_like_the_gguf_weights_under_half_split_rope()
 def test_embedded_import_equals_transformers_gguf_loader(embedded_dir, hf_gguf_model):
     from safetensors import safe_open
 
-    reference = {k: v for k, v in hf_gguf_model.state_dict().items() if k != "lm_head.weight"}
+    reference = {k: v for k, v in hf_gguf_model.state_dict().items() if k != LM_HEAD}
     with safe_open(str(embedded_dir / "model.safetensors"), framework="pt") as f:
         assert set(f.keys()) == set(reference)
         for name, ref in reference.items():
@@ -178,7 +179,7 @@ def test_llama1b_shape_loads_sharded_and_tied(llama1b_dir):
     index = json.loads((llama1b_dir / INDEX_FILE).read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) == 2
-    assert "lm_head.weight" not in index["weight_map"]
+    assert LM_HEAD not in index["weight_map"]
     sizes = [(llama1b_dir / s).stat().st_size for s in shards]
     assert abs(sizes[0] - sizes[1]) < 0.25 * sum(sizes)
     w = load_weights(llama1b_dir)
@@ -190,10 +191,10 @@ def test_llama1b_shape_loads_sharded_and_tied(llama1b_dir):
     assert w.nbytes() == index["metadata"]["total_size"]
     assert 0.015 < w.layers[3].wq.float().std().item() < 0.025
     # The official reader agrees with the runtime's own on a tensor from each shard.
-    for name in ("model.embed_tokens.weight", f"model.layers.{cfg.num_hidden_layers - 1}.{LAYER_TENSORS['wv']}"):
+    for name in (EMBED, layer_tensor(cfg.num_hidden_layers - 1, "wv")):
         with safe_open(str(llama1b_dir / index["weight_map"][name]), framework="pt") as f:
             ref = f.get_tensor(name)
-        mine = w.embed if name.startswith("model.embed") else w.layers[-1].wv
+        mine = w.embed if name == EMBED else w.layers[-1].wv
         assert torch.equal(ref, mine)
 
 
@@ -214,14 +215,14 @@ def test_llama1b_shape_has_the_real_llama_tokenizer(llama1b_dir):
 def test_fixtures_live_in_the_cache_and_once_built_are_only_checked(embedded_dir, monkeypatch):
     """A built fixture costs a few `stat` calls: no import, and not even the lock is taken."""
     assert embedded_dir == models_dir() / builtin.EMBEDDED_DIR
-    stamp = embedded_dir / builtin.STAMP_FILE
+    stamp = embedded_dir / store.STAMP_FILE
     before = stamp.stat().st_mtime_ns
 
     def refuse(*_args, **_kwargs):
         raise AssertionError("a built fixture was built again")
 
     monkeypatch.setattr(importer, "import_gguf", refuse)
-    monkeypatch.setattr(builtin, "FileLock", refuse)
+    monkeypatch.setattr(store, "FileLock", refuse)
     assert builtin.ensure_embedded_model() == embedded_dir
     assert stamp.stat().st_mtime_ns == before
 
@@ -245,28 +246,53 @@ def _counting_builder(calls: list, fail: bool = False):
 def test_cache_builds_once_and_rebuilds_when_stale_or_damaged(private_cache):
     calls: list = []
     build, source = _counting_builder(calls), {"package": "p", "version": "1"}
-    folder = builtin._ensure("m", source, build)
+    folder = store.MODELS.ensure("m", source, build)
     assert folder == private_cache / "m" and (folder / "weights.bin").is_file() and len(calls) == 1
-    assert builtin._ensure("m", source, build) == folder and len(calls) == 1
+    assert store.MODELS.ensure("m", source, build) == folder and len(calls) == 1
     (folder / "weights.bin").write_bytes(b"x" * 10)           # truncated file
-    builtin._ensure("m", source, build)
+    store.MODELS.ensure("m", source, build)
     assert len(calls) == 2 and (folder / "weights.bin").stat().st_size == 100
-    builtin._ensure("m", {"package": "p", "version": "2"}, build)  # source package upgraded
+    store.MODELS.ensure("m", {"package": "p", "version": "2"}, build)  # source package upgraded
     assert len(calls) == 3
-    (folder / builtin.STAMP_FILE).unlink()                    # no stamp: never trusted
-    builtin._ensure("m", {"package": "p", "version": "2"}, build)
+    (folder / store.STAMP_FILE).unlink()                    # no stamp: never trusted
+    store.MODELS.ensure("m", {"package": "p", "version": "2"}, build)
     assert len(calls) == 4
     assert sorted(p.name for p in private_cache.iterdir()) == [".m.lock", "m"]
+
+
+def test_cache_says_why_it_rebuilds_an_entry_cut_short_or_damaged(private_cache):
+    """A file cut short shows in the stamp's sizes; bytes changed in place only to the deeper
+    look its maker gives (`intact`). Either is rebuilt, saying why; a current entry says nothing."""
+    calls: list = []
+    lines: list[str] = []
+    build = _counting_builder(calls)
+    damage: list[str] = []                        # what `intact` finds, once
+
+    def intact(folder):
+        return damage.pop() if damage else None
+
+    folder = store.MODELS.ensure("m", {}, build, intact=intact, log=lines.append)
+    assert store.MODELS.ensure("m", {}, build, intact=intact, log=lines.append) == folder
+    assert len(calls) == 1 and lines == []
+    (folder / "weights.bin").write_bytes(b"x" * 10)
+    assert store.MODELS.state("m", {}) == store.INCOMPLETE
+    store.MODELS.ensure("m", {}, build, intact=intact, log=lines.append)
+    assert len(calls) == 2 and len(lines) == 1 and "is incomplete" in lines[0] and "rebuilding" in lines[0]
+    lines.clear()
+    damage.append(f"{folder / 'weights.bin'} does not match its hash")
+    store.MODELS.ensure("m", {}, build, intact=intact, log=lines.append)
+    assert len(calls) == 3 and lines == [f"{folder / 'weights.bin'} does not match its hash: rebuilding it"]
+    assert store.MODELS.state("m", {}) is None and store.MODELS.state("m", {"other": 1}) == store.STALE
 
 
 def test_cache_failed_build_leaves_nothing_and_leftovers_are_removed(private_cache):
     calls: list = []
     with pytest.raises(RuntimeError):
-        builtin._ensure("m", {}, _counting_builder(calls, fail=True))
+        store.MODELS.ensure("m", {}, _counting_builder(calls, fail=True))
     assert not (private_cache / "m").exists()
     assert not list(private_cache.glob(".m.build-*"))
     (private_cache / ".m.build-crashed").mkdir()              # as left by a killed process
-    builtin._ensure("m", {}, _counting_builder(calls))
+    store.MODELS.ensure("m", {}, _counting_builder(calls))
     assert not (private_cache / ".m.build-crashed").exists()
 
 
@@ -274,7 +300,7 @@ def test_cache_concurrent_callers_share_one_build(private_cache):
     calls: list = []
     build = _counting_builder(calls)
     results: list = []
-    threads = [threading.Thread(target=lambda: results.append(builtin._ensure("m", {}, build))) for _ in range(4)]
+    threads = [threading.Thread(target=lambda: results.append(store.MODELS.ensure("m", {}, build))) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:

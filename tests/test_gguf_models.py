@@ -15,7 +15,7 @@ from q4nx_twin import dequantized_model
 
 from llama32_1b_inference import main as run_cli
 from llama_base import q4nx
-from llama_base.config import LAYER_TENSORS, LlamaConfig, RopeScaling
+from llama_base.config import LlamaConfig, RopeScaling
 from llama_base.errors import CheckpointError
 from llama_base.paths import ENV_CACHE, models_dir
 from llama_runtime.checkpoints import builtin
@@ -148,7 +148,7 @@ def imported(source, tmp_path_factory):
         m.setenv(ENV_CACHE, str(root / "cache"))
         path = write_gguf(root / "my model.gguf", source)
         lines: list[str] = []
-        yield path, resolve_checkpoint(str(path), lines.append), lines
+        yield path, resolve_checkpoint(str(path), lines.append).folder, lines
 
 
 def _imports():
@@ -177,7 +177,7 @@ def test_a_gguf_file_is_imported_once_with_its_config_and_dequantized_values(sou
         want = unpermute_rope_rows(want, heads) if heads else want
         assert torch.equal(getattr(w.layers[1], short), want.to(torch.bfloat16)), short
     again: list[str] = []
-    assert resolve_checkpoint(str(path), again.append) == folder and again == []     # cached
+    assert resolve_checkpoint(str(path), again.append).folder == folder and again == []     # cached
 
 
 def test_q4nx_keeps_the_files_4_bit_values(source, imported):
@@ -261,7 +261,7 @@ def test_a_4_bit_files_wider_tensors_stay_bf16_in_the_layers_holding_them(source
     assert torch.nn.functional.cosine_similarity(ours, want, dim=0) > 0.995
 
     # `make compile` finds the same variants from the file's header alone
-    assert wide_sets(session.resolved.folder, cfg) == w.wide_sets() == ({"wv", "w_down"}, frozenset())
+    assert wide_sets(session.resolved.gguf, cfg) == w.wide_sets() == ({"wv", "w_down"}, frozenset())
     assert compile_cli(["--model", str(path), "--quant", "q4nx", "--device", "sim", "--max-seq", "64"]) == 0
     printed = capsys.readouterr().out
     for name in ("rms_gemv_rope_q4nx_bf16_wv", "o_ffn_s64_q4nx_bf16_w_down", "o_ffn_s64_q4nx"):
@@ -286,8 +286,20 @@ def test_a_changed_file_is_imported_again_into_the_same_folder(imported):
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))        # the file replaced
     lines: list[str] = []
-    assert resolve_checkpoint(str(path), lines.append) == folder and len(lines) == 1
+    assert resolve_checkpoint(str(path), lines.append).folder == folder and len(lines) == 1
     assert _imports() == [folder.name]
+
+
+def test_an_import_cut_short_is_imported_again_saying_why(imported):
+    path, folder, _ = imported
+    weights = folder / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.truncate(size // 2)                     # a full disk, an interrupted copy
+    lines: list[str] = []
+    assert resolve_checkpoint(str(path), lines.append).folder == folder
+    assert len(lines) == 1 and "is incomplete" in lines[0] and "rebuilding" in lines[0], lines
+    assert weights.stat().st_size == size and _imports() == [folder.name]
 
 
 def test_a_type_q4nx_cannot_hold_is_refused_before_the_import(source, tmp_path, monkeypatch, capsys):
@@ -306,7 +318,7 @@ def test_a_type_q4nx_cannot_hold_is_refused_before_the_import(source, tmp_path, 
     assert "tensor 'blk.1.ffn_up.weight' is Q3_K, which QUANT=q4nx cannot hold" in err[0]
     assert _model_cache() == []
     w = load_weights(str(path), "bf16")
-    assert not w.layers[1].w_up.any() and LAYER_TENSORS["w_up"] == "mlp.up_proj.weight"
+    assert not w.layers[1].w_up.any()
 
 
 def test_a_file_that_is_not_a_whole_gguf_is_one_line(source, tmp_path, monkeypatch, capsys):

@@ -12,7 +12,7 @@ from verify.mutants.run import Outcome, check, run, suite_cases, summary, well_f
 
 
 def _cfg() -> LlamaConfig:
-    return LlamaConfig.from_json(resolve_checkpoint(TINY))
+    return resolve_checkpoint(TINY).config
 
 
 def test_every_sampled_computation_changing_mutant_is_killed():

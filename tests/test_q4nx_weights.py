@@ -7,10 +7,9 @@ import pytest
 import torch
 
 from llama_base import q4nx
-from llama_base.config import LAYER_TENSORS
 from llama_base.errors import CheckpointError, UserError
 from llama_base.paths import ENV_CACHE
-from llama_runtime.checkpoints import builtin
+from llama_runtime.checkpoints import builtin, store
 from llama_runtime.checkpoints import q4nx_weights
 from llama_runtime.checkpoints.loader import load_weights
 from llama_runtime.checkpoints.writer import write_configs, write_sharded
@@ -117,7 +116,7 @@ def test_a_new_build_removes_the_builds_of_older_code_for_the_same_checkpoint(ti
 
     def copy(name: str, edit) -> None:
         shutil.copytree(entry, root / name)
-        stamp_path = root / name / builtin.STAMP_FILE
+        stamp_path = root / name / store.STAMP_FILE
         stamp = json.loads(stamp_path.read_text())
         edit(stamp["source"])
         stamp_path.write_text(json.dumps(stamp))
@@ -130,7 +129,7 @@ def test_a_new_build_removes_the_builds_of_older_code_for_the_same_checkpoint(ti
     for key in "014":                                      # "4": a build that no longer exists
         (root / f".{prefix}{key * 16}.lock").touch()
     lines: list[str] = []
-    with builtin.build_lock(root / (prefix + "3" * 16)):
+    with store.MODELS.lock(prefix + "3" * 16):
         again = load_weights(tiny_folder, "q4nx", lines.append).checkpoint.folder
     assert again == entry and any("removed 1 older Q4NX build of" in l for l in lines)
     locks = {p.name for p in root.glob(f".{prefix}*.lock")}
@@ -178,14 +177,14 @@ def test_a_reinstalled_gguf_reuses_the_cache_and_builds_from_other_installs_are_
 
     other = entry.parent / f"q4nx-{folder.name}-{'0' * 16}"
     shutil.copytree(entry, other)
-    stamp = json.loads((other / builtin.STAMP_FILE).read_text())
+    stamp = json.loads((other / store.STAMP_FILE).read_text())
     stamp["source"]["gguf"][2] = 10**18 - 7                 # stamped with an install's time
     stamp["source"]["code"] = "older"
-    (other / builtin.STAMP_FILE).write_text(json.dumps(stamp))
+    (other / store.STAMP_FILE).write_text(json.dumps(stamp))
     reimported = entry.parent / f"q4nx-{folder.name}-{'1' * 16}"     # made from the folder's older files
     shutil.copytree(entry, reimported)
     stamp["source"]["checkpoint"]["files"].clear()
-    (reimported / builtin.STAMP_FILE).write_text(json.dumps(stamp))
+    (reimported / store.STAMP_FILE).write_text(json.dumps(stamp))
     monkeypatch.setattr(importer, "smollm2_version", lambda: "99.0")   # the package upgraded
     upgraded = load_weights(folder, "q4nx", lines.append).checkpoint.folder
     assert upgraded != entry and any("removed 3 older Q4NX builds of" in l for l in lines)
@@ -249,4 +248,3 @@ def test_a_gguf_type_q4nx_cannot_hold_is_named(tmp_path, monkeypatch, tiny_confi
     wr.close()
     with pytest.raises(CheckpointError, match="'blk.0.ffn_up.weight' is IQ4_NL"):
         q4nx_weights._gguf_tensors(path, tiny_config)
-    assert LAYER_TENSORS["w_up"] == "mlp.up_proj.weight"

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from kernel_builder.groups import build_group
 from llama32_1b_inference import main as run_cli
-from llama_base.config import LAYER_TENSORS
+from llama_base.tensor_names import EMBED, FINAL_NORM, LAYER_TENSORS, layer_tensor
 from llama_base.errors import CheckpointError, KernelCacheError
 from verify import reference as ref
 from llama_runtime.checkpoints.loader import load_weights
@@ -79,10 +79,10 @@ def test_prompt_longer_than_the_context_names_the_limit(capsys):
 def _write_checkpoint(folder: Path, cfg, weights, drop=None, reshape=None, dtype=None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(cfg.to_dict()))
-    tensors = {"model.embed_tokens.weight": weights.embed, "model.norm.weight": weights.final_norm}
+    tensors = {EMBED: weights.embed, FINAL_NORM: weights.final_norm}
     for i, lw in enumerate(weights.layers):
-        for name, hf in LAYER_TENSORS.items():
-            tensors[f"model.layers.{i}.{hf}"] = getattr(lw, name)
+        for name in LAYER_TENSORS:
+            tensors[layer_tensor(i, name)] = getattr(lw, name)
     tensors = {k: v.contiguous() for k, v in tensors.items() if k != drop}
     if reshape:
         tensors[reshape] = tensors[reshape][:-1].contiguous()
@@ -133,7 +133,7 @@ def test_truncated_safetensors_names_the_file(good_checkpoint):
 
 
 def test_missing_tensor_wrong_shape_wrong_dtype(tmp_path, tiny_config, tiny_weights):
-    name = "model.layers.1.mlp.up_proj.weight"
+    name = layer_tensor(1, "w_up")
     with pytest.raises(CheckpointError, match=f"'{name}' is missing"):
         load_weights(_write_checkpoint(tmp_path / "a", tiny_config, tiny_weights, drop=name))
     with pytest.raises(CheckpointError, match=f"'{name}' has shape"):
@@ -143,7 +143,7 @@ def test_missing_tensor_wrong_shape_wrong_dtype(tmp_path, tiny_config, tiny_weig
 
 
 def test_sharded_index_pointing_at_a_missing_file(good_checkpoint):
-    weight_map = {"model.embed_tokens.weight": "model-00002-of-00002.safetensors"}
+    weight_map = {EMBED: "model-00002-of-00002.safetensors"}
     (good_checkpoint / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors.*missing"):
         load_weights(good_checkpoint)

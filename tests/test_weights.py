@@ -98,3 +98,28 @@ def test_a_safetensors_file_written_one_tensor_at_a_time_reads_back_in_every_rea
     for why, given in wrong.items():
         with pytest.raises(ValueError, match="expected|more tensors"):
             write_streaming(tmp_path / f"{why}.safetensors", specs, iter(given), {})
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_tensor_names_are_transformers_own(tied):
+    """Every name a checkpoint is read and written by is the one HF transformers' Llama gives
+    its weights, each once, with the shape `layer_shapes` expects."""
+    from transformers import LlamaForCausalLM
+
+    from llama_base.config import layer_shapes
+    from llama_base.tensor_names import parse_layer_tensor, tensor_names
+
+    hf = HFLlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=96, tie_word_embeddings=tied)
+    state = LlamaForCausalLM(hf).state_dict()
+    if tied:
+        state.pop("lm_head.weight")       # a tied head is the embedding's tensor, saved once
+    names = tensor_names(2, tied)
+    assert sorted(names) == sorted(state) and len(set(names)) == len(names)
+    cfg = LlamaConfig.from_dict({**hf.to_dict(), "architectures": ["LlamaForCausalLM"]})
+    for name, t in state.items():
+        parsed = parse_layer_tensor(name)
+        if parsed is not None:
+            assert tuple(t.shape) == layer_shapes(cfg)[parsed[1]], name
+    assert parse_layer_tensor("model.layers.1.mlp.up_proj.weight") == (1, "w_up")
+    assert parse_layer_tensor("model.layers.1.mlp.up_proj.bias") is None

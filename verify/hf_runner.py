@@ -39,13 +39,12 @@ class HFRunner:
         gate's top-5 ranks compare is the bf16 head's on both sides. A weight the build kept
         wide (bf16) is taken as it is stored."""
         from llama_base import q4nx
-        from llama_base.config import LAYER_TENSORS
+        from llama_base.tensor_names import parse_layer_tensor
         from llama_runtime.checkpoints.safetensors_io import Checkpoint
 
         ckpt = Checkpoint(q4nx_folder)
         for name, param in self.model.named_parameters():
-            short = next((s for s, hf in LAYER_TENSORS.items() if name.endswith(hf)), None)
-            if short is not None and param.dim() == 2:
+            if parse_layer_tensor(name) is not None and param.dim() == 2:
                 n, k = param.shape
                 if ckpt.dtype_of(name) == "BF16":
                     param.copy_(ckpt.get(name, (n, k)))

@@ -32,11 +32,11 @@ import torch
 
 from kernel_builder import groups
 
-from llama_base import weight_formats
 from llama_base.group_contract import KernelGroup, Role
 from llama_base.config import LlamaConfig
 from llama_base.errors import UserError
-from llama_runtime.checkpoints.resolve import TINY, resolve_checkpoint
+from llama_runtime.checkpoints.resolve import TINY, ResolvedModel, resolve_checkpoint
+from llama_runtime.cli.options import add_model_options
 from llama_runtime.checkpoints.quantize import quantize
 from llama_runtime.engine.weight_slots import static_tensors
 from multi_launch_builder.compile import compile_group_mlir
@@ -203,7 +203,7 @@ def systematic_error(ref: np.ndarray, got: np.ndarray) -> float:
                abs(offset) / max(SYSTEMATIC_FLOOR, SYSTEMATIC_SIGMAS * se_offset))
 
 
-def generation(model: str, n_tokens: int, prompt: str, quant: str = "bf16") -> tuple[bool, str]:
+def generation(model: str | ResolvedModel, n_tokens: int, prompt: str, quant: str = "bf16") -> tuple[bool, str]:
     """Greedy tokens on both devices, the simulated one on the NPU's numbers as in `compare`.
     Where they part, both devices score the shared prefix again: it passes if the two
     candidates are within the tolerance of each other on both sides (a near-tie that rounding
@@ -235,17 +235,17 @@ def generation(model: str, n_tokens: int, prompt: str, quant: str = "bf16") -> t
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m verify.mlir", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=TINY, help="model whose shapes (config.json) the groups take")
+    add_model_options(ap, model=TINY, model_help="model whose shapes (config.json) the groups take",
+                      quant_help="weight format of the groups; quantized groups run on the model's own weights, "
+                                 "quantized, and on synthetic ones, and generation runs on sessions of that format",
+                      without=("device",))        # the interpreter against the simulated device, always
     ap.add_argument("--max-seq", type=int, help="largest prefill bucket (default: the model's context)")
     ap.add_argument("--n-tokens", type=int, default=16, help="greedy tokens compared end to end (0: skip)")
     ap.add_argument("--prompt", default="What is the capital of Japan?")
-    ap.add_argument("--quant", default="bf16", choices=weight_formats.QUANTS,
-                    help="weight format of the groups; quantized groups run on the model's own weights, "
-                         "quantized, and on synthetic ones, and generation runs on sessions of that format")
     args = ap.parse_args(argv)
     try:
-        folder = resolve_checkpoint(args.model)
-        cfg = LlamaConfig.from_json(folder)
+        resolved = resolve_checkpoint(args.model, quant=args.quant)
+        cfg = resolved.config
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         from llama32_1b_weights import load_weights   # verify sits above the entry points
         from llama_runtime.checkpoints.q4nx_weights import wide_sets
 
-        weights, wide = load_weights(folder), wide_sets(folder, cfg)
+        weights, wide = load_weights(resolved), wide_sets(resolved.gguf, cfg)
     rows = []
     for c in cases(cfg, args.max_seq, args.quant, wide):
         rows.append(compare(c, weights=weights))
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r.name:{width}}  {r.max_abs_diff:10.4g}  {r.compared:9d}  {r.worst:10.3f}  {r.systematic:10.3f}  {result}")
     ok = all(r.passed for r in rows)
     if args.n_tokens:
-        gen_ok, text = generation(args.model, args.n_tokens, args.prompt, args.quant)
+        gen_ok, text = generation(resolved, args.n_tokens, args.prompt, args.quant)
         print(f"[verify-mlir] generation: {text}")
         ok = ok and gen_ok
     print(f"[verify-mlir] {'PASS' if ok else 'FAIL'} (tolerance {TOLERANCE:g} x (|sim| + row max |sim|) per element; "

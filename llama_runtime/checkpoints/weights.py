@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from llama_base.config import LAYER_TENSORS, LlamaConfig, layer_shapes
+from llama_base.config import LlamaConfig, layer_shapes
+from llama_base.tensor_names import LAYER_TENSORS
 from llama_runtime.checkpoints.safetensors_io import Checkpoint
 
 

@@ -14,15 +14,15 @@ from typing import Sequence
 
 from kernel_builder import groups
 
-from llama_base import weight_formats
 from kernel_builder.external_kernels import build_group_objects
 from llama_base.config import LlamaConfig
 from llama_base.errors import UserError
 from llama_runtime.checkpoints.resolve import resolve_model
 from llama_runtime.checkpoints.q4nx_weights import wide_sets
+from llama_runtime.cli.options import add_model_options
 from multi_launch_builder.compile import ToolchainError, default_objects_dir, toolchain
 from npu_runtime.cache import KernelCache
-from npu_runtime.devices import DEVICE_KINDS, open_device
+from npu_runtime.devices import open_device
 from npu_runtime.xrt.device import NpuTarget
 
 
@@ -33,11 +33,10 @@ def _config(args: argparse.Namespace) -> tuple[LlamaConfig, tuple[frozenset[str]
     if args.model_config:
         return LlamaConfig.from_json(args.model_config), uniform
     if args.model:
-        resolved = resolve_model(args.model, print)
+        resolved = resolve_model(args.model, print, args.quant)
         if resolved.fallback_note:
             print(f"[model] {resolved.fallback_note}")
-        cfg = LlamaConfig.from_json(resolved.folder)
-        return cfg, uniform if args.quant == "bf16" else wide_sets(resolved.folder, cfg)
+        return resolved.config, uniform if args.quant == "bf16" else wide_sets(resolved.gguf, resolved.config)
     return LlamaConfig(), uniform
 
 
@@ -61,10 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m llama_runtime.cli.compile",
         description="Build, stitch and validate every kernel group into the kernel cache; ELFs where aircc exists.")
     ap.add_argument("--model-config", help="config.json (or its folder) giving the shapes")
-    ap.add_argument("--model", help="checkpoint (folder, .gguf file, repo id or alias) whose config gives the shapes")
+    add_model_options(ap, model=None,
+                      model_help="checkpoint (folder, .gguf file, repo id or alias) whose config gives the shapes",
+                      quant_help="the weight format the groups read")
     ap.add_argument("--max-seq", type=int, help="largest prefill bucket to build")
-    ap.add_argument("--device", default="auto", choices=DEVICE_KINDS)
-    ap.add_argument("--quant", default="bf16", choices=weight_formats.QUANTS, help="the weight format the groups read")
     ap.add_argument("--out", help="also copy each stitched .mlir here, for reading")
     args = ap.parse_args(argv)
     try:

@@ -16,6 +16,9 @@ from npu_runtime.devices import DEVICE_KINDS
 
 MODEL_HELP = ("instruct | base | embedded | llama1b-shape | tiny | a local folder | a .gguf file | a HF repo id "
               "(default: %(default)s)")
+DEVICE_HELP = "where the model runs (default: %(default)s)"
+QUANT_HELP = ("weight format: bf16, or q4nx (4-bit, made from the checkpoint on first use and cached; "
+              "default: %(default)s)")
 
 
 def positive_int(text: str) -> int:
@@ -36,18 +39,22 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def add_model_options(p: argparse.ArgumentParser, *, model: str | None = "instruct", model_help: str = MODEL_HELP,
-                      device: str | None = "auto", devices: tuple[str, ...] = DEVICE_KINDS,
-                      quant: str | None = "bf16", max_context: bool = False) -> argparse.ArgumentParser:
-    """`--model`, `--device`, `--quant` (and `--max-context`) as every command spells them; a
-    default of None leaves that flag out (a command that has no device to choose)."""
-    if model is not None:
+                      device: str = "auto", devices: tuple[str, ...] = DEVICE_KINDS, device_help: str = DEVICE_HELP,
+                      quant: str = "bf16", quant_help: str = QUANT_HELP, max_context: bool = False,
+                      without: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+    """`--model`, `--device`, `--quant` (and `--max-context`) as every command spells them, with
+    the command's own defaults, device choices and help; `without` names the flags a command
+    has no use for (`"model"`, `"device"`, `"quant"`: no device to choose, or a list of models
+    or formats it spells its own way)."""
+    unknown = set(without) - {"model", "device", "quant"}
+    if unknown:
+        raise ValueError(f"add_model_options: no flag {', '.join(sorted(unknown))}")
+    if "model" not in without:
         p.add_argument("--model", "-m", default=model, help=model_help)
-    if device is not None:
-        p.add_argument("--device", choices=devices, default=device, help="where the model runs (default: %(default)s)")
-    if quant is not None:
-        p.add_argument("--quant", choices=QUANTS, default=quant,
-                       help="weight format: bf16, or q4nx (4-bit, made from the checkpoint on first use and cached; "
-                            "default: %(default)s)")
+    if "device" not in without:
+        p.add_argument("--device", choices=devices, default=device, help=device_help)
+    if "quant" not in without:
+        p.add_argument("--quant", choices=QUANTS, default=quant, help=quant_help)
     if max_context:
         p.add_argument("--max-context", type=positive_int, help="KV cache length in positions (default 4096)")
     return p

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from llama_base.group_contract import KernelGroup, Role
-from llama_base.config import LAYER_TENSORS
+from llama_base.tensor_names import LAYER_TENSORS
 
 
 def static_tensors(group: KernelGroup, weights, layer: int | None) -> dict[str, torch.Tensor]:

