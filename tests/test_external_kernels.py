@@ -96,7 +96,7 @@ def torch_bf16(a: np.ndarray) -> torch.Tensor:
 
 def test_rope_matches_hf_rotate_half_at_scaled_lut_positions(hk):
     lut = generate_rope_lut(LLAMA, max(ROPE_POSITIONS) + 1).float().numpy().astype(BF16)
-    sym, d, h = externs.rope(LLAMA.head_dim).symbol, LLAMA.head_dim, LLAMA.head_dim // 2
+    sym, d = externs.rope(LLAMA.head_dim).symbol, LLAMA.head_dim
     rng = np.random.default_rng(0)
     for pos in ROPE_POSITIONS:
         x = rand_bf16(rng, (LLAMA.num_attention_heads, d))

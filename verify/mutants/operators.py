@@ -343,7 +343,6 @@ def _symmetric(lines: list[str], i: int) -> bool:
     if not head:
         return False
     args = [a.split(":")[0].strip() for a in head.group(1).split(",")]
-    expr: dict[str, object] = {}
 
     def build(swap: bool):
         env = {args[0]: ("in", 1 if swap else 0), args[1]: ("in", 0 if swap else 1)}
