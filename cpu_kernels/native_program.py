@@ -7,6 +7,9 @@ copies between them (a buffer's sync, an activation handed to the next call) as 
 and `run(pos)` makes them all in one call. Arguments that follow the token's position (a KV
 row's address, a RoPE table row, an attention's length) are recorded with a step per position.
 
+Which functions it replays, and their argument kinds, are the library's table
+(`native_cpu.replayed_functions`, from the prototypes in native/replayed.h).
+
 A program holds raw addresses: it keeps references to what they point into (`hold`), and its
 owner must drop it when any of that storage may have been replaced.
 """
@@ -22,8 +25,12 @@ import numpy as np
 
 from cpu_kernels import native_cpu
 
-_COPY = "ppq"           # signature code 0: memmove(dst, src, n)
-_TYPES = {ctypes.c_void_p: "p", ctypes.c_int64: "q", ctypes.c_int: "i", ctypes.c_float: "f"}
+_KINDS = {t: k for k, t in native_cpu.ARG_TYPES.items()}    # ctypes type -> its kind's letter
+
+
+def signature(fn) -> str:
+    """The kinds of `fn`'s ctypes `argtypes`, one letter each ("?" for a type no kind carries)."""
+    return "".join(_KINDS.get(t, "?") for t in (fn.argtypes or ()))
 
 
 class NativeProgram:
@@ -32,9 +39,8 @@ class NativeProgram:
     def __init__(self, lib: ctypes.CDLL):
         self._lib = lib
         self._max_args = lib.native_program_max_args()
-        self._codes: dict[str, int] = {}
-        while sig := lib.native_program_signature(len(self._codes)).decode():
-            self._codes[sig] = len(self._codes)
+        self._functions: dict[str, tuple[int, str]] = lib.replayed
+        self._copy = lib.native_program_copy
         self._ops: list[list[int]] = []
         self._labels: list[object] = []
         self._holds: list[object] = []
@@ -47,47 +53,43 @@ class NativeProgram:
     @classmethod
     def new(cls) -> NativeProgram | None:
         """An empty program, or None where the native library is unavailable."""
-        lib = native_cpu._library()
+        lib = native_cpu.library()
         return cls(lib) if lib is not None else None
 
     def __len__(self) -> int:
         return len(self._ops)
 
-    def _op(self, sig: str, fn: int, args: list[int], steps: list[int]) -> bool:
-        code = self._codes.get(sig)
-        if code is None or len(args) > self._max_args:
-            return False
+    def _op(self, code: int, fn: int, args: list[int], steps: list[int]) -> None:
         pad = [0] * (self._max_args - len(args))
         self._ops.append([code, fn, *args, *pad, *steps, *pad])
         self._labels.append(self.label)
         self._table = None
-        return True
 
     def copy(self, dst: int, src: int, nbytes: int, src_step: int = 0) -> None:
         """memmove(dst, src + pos · src_step, nbytes)."""
-        self._op(_COPY, 0, [dst, src, nbytes], [0, src_step, 0])
+        self.call(self._copy, (dst, src, nbytes), (0, src_step, 0))
 
     def call(self, fn, args: tuple, steps: tuple = ()) -> bool:
         """`fn` (a function of the native library, its `argtypes` set) with `args`, argument i
-        plus pos · steps[i]; ints stand for addresses. False if its signature is not one the
-        replay knows, or an argument is not an int, a float or a ctypes array."""
-        sig = "".join(_TYPES.get(t, "?") for t in (fn.argtypes or ()))
-        if len(sig) != len(args):
+        plus pos · steps[i]; ints stand for addresses. False if the library's table has no such
+        function or other argument kinds for it, or an argument is not an int, a float or a
+        ctypes array."""
+        entry = self._functions.get(fn.__name__)
+        if entry is None or signature(fn) != entry[1] or len(args) != len(entry[1]):
             return False
+        code, kinds = entry
         words = []
-        for kind, a in zip(sig, args):
+        for kind, a in zip(kinds, args):
             if kind == "f" and isinstance(a, (int, float)):
                 words.append(struct.unpack("<I", struct.pack("<f", a))[0])
-            elif kind in "pqi" and isinstance(a, ctypes.Array):
+            elif kind != "f" and isinstance(a, ctypes.Array):
                 words.append(ctypes.addressof(a))
                 self._holds.append(a)
-            elif kind in "pqi" and isinstance(a, int):
+            elif kind != "f" and isinstance(a, int):
                 words.append(a)
             else:
                 return False
-        steps = list(steps) + [0] * (len(args) - len(steps))
-        if not self._op(sig, ctypes.cast(fn, ctypes.c_void_p).value, words, steps):
-            return False
+        self._op(code, ctypes.cast(fn, ctypes.c_void_p).value, words, list(steps) + [0] * (len(args) - len(steps)))
         self._holds.append(fn)
         return True
 

@@ -5,11 +5,16 @@ recorded again when a buffer moves under it; never run past the cache. And the r
 (`cpu_kernels.native_program`): position steps, float arguments, signatures it refuses."""
 from __future__ import annotations
 
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
 from cpu_kernels import native_cpu
-from cpu_kernels.native_program import NativeProgram
+from cpu_kernels.native_program import NativeProgram, signature
 from llama_base.errors import PromptError
 from llama_runtime.engine.decode import decode_step
 from llama_runtime.engine.recording import decode_program
@@ -217,3 +222,56 @@ def test_a_pool_replaced_by_a_longer_context_is_recorded_again(tiny_weights, tmp
     model.kv.k.copy_(k), model.kv.v.copy_(v)
     model.native_decode = False
     assert torch.equal(ours, decode_step(model, 9, 51))
+
+
+@native
+def test_the_replayed_functions_argtypes_are_the_librarys_table():
+    """Every function the program replays has the ctypes argtypes its prototype gives
+    (native/replayed.h, read from the library's table), and those include every kernel a
+    decode layer binds; a function whose argtypes are not the table's is refused."""
+    lib = native_cpu._library()
+    assert lib.replayed and all(signature(getattr(lib, name)) == kinds for name, (_, kinds) in lib.replayed.items())
+    assert lib.replayed["rmsnorm_bf16_cpu"][1] == "pppqqf" and lib.replayed["gemv_packed_bf16_cpu_batch"][1] == "pi"
+    twin = lib["rmsnorm_bf16_cpu"]                  # a second handle of it, argtypes of its own
+    twin.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3      # eps declared an int64
+    prog = NativeProgram.new()
+    assert not prog.call(twin, (1, 2, 3, 1, 64, 0)) and len(prog) == 0
+
+
+class _Entry:
+    """A stand-in for one of the library's table functions: code -> bytes, "" past the last."""
+
+    def __init__(self, rows: list[str]):
+        self.rows, self.argtypes, self.restype = rows, None, None
+
+    def __call__(self, code: int) -> bytes:
+        return (self.rows[code] if code < len(self.rows) else "").encode()
+
+
+def test_a_library_whose_table_holds_an_unknown_kind_is_refused_at_load():
+    """Python passes the kinds of `native_cpu.ARG_TYPES`; a table with another one (a double)
+    is a library from other sources, refused when it loads rather than miscalled."""
+    class Lib:
+        native_program_function = _Entry(["native_program_copy", "scale_f64"])
+        native_program_signature = _Entry(["ppq", "ppd"])
+
+    with pytest.raises(RuntimeError, match=r"scale_f64\(ppd\) takes argument kinds \['d'\]"):
+        native_cpu.replayed_functions(Lib())
+    Lib.native_program_signature = _Entry(["ppq", "ppf"])
+    assert native_cpu.replayed_functions(Lib()) == {"native_program_copy": (0, "ppq"), "scale_f64": (1, "ppf")}
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
+def test_a_kernel_defined_apart_from_its_replayed_prototype_does_not_compile(tmp_path):
+    """The replay derives each function's call from its prototype; the kernel's source includes
+    the same prototypes, so a definition that takes other types fails its build."""
+    native = Path(native_cpu.__file__).parent / "native"
+
+    def compiles(params: str) -> bool:
+        src = tmp_path / "kernel.cc"
+        src.write_text(f'#include "replayed.h"\nextern "C" void add_bf16_cpu({params}) {{}}\n')
+        return subprocess.run(["g++", "-std=c++17", "-fsyntax-only", f"-I{native}", str(src)],
+                              capture_output=True).returncode == 0
+
+    assert compiles("const uint16_t *a, const uint16_t *b, uint16_t *out, int64_t n")
+    assert not compiles("const uint16_t *a, const uint16_t *b, uint16_t *out, int n")
