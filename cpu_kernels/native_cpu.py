@@ -408,11 +408,16 @@ def gemm_q4nx_call(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
     return _gemm_call("gemm_q4nx_int_cpu" if integer else "gemm_q4nx_cpu", _q4nx_bytes, a, w, out)
 
 
-def _bound(fn: Callable, tensors, *args) -> partial:
+class NativeCall(partial):
+    """A function of the native library bound to its arguments (`_bound`): what a native
+    program replays (`NativeProgram.bound`), where a torch body bound the same way is not."""
+
+
+def _bound(fn: Callable, tensors, *args) -> NativeCall:
     """`fn` bound to `args`, raw addresses among them, holding the tensors they point into: a
     bound call outlives the statement that made it (the simulated device replays it on every
     run), and memory freed under it would be written to by the next run."""
-    call = partial(fn, *args)
+    call = NativeCall(fn, *args)
     call.tensors = tuple(tensors)
     return call
 

@@ -110,10 +110,10 @@ class DeviceModel:
         positions = max(max_context, self.buckets[-1])
         self.kv = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, positions, cfg.head_dim)
         self.rope_lut = generate_rope_lut(cfg, positions)
-        # Decode's layers as one native program where the device records runs
-        # (`decode.decode_program`); False keeps every token on the call-by-call loop.
+        # Decode's token as one native program where the device records runs
+        # (`recording.decode_program`); False keeps every token on the call-by-call loop.
         self.native_decode = True
-        self.recorded_decode: tuple[tuple, object] | None = None    # (storage key, program or None)
+        self.recorded_decode: tuple[tuple, object] | None = None    # (storage key, program), `recording`'s
 
     def layer_groups(self, layer: int) -> list[KernelGroup]:
         """The groups `layer` runs: every bucket's prefill kinds and the decode kinds."""
