@@ -59,6 +59,7 @@ class DecodeProgram:
 
     @property
     def program(self) -> NativeProgram:
+        """The native program itself: its ops by label (`labelled`) say what it covers."""
         return self._prog
 
     @property
