@@ -341,27 +341,11 @@ class SimDevice:
         interpreted MLIR to. Sessions keep the class's kernels, the faster ones."""
         self.npu_numerics = npu_numerics
         self.counters = Counters()
-        self.storage_epoch = 0     # `api.Recorder`'s: bumped whenever a BO's device storage is replaced
+        # `api.Recorder`'s: bumped whenever a BO's device storage is replaced (`SimBO._set_dev`).
+        self.storage_epoch = 0
 
     def toolchain_stamp(self) -> str:
         return f"sim-ops-v1/torch-{torch.__version__}"
-
-    # ---- recording (`api.Recorder`) ---------------------------------------------------------
-    def recorder(self) -> SimDevice | None:
-        """This device, which records its runs where every launch binds a native call: with the
-        native library loaded and the class's own numbers. The torch class binds torch bodies,
-        and `npu_numerics` may (it picks the NPU's contract over a class's native kernel);
-        their tokens run call by call."""
-        return self if native_cpu.available() and not self.npu_numerics else None
-
-    def program(self) -> NativeProgram:
-        return NativeProgram.new()
-
-    def record(self, prog: NativeProgram, kernel: SimKernel, bos: list[SimBO], inputs: list[RecordedInput],
-               outputs: list[RecordedOutput]) -> None:
-        if not isinstance(kernel, SimKernel) or kernel.device is not self:
-            raise DeviceError(f"a run of {type(kernel).__name__} recorded on a simulated device that did not load it")
-        kernel.record(prog, bos, inputs, outputs)
 
     def toolchain_description(self) -> str:
         return self.toolchain_stamp()
@@ -394,3 +378,20 @@ class SimDevice:
         if program != json.loads(json.dumps(group.to_json(), sort_keys=True)):
             raise DeviceError(f"{artifact_dir}: launch program does not match the declaration of {group.name}")
         return SimKernel(self, group)
+
+    # ---- recording (`api.Recorder`) ---------------------------------------------------------
+    def recorder(self) -> SimDevice | None:
+        """This device, which records its runs where every launch binds a native call: with the
+        native library loaded and the class's own numbers. The torch class binds torch bodies,
+        and `npu_numerics` may (it picks the NPU's contract over a class's native kernel);
+        their tokens run call by call."""
+        return self if native_cpu.available() and not self.npu_numerics else None
+
+    def program(self) -> NativeProgram:
+        return NativeProgram.new()
+
+    def record(self, prog: NativeProgram, kernel: SimKernel, bos: list[SimBO], inputs: list[RecordedInput],
+               outputs: list[RecordedOutput]) -> None:
+        if not isinstance(kernel, SimKernel) or kernel.device is not self:
+            raise DeviceError(f"a run of {type(kernel).__name__} recorded on a simulated device that did not load it")
+        kernel.record(prog, bos, inputs, outputs)
