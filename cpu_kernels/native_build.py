@@ -20,7 +20,7 @@ _SRCS = [_NATIVE / f"{name}_bf16_cpu.cc"
          for name in ("matmul", "pack", "eltwise", "attention", "flash_attention", "matmul_tiles")]
 _SRCS += [_NATIVE / f"{name}_cpu.cc" for name in ("q4nx", "q4nx_gemm", "rows", "stream_ahead", "program")]
 _HEADERS = [_NATIVE / "simd_bf16.h", _NATIVE / "packed_tiles.h", _NATIVE / "tiles_bf16.h", _NATIVE / "q4nx_blocks.h",
-            _NATIVE / "q4nx_activations.h", _NATIVE / "stream_split.h"]
+            _NATIVE / "q4nx_activations.h", _NATIVE / "stream_split.h", _NATIVE / "replayed.h"]
 # The Q4NX layout as the kernels see it: from its one declaration.
 _Q4NX = [f"-DQ4NX_{name}={value}" for name, value in
          (("ROWS", q4nx.ROWS), ("COLS", q4nx.COLS), ("GROUP", q4nx.GROUP), ("FIXED_BITS", q4nx.FIXED_BITS),

@@ -123,27 +123,16 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pack_weight_bf16_cpu_plan.argtypes = [ptr, i64, i64, ctypes.POINTER(i64)]
     lib.pack_weight_bf16_cpu_plan.restype = i64
     lib.pack_weight_bf16_cpu.argtypes = [ptr, i64, i64, i64, ptr]
-    lib.gemv_packed_bf16_cpu_batch.argtypes = [ptr, ctypes.c_int]
-    lib.gemm_packed_bf16_cpu.argtypes = [ptr, ptr, ptr, i64, i64, i64]
     lib.matmul_bf16_cpu_tile_rows.restype = i64
     lib.tile_rows = lib.matmul_bf16_cpu_tile_rows()
     lib.matmul_bf16_cpu_packed_header.restype = i64
     lib.packed_header = lib.matmul_bf16_cpu_packed_header()
-    lib.rmsnorm_bf16_cpu.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
-    lib.swiglu_bf16_cpu.argtypes = [ptr, ptr, ptr, i64]
-    lib.add_bf16_cpu.argtypes = [ptr, ptr, ptr, i64]
-    lib.rope_bf16_cpu.argtypes = [ptr, ptr, ptr, i64, i64, i64]
-    lib.attention_bf16_cpu.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     lib.attention_bf16_cpu_max_head_dim.restype = i64
-    lib.kv_store_row_bf16_cpu.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
     lib.max_head_dim = lib.attention_bf16_cpu_max_head_dim()
     lib.flash_attention_bf16_cpu.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64]
     lib.flash_attention_bf16_cpu_max_head_dim.restype = i64
     lib.flash_max_head_dim = lib.flash_attention_bf16_cpu_max_head_dim()
     lib.tiles_dot_bf16_cpu.argtypes = [ptr, ptr, ptr]
-    lib.gemv_q4nx_cpu_batch.argtypes = [ptr, ctypes.c_int]
-    lib.gemm_q4nx_cpu.argtypes = [ptr, ptr, ptr, i64, i64, i64]
-    lib.gemm_q4nx_int_cpu.argtypes = [ptr, ptr, ptr, i64, i64, i64]
     lib.read_rows_cpu.argtypes = [ctypes.c_int, i64, i64, i64, ptr, i64, ptr]
     lib.read_rows_cpu.restype = i64
     lib.read_rows_cached_cpu.argtypes = [ctypes.c_int, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr]
@@ -155,8 +144,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.rescore_rows_cpu.restype = i64
     lib.stream_ahead_set.argtypes = [i64]
     lib.native_program_max_args.restype = i64
-    lib.native_program_signature.argtypes = [i64]
-    lib.native_program_signature.restype = ctypes.c_char_p
+    lib.replayed = replayed_functions(lib)
+    for name, (_, kinds) in lib.replayed.items():
+        getattr(lib, name).argtypes = [ARG_TYPES[k] for k in kinds]
     lib.native_program_run.argtypes = [ptr, i64, i64, ptr]
     lib.native_program_run.restype = i64
     lib.stream_ahead_bytes.restype = i64
@@ -164,6 +154,29 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.stream_ahead_set(ahead_from_env())
     lib.isa = lib.native_cpu_isa().decode()
     return lib
+
+
+# The argument kinds of a replayed function as program_cpu.cc spells them (its `Kind`).
+ARG_TYPES = {"p": ctypes.c_void_p, "q": ctypes.c_int64, "i": ctypes.c_int, "f": ctypes.c_float}
+
+
+def replayed_functions(lib: ctypes.CDLL) -> dict[str, tuple[int, str]]:
+    """The functions a native program may replay, as the library's table lists them: name ->
+    (code, argument kinds, one letter of `ARG_TYPES` each). program_cpu.cc derives the table
+    from the functions' prototypes (native/replayed.h), and `_bind` their `argtypes` from it:
+    the one declaration of those signatures is the C++ one. A kind this module cannot pass is
+    a library built from other sources than this module, refused at load."""
+    lib.native_program_function.argtypes = lib.native_program_signature.argtypes = [ctypes.c_int64]
+    lib.native_program_function.restype = lib.native_program_signature.restype = ctypes.c_char_p
+    out: dict[str, tuple[int, str]] = {}
+    while name := lib.native_program_function(len(out)).decode():
+        kinds = lib.native_program_signature(len(out)).decode()
+        unknown = sorted(set(kinds) - set(ARG_TYPES))
+        if unknown:
+            raise RuntimeError(f"native library: {name}({kinds}) takes argument kinds {unknown} that "
+                               f"native_cpu.ARG_TYPES does not know (a library from other sources)")
+        out[name] = (len(out), kinds)
+    return out
 
 
 def ahead_from_env() -> int:
@@ -395,11 +408,16 @@ def gemm_q4nx_call(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
     return _gemm_call("gemm_q4nx_int_cpu" if integer else "gemm_q4nx_cpu", _q4nx_bytes, a, w, out)
 
 
-def _bound(fn: Callable, tensors, *args) -> partial:
+class NativeCall(partial):
+    """A function of the native library bound to its arguments (`_bound`): what a native
+    program replays (`NativeProgram.bound`), where a torch body bound the same way is not."""
+
+
+def _bound(fn: Callable, tensors, *args) -> NativeCall:
     """`fn` bound to `args`, raw addresses among them, holding the tensors they point into: a
     bound call outlives the statement that made it (the simulated device replays it on every
     run), and memory freed under it would be written to by the next run."""
-    call = partial(fn, *args)
+    call = NativeCall(fn, *args)
     call.tensors = tuple(tensors)
     return call
 

@@ -7,6 +7,12 @@ copies between them (a buffer's sync, an activation handed to the next call) as 
 and `run(pos)` makes them all in one call. Arguments that follow the token's position (a KV
 row's address, a RoPE table row, an attention's length) are recorded with a step per position.
 
+Which functions it replays, and their argument kinds, are the library's table
+(`native_cpu.replayed_functions`, from the prototypes in native/replayed.h). A call outside it
+raises `ReplayError` naming the function and its signature: the program is only made by a
+device that declared it can record (`npu_runtime.api.Recorder`), so what it cannot replay is a
+bug to see, not a token to run some other way.
+
 A program holds raw addresses: it keeps references to what they point into (`hold`), and its
 owner must drop it when any of that storage may have been replaced.
 """
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -22,8 +29,17 @@ import numpy as np
 
 from cpu_kernels import native_cpu
 
-_COPY = "ppq"           # signature code 0: memmove(dst, src, n)
-_TYPES = {ctypes.c_void_p: "p", ctypes.c_int64: "q", ctypes.c_int: "i", ctypes.c_float: "f"}
+_KINDS = {t: k for k, t in native_cpu.ARG_TYPES.items()}    # ctypes type -> its kind's letter
+
+
+class ReplayError(RuntimeError):
+    """A call a native program cannot replay: a function outside the library's table, argument
+    types that are not the table's, or a body that is not a native call at all."""
+
+
+def signature(fn) -> str:
+    """The kinds of `fn`'s ctypes `argtypes`, one letter each ("?" for a type no kind carries)."""
+    return "".join(_KINDS.get(t, "?") for t in (fn.argtypes or ()))
 
 
 class NativeProgram:
@@ -32,9 +48,8 @@ class NativeProgram:
     def __init__(self, lib: ctypes.CDLL):
         self._lib = lib
         self._max_args = lib.native_program_max_args()
-        self._codes: dict[str, int] = {}
-        while sig := lib.native_program_signature(len(self._codes)).decode():
-            self._codes[sig] = len(self._codes)
+        self._functions: dict[str, tuple[int, str]] = lib.replayed
+        self._copy = lib.native_program_copy
         self._ops: list[list[int]] = []
         self._labels: list[object] = []
         self._holds: list[object] = []
@@ -45,61 +60,69 @@ class NativeProgram:
         self.tallies: dict[object, int] = {}
 
     @classmethod
-    def new(cls) -> NativeProgram | None:
-        """An empty program, or None where the native library is unavailable."""
-        lib = native_cpu._library()
-        return cls(lib) if lib is not None else None
+    def new(cls) -> NativeProgram:
+        """An empty program on the chosen class's library; `ReplayError` where there is none
+        (the torch class: a device there declares it cannot record)."""
+        lib = native_cpu.library()
+        if lib is None:
+            raise ReplayError("no native library (the torch class): there is nothing to replay calls with")
+        return cls(lib)
 
     def __len__(self) -> int:
         return len(self._ops)
 
-    def _op(self, sig: str, fn: int, args: list[int], steps: list[int]) -> bool:
-        code = self._codes.get(sig)
-        if code is None or len(args) > self._max_args:
-            return False
+    def labelled(self) -> Counter:
+        """How many ops each label has: what a recording's coverage is checked by."""
+        return Counter(self._labels)
+
+    def _op(self, code: int, fn: int, args: list[int], steps: list[int]) -> None:
         pad = [0] * (self._max_args - len(args))
         self._ops.append([code, fn, *args, *pad, *steps, *pad])
         self._labels.append(self.label)
         self._table = None
-        return True
 
     def copy(self, dst: int, src: int, nbytes: int, src_step: int = 0) -> None:
         """memmove(dst, src + pos · src_step, nbytes)."""
-        self._op(_COPY, 0, [dst, src, nbytes], [0, src_step, 0])
+        self.call(self._copy, (dst, src, nbytes), (0, src_step, 0))
 
-    def call(self, fn, args: tuple, steps: tuple = ()) -> bool:
+    def call(self, fn, args: tuple, steps: tuple = ()) -> None:
         """`fn` (a function of the native library, its `argtypes` set) with `args`, argument i
-        plus pos · steps[i]; ints stand for addresses. False if its signature is not one the
-        replay knows, or an argument is not an int, a float or a ctypes array."""
-        sig = "".join(_TYPES.get(t, "?") for t in (fn.argtypes or ()))
-        if len(sig) != len(args):
-            return False
+        plus pos · steps[i]; ints stand for addresses. `ReplayError`, naming the function and
+        its signature, where the table has no such function, its `argtypes` are not the table's
+        kinds, or an argument is not an int, a float or a ctypes array of its kind."""
+        name, have = fn.__name__, signature(fn)
+        entry = self._functions.get(name)
+        if entry is None:
+            raise ReplayError(f"{name}({have}): not a function the native program replays "
+                              f"(program_cpu.cc replays {', '.join(self._functions)})")
+        code, kinds = entry
+        if have != kinds:
+            raise ReplayError(f"{name}: its argtypes say ({have}), the library's table ({kinds})")
+        if len(args) != len(kinds) or len(steps) > len(kinds):
+            raise ReplayError(f"{name}({kinds}): {len(args)} arguments and {len(steps)} steps")
         words = []
-        for kind, a in zip(sig, args):
+        for i, (kind, a) in enumerate(zip(kinds, args)):
             if kind == "f" and isinstance(a, (int, float)):
                 words.append(struct.unpack("<I", struct.pack("<f", a))[0])
-            elif kind in "pqi" and isinstance(a, ctypes.Array):
+            elif kind != "f" and isinstance(a, ctypes.Array):
                 words.append(ctypes.addressof(a))
                 self._holds.append(a)
-            elif kind in "pqi" and isinstance(a, int):
+            elif kind != "f" and isinstance(a, int):
                 words.append(a)
             else:
-                return False
-        steps = list(steps) + [0] * (len(args) - len(steps))
-        if not self._op(sig, ctypes.cast(fn, ctypes.c_void_p).value, words, steps):
-            return False
+                raise ReplayError(f"{name}({kinds}): argument {i} is a {type(a).__name__}, not a {kind!r} word")
+        self._op(code, ctypes.cast(fn, ctypes.c_void_p).value, words, list(steps) + [0] * (len(args) - len(steps)))
         self._holds.append(fn)
-        return True
 
-    def bound(self, call) -> bool:
-        """A bound native call (`native_cpu._bound`): its function and arguments, fixed. False
-        for anything else (a torch body the device falls back to)."""
-        if not isinstance(call, partial) or call.keywords or not hasattr(call.func, "argtypes"):
-            return False
-        if not self.call(call.func, call.args):
-            return False
+    def bound(self, call) -> None:
+        """A bound native call (`native_cpu.NativeCall`): its function and arguments, fixed.
+        `ReplayError` for anything else (a torch body the device bound instead), named."""
+        if not isinstance(call, native_cpu.NativeCall) or call.keywords:
+            body = call.func if isinstance(call, partial) else call
+            raise ReplayError(f"{getattr(body, '__name__', type(body).__name__)}: not a native call, "
+                              "which a native program cannot replay")
+        self.call(call.func, call.args)
         self._holds.append(call)
-        return True
 
     def hold(self, *objects: object) -> None:
         """Keep `objects` alive as long as the program: recorded addresses point into them."""

@@ -6,6 +6,12 @@ on a list of BOs. The
 real NPU (`npu_runtime.xrt`) and the simulated one (`npu_runtime.sim`) implement it, so the
 KernelCache, preload and the prefill / decode loops are one code path for both. It is kept this
 narrow so that a device which executes the stitched MLIR-AIR itself needs nothing more.
+
+One capability is optional, and declared: recording (`Recorder`). A device whose kernels run
+as native calls on the host can append a run's copies and calls to a native program, which
+replays a whole decode token in one call (`llama_runtime.engine.recording`). Every device
+answers `Device.recorder()`: the simulated one with itself, the others with None, and their
+tokens then run call by call.
 """
 from __future__ import annotations
 
@@ -13,11 +19,14 @@ import ctypes
 import enum
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
 from llama_base.group_contract import KernelGroup
+
+if TYPE_CHECKING:
+    from cpu_kernels.native_program import NativeProgram
 
 _MEMMOVE_MAX = 256 << 10   # copies up to this size go by memmove
 
@@ -65,6 +74,61 @@ class Kernel(Protocol):
     def run(self, bos: list) -> None: ...
 
 
+class AddressedBO(BO, Protocol):
+    """A BO of a device that records (`Recorder`): both its sides are host memory, at addresses
+    that hold while the device's `storage_epoch` does; a recorded run copies between them."""
+
+    def host_ptr(self) -> int | None:
+        """Where the host side starts (it is mapped for good); None for a packed weight, whose
+        host side comes and goes and which no run's inputs or outputs are."""
+        ...
+
+    def device_ptr(self) -> int:
+        """Where the device side starts: what the kernels' bound calls read and write."""
+        ...
+
+
+class RecordedInput(NamedTuple):
+    """An input slot of a recorded run: `nbytes` into `bo`, read from the host address `source`
+    plus `step` bytes per position (a table row), synced to the device."""
+
+    bo: AddressedBO
+    nbytes: int
+    source: int
+    step: int
+
+
+class RecordedOutput(NamedTuple):
+    """An output slot of a recorded run: its first `nbytes`, synced back from the device."""
+
+    bo: AddressedBO
+    nbytes: int
+
+
+class Recorder(Protocol):
+    """Recording: the runs of a device's kernels appended to a native program, which then makes
+    them with no Python between them (`cpu_kernels.native_program`). A program holds raw
+    addresses: of each BO's host and device sides (`AddressedBO`), and of the storages the
+    kernels' bound calls point into. `storage_epoch` changes whenever any of them may have been replaced (a
+    BO given new device storage), and a program recorded under another epoch must not run."""
+
+    storage_epoch: int
+
+    def program(self) -> NativeProgram:
+        """An empty program to record into."""
+        ...
+
+    def record(self, prog: NativeProgram, kernel: Kernel, bos: list[AddressedBO], inputs: list[RecordedInput],
+               outputs: list[RecordedOutput]) -> None:
+        """Append one run of `kernel` (loaded by this device) on `bos` to `prog`, as
+        `KernelCache.load_and_run` makes it: each input copied into its BO's host side and
+        synced, the kernel's launches, each output synced back; the device's counters counted
+        on every replay as the run would count them. Raises (`native_program.ReplayError`,
+        naming the launch and its function) where a launch has no call the program can make:
+        a device that records binds every launch natively."""
+        ...
+
+
 class Device(Protocol):
     """Builds, loads and runs groups. `compile` returns the artifact's file names (the
     KernelCache hashes them into its manifest); `toolchain_stamp` is part of the cache key,
@@ -89,6 +153,9 @@ class Device(Protocol):
     def sub_bo(self, parent: BO, nbytes: int, offset: int = 0) -> BO: ...
     def compile(self, group: KernelGroup, out_dir: Path, mlir_text: str) -> list[str]: ...
     def load(self, artifact_dir: Path, group: KernelGroup) -> Kernel: ...
+    # The device's `Recorder`, or None where its runs cannot be recorded (they are commands to
+    # the NPU, or interpreted): its decode tokens then run call by call.
+    def recorder(self) -> Recorder | None: ...
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor, offset: int, nbytes: int) -> None:

@@ -20,14 +20,18 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from llama_base.group_contract import KernelGroup, Role
 from llama_base.errors import KernelCacheError
-from npu_runtime.api import BO, Device, Sync, copy_tensor
+from npu_runtime.api import BO, Device, RecordedInput, RecordedOutput, Recorder, Sync, copy_tensor
 from npu_runtime.artifacts import ArtifactCache, CacheStats
 from npu_runtime.profiler import NULL_PROFILER, Profiler
+
+if TYPE_CHECKING:
+    from cpu_kernels.native_program import NativeProgram
 
 
 @dataclass
@@ -203,18 +207,15 @@ class KernelCache:
             self.profiler.record_call(s.group.kind, t1 - t0, t2 - t1, time.perf_counter() - t2)
         return out
 
-    def record_run(self, prog, name: str, bo_key: str,
-                   sources: dict[str, tuple[torch.Tensor, int]]) -> dict[str, torch.Tensor] | None:
-        """Append `load_and_run(name, ..., bo_key)` to a native program (`NativeProgram`), each
-        input slot read from `sources[slot]` = (tensor, step): the tensor's bytes at position 0,
-        `step` bytes further on per position (a table row); the caller keeps the positions it
-        runs at inside the tensor's storage. Returns the output views the program fills, or
-        None where the device records no runs (only the simulated device does, and not on the
-        torch class). The program stays valid while neither the device's storage nor this
-        cache's `epoch` changes."""
-        record = getattr(self.artifacts.kernel(name), "record", None)
-        if record is None:
-            return None
+    def record_run(self, recorder: Recorder, prog: NativeProgram, name: str, bo_key: str,
+                   sources: dict[str, tuple[torch.Tensor, int]]) -> dict[str, torch.Tensor]:
+        """Append `load_and_run(name, ..., bo_key)` to a native program through the device's
+        `recorder` (`api.Recorder`), each input slot read from `sources[slot]` = (tensor, step):
+        the tensor's bytes at position 0, `step` bytes further on per position (a table row);
+        the caller keeps the positions it runs at inside the tensor's storage. Returns the
+        output views the program fills. The program stays valid while neither the recorder's
+        `storage_epoch` nor this cache's `epoch` changes."""
+        kernel = self.artifacts.kernel(name)
         s = self._runnable_set(name, bo_key)
         ins, outs = s.io
         inputs = []
@@ -223,10 +224,9 @@ class KernelCache:
             if not t.is_contiguous() or t.numel() * t.element_size() != n:
                 raise ValueError(f"{name}.{slot.name}: a source of {t.numel() * t.element_size()} bytes "
                                  f"for a {n}-byte input")
-            inputs.append((bo, n, t.data_ptr(), step))
+            inputs.append(RecordedInput(bo, n, t.data_ptr(), step))
             prog.hold(t)
-        if not record(prog, s.bos, inputs, [(bo, n) for _, _, bo, n in outs]):
-            return None
+        recorder.record(prog, kernel, s.bos, inputs, [RecordedOutput(bo, n) for _, _, bo, n in outs])
         return {slot.name: view for slot, view, _, _ in outs}
 
     def _runnable_set(self, name: str, bo_key: str) -> BOSet:

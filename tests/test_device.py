@@ -364,3 +364,19 @@ def test_every_device_implements_the_whole_device_api():
     # XrtDevice opens pyxrt when made: its class carries everything but what __init__ sets.
     assert [n for n in sorted(methods | {"kind", "rebuild_on_load_error", "key_on_module_text"})
             if not hasattr(xrt_device.XrtDevice, n)] == []
+
+
+def test_recording_is_a_capability_each_device_declares():
+    """`Device.recorder()` answers for every device: the simulated one records its runs (with the
+    native library, on its class's own numbers) and has all of `api.Recorder`; the interpreter
+    does not, nor does the NPU (its fake-pyxrt test asks the device itself)."""
+    from npu_runtime.interp.device import InterpDevice
+
+    members = {n for n, v in vars(api.Recorder).items() if callable(v) and not n.startswith("_")}
+    members |= set(api.Recorder.__annotations__)
+    assert members == {"storage_epoch", "program", "record"}
+    sim = SimDevice()
+    assert sim.recorder() is (sim if native_cpu.available() else None)
+    assert all(hasattr(sim, n) for n in members)
+    assert SimDevice(npu_numerics=True).recorder() is None and InterpDevice().recorder() is None
+    assert xrt_device.XrtDevice.recorder(None) is None

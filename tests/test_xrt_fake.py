@@ -313,3 +313,5 @@ def test_layers_of_two_group_variants_decode_without_reopening_a_context(fake, t
         assert int(got.argmax()) == int(want.argmax())
         assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.999
     assert sum(1 for c in fake.calls if c[0] == "hw_context") == opened
+    # The NPU declares that it records nothing: its tokens ran call by call, no recording tried.
+    assert npu.kc.device.recorder() is None and npu.recorded_decode is None

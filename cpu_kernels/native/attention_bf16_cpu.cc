@@ -19,6 +19,7 @@
 #include <cstring>
 #include <vector>
 
+#include "replayed.h"
 #include "simd_bf16.h"
 
 namespace {

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 
+#include "replayed.h"
 #include "simd_bf16.h"
 
 namespace {

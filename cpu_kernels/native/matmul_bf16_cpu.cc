@@ -32,6 +32,7 @@
 
 #include "packed_tiles.h"
 #include "q4nx_blocks.h"
+#include "replayed.h"
 #include "simd_bf16.h"
 #include "stream_split.h"
 #include "tiles_bf16.h"

@@ -27,6 +27,7 @@
 
 #include "q4nx_activations.h"
 #include "q4nx_blocks.h"
+#include "replayed.h"
 #include "stream_split.h"
 
 namespace {

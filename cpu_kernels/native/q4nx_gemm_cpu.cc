@@ -16,6 +16,7 @@
 
 #include "q4nx_activations.h"
 #include "q4nx_blocks.h"
+#include "replayed.h"
 
 namespace {
 

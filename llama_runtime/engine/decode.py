@@ -5,14 +5,14 @@ appended to the KV cache at `pos` and attention over positions 0..pos, one host 
 (`KVCache.store_and_attend`) → `o_gemv_ffn` (O GEMV, residual, RMSNorm, SwiGLU GEMVs,
 residual). Attention stays on the host because for one query it is a small, memory-bound read
 of the cache that would otherwise need the whole cache in device buffers. Where the device
-records its runs, a token's layers and its LM head call are those same calls replayed as one
-native program (`decode_program`).
+records its runs (`api.Recorder`), a token's layers and its LM head call are those same calls
+replayed as one native program (`recording`): `decode_step` is the one place that chooses.
 """
 from __future__ import annotations
 
 import torch
 
-from llama_runtime.engine.recording import decode_program
+from llama_runtime.engine.recording import DecodeProgram, decode_program
 from llama_runtime.engine.device_model import Capture, DeviceModel, bo_key
 from llama_runtime.engine.kv_cache import HOST_OP, decode_attention_cpu
 
@@ -47,17 +47,30 @@ def _ffn(model: DeviceModel, layer: int, attn: torch.Tensor, x: torch.Tensor, ca
 
 
 def decode_step(model: DeviceModel, token: int, pos: int, capture: Capture | None = None) -> torch.Tensor:
-    """Feed `token` at position `pos` (= number of tokens already cached); f32 logits of the next token."""
+    """Feed `token` at position `pos` (= number of tokens already cached); f32 logits of the next
+    token. The token's recorded program where there is one (a device that records, no
+    verification hooks: `recording.decode_program`), else its calls one by one: the same calls,
+    so the same numbers, cache and counters either way."""
     if pos >= model.max_context:
         raise IndexError(f"position {pos} is past the KV cache ({model.max_context} positions)")
     program = decode_program(model) if capture is None else None
-    # A recorded step takes its row where its first call reads it, read there from the file.
-    x = None if program is not None and model.embed_into(token, program.row_in) else model.embed_tokens([token])[0]
-    model.kv.invalidate(pos)
     if program is not None:
-        normed, parts = program.run(x, pos, model.profiler)
-        model.kv.hold(pos, [token])
-        return model.head_logits(parts, normed)
+        return _replayed(model, program, token, pos)
+    return _call_by_call(model, token, pos, capture)
+
+
+def _replayed(model: DeviceModel, program: DecodeProgram, token: int, pos: int) -> torch.Tensor:
+    # The row goes where the program's first call reads it, read there from the file if it can be.
+    x = None if model.embed_into(token, program.row_in) else model.embed_tokens([token])[0]
+    model.kv.invalidate(pos)
+    normed, parts = program.run(x, pos, model.profiler)
+    model.kv.hold(pos, [token])
+    return model.head_logits(parts, normed)
+
+
+def _call_by_call(model: DeviceModel, token: int, pos: int, capture: Capture | None) -> torch.Tensor:
+    x = model.embed_tokens([token])[0]
+    model.kv.invalidate(pos)
     for layer in range(model.config.num_hidden_layers):
         x = decode_layer(model, layer, x, pos, capture)
     model.kv.hold(pos, [token])

@@ -21,6 +21,7 @@ from llama_runtime.engine.head_rescore import ROW_CACHE_BYTES, TOP_K, rescore
 from llama_runtime.engine.kv_cache import KVCache
 from llama_base.rope import generate_rope_lut
 from llama_runtime.engine.weight_slots import static_tensors
+from llama_runtime.checkpoints.safetensors_io import FileRows
 from llama_runtime.checkpoints.weights import LlamaWeights
 from npu_runtime.cache import KernelCache
 from npu_runtime.profiler import NULL_PROFILER, Profiler
@@ -55,7 +56,7 @@ class PrefillGroups:
 
 
 def _row_reader(table: torch.Tensor, weights: LlamaWeights | None,
-                cache_bytes: int = 0) -> Callable[[torch.Tensor], torch.Tensor]:
+                cache_bytes: int = 0) -> FileRows | Callable[[torch.Tensor], torch.Tensor]:
     """Rows of a bf16 table by id (embedding lookups, a quantized head's rescored candidates):
     read from the checkpoint file where the table is a view of it (`FileRows`: only a cache of
     up to `cache_bytes` of recent rows stays resident), else gathered from the tensor."""
@@ -102,7 +103,7 @@ class DeviceModel:
         self.head_rows = (_row_reader(weights.backing.lm_head, weights.backing, ROW_CACHE_BYTES)
                           if weights.backing is not None else None)
         self.rescore_k = TOP_K if self.head_rows is not None else 0
-        if self.rescore_k and hasattr(self.head_rows, "prefetch"):
+        if self.rescore_k and isinstance(self.head_rows, FileRows):
             self.head_rows.prefetch()     # after the weights' load, so as not to compete with it
         # A context shorter than the smallest bucket still prefills a whole bucket's rows (the
         # padding included), so the cache and the RoPE table hold at least that many positions;
@@ -110,10 +111,10 @@ class DeviceModel:
         positions = max(max_context, self.buckets[-1])
         self.kv = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, positions, cfg.head_dim)
         self.rope_lut = generate_rope_lut(cfg, positions)
-        # Decode's layers as one native program where the device records runs
-        # (`decode.decode_program`); False keeps every token on the call-by-call loop.
+        # Decode's token as one native program where the device records runs
+        # (`recording.decode_program`); False keeps every token on the call-by-call loop.
         self.native_decode = True
-        self.recorded_decode: tuple[tuple, object] | None = None    # (storage key, program or None)
+        self.recorded_decode: tuple[tuple, object] | None = None    # (storage key, program), `recording`'s
 
     def layer_groups(self, layer: int) -> list[KernelGroup]:
         """The groups `layer` runs: every bucket's prefill kinds and the decode kinds."""
@@ -172,12 +173,11 @@ class DeviceModel:
         """The embedding row of `token` read straight into `out` (a recorded decode step's input
         row), with no tensor made on the way; False, nothing read, where the table is not read
         from its file natively (`embed_tokens` serves)."""
-        read = getattr(self.embed_rows, "read_into", None)
-        if read is None:
+        if not isinstance(self.embed_rows, FileRows):
             return False
         with self.profiler.host_op("embedding"):
             self._check_ids([token])
-            return read(token, out)
+            return self.embed_rows.read_into(token, out)
 
     def _check_ids(self, ids: list[int]) -> None:
         v = self.config.vocab_size

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 from cpu_kernels import native_rows
+from llama_runtime.checkpoints.safetensors_io import FileRows
 
 TOP_K = 256
 # The rows read last, kept for the next tokens (4096 rows of Llama-3.2-1B's head). On the one
@@ -39,11 +40,10 @@ def rescore(logits: torch.Tensor, normed: torch.Tensor, rows: Callable[[torch.Te
     """Overwrite the `k` highest of `logits` (f32 [vocab]) with bf16-rounded `rows(ids) · normed`,
     where `rows` gives the bf16 head rows of the ids asked for; returns those ids. With `source`
     (the head's bf16 logits), `logits` is only the f32 tensor to fill: it receives `source`
-    widened first. A `rows` with a `rescore` method does it all in one call where it can
-    (`FileRows.rescore`, with the same numbers)."""
+    widened first. A `FileRows` does it all in one call where it can (`FileRows.rescore`,
+    with the same numbers)."""
     k = min(k, logits.numel())
-    fused = getattr(rows, "rescore", None)     # `FileRows`: the steps below in one native call
-    idx = fused(logits, normed, k, source) if fused is not None else None
+    idx = rows.rescore(logits, normed, k, source) if isinstance(rows, FileRows) else None
     if idx is not None:
         return idx
     if source is not None:

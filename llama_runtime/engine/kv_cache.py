@@ -1,13 +1,13 @@
 """The KV cache and the host ops that read and write it: the row store and decode attention.
 
 Both run on the CPU on every device (the call-by-call decode runs them between device calls;
-the recorded decode binds them into its program). Like the device's launches, they are tested
-against `verify.reference`, which states where bf16 rounds.
+the recorded decode replays their native calls, `native_calls`). Like the device's launches,
+they are tested against `verify.reference`, which states where bf16 rounds.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -95,25 +95,21 @@ class KVCache:
         attend(*attend_args)
         return out
 
-    def record_store_and_attend(self, prog, layer: int, q: torch.Tensor, k_row: torch.Tensor, v_row: torch.Tensor,
-                                n_heads: int) -> torch.Tensor | None:
-        """`store_and_attend(layer, pos, ...)` appended to a native program (`NativeProgram`)
-        for whatever position it runs at: the row's address and the attention's length step
-        with it; its ops labelled and tallied as ("host", `HOST_OP`). The program must not
-        run at a position past the cache. None where the step has no native form."""
+    def native_calls(self, layer: int, q: torch.Tensor, k_row: torch.Tensor, v_row: torch.Tensor,
+                     n_heads: int) -> tuple[list[tuple[Callable, tuple, tuple]], torch.Tensor] | None:
+        """`store_and_attend(layer, pos, ...)` as native calls for whatever position it runs at:
+        each (function, its arguments at position 0, their steps per position: the row's
+        address and the attention's length follow the position), and the tensor the attention
+        writes; None where the step has no native form. What a recorded decode token makes of
+        this layer's host op (`engine.recording`); it must not run past the cache."""
         if not 0 <= layer < self.layers:
             raise IndexError(f"KV cache holds {self.layers} layers; recording layer {layer}")
-        q, k_row, v_row, state = self._bind_step(q, k_row, v_row, n_heads)
+        state = self._bind_step(q, k_row, v_row, n_heads)[3]
         if state is None:
             return None
         # The arguments are linear in the position: each one's step is its value at 1 less at 0.
         at0, at1 = self._native_args(state, layer, 0), self._native_args(state, layer, 1)
-        with prog.host_op(HOST_OP):
-            ok = all(prog.call(fn, a0, tuple(b - a for a, b in zip(a0, a1)))
-                     for fn, a0, a1 in zip(state[:2], at0, at1))
-        out = state[2]
-        prog.hold(self.k, self.v, q, k_row, v_row, out)
-        return out if ok else None
+        return [(fn, a0, tuple(b - a for a, b in zip(a0, a1))) for fn, a0, a1 in zip(state[:2], at0, at1)], state[2]
 
     def _native_args(self, state: tuple, layer: int, pos: int) -> tuple[tuple, tuple]:
         """The native KV row store's and attention's arguments for `layer` at `pos`, from a bound

@@ -1,25 +1,32 @@
-"""A decode token as one native program, on a device that can record its runs.
+"""A decode token as one native program, on a device that declares it can record its runs.
 
 Every layer of a token runs the same calls on the same buffers: `rms_gemv_rope`, the KV row's
 store and the attention, `o_gemv_ffn`; then come the final RMSNorm and the LM head's call. On
 the simulated device each of those is a few native calls with their pointers fixed, and what
 a token still paid was the interpreter between them (writing each input, reading each
 output, the layer loop), run from caches the GEMVs had just flushed: several milliseconds of
-a Llama-3.2-1B token (docs/profile.md, "Around the calls"). Recorded once
-(`KernelCache.record_run`, `KVCache.record_store_and_attend`), they are one call per token:
-the same copies, syncs, kernels and counters, in the same order, so the same numbers as the
-call-by-call loop (`decode.decode_layer`, `DeviceModel.logits`), which stays the path of the
-devices that cannot record (the NPU, the interpreter), of the torch class and of verification
-hooks. A profiled run times each recorded op natively and reports the calls as the loop does.
+a Llama-3.2-1B token (docs/profile.md, "Around the calls"). Recorded once, they are one call
+per token: the same copies, syncs, kernels and counters, in the same order, so the same
+numbers as the call-by-call loop (`decode.decode_layer`, `DeviceModel.logits`). A profiled
+run times each recorded op natively and reports the calls as the loop does.
+
+This module is the whole of recording: the device's runs go in through its `api.Recorder`
+(`KernelCache.record_run`), the KV store and attention through their native calls
+(`KVCache.native_calls`), the final RMSNorm and the head's partitions here; and a program is
+kept for as long as its key holds (the recorder's storage epoch, the kernel cache's epoch).
+A device without a recorder (the NPU, the interpreter, the torch class, the NPU's numbers)
+runs every token call by call, by its declaration. On one that records, a call the program
+cannot make is an error (`ReplayError`, naming it), not a token run some other way.
 """
 from __future__ import annotations
 
 import torch
 
 from cpu_kernels import native_cpu
-from cpu_kernels.native_program import NativeProgram
+from cpu_kernels.native_program import NativeProgram, ReplayError
 from llama_runtime.engine.device_model import FINAL_NORM, DeviceModel, bo_key
-from npu_runtime.api import copy_tensor
+from llama_runtime.engine.kv_cache import HOST_OP, KVCache
+from npu_runtime.api import Recorder, copy_tensor
 from npu_runtime.profiler import NULL_PROFILER, Profiler
 
 _PHASES = ("write", "run", "read")
@@ -32,35 +39,28 @@ class DecodeProgram:
         self._normed, self._parts = normed, parts
 
     @classmethod
-    def record(cls, model: DeviceModel) -> DecodeProgram | None:
+    def record(cls, model: DeviceModel, recorder: Recorder) -> DecodeProgram:
         """Every layer of `model`'s decode step, the final RMSNorm and the LM head's call,
-        recorded; None where some part of it cannot be."""
-        prog = NativeProgram.new()
-        if prog is None:
-            return None
+        recorded through the device's `recorder`."""
+        prog = recorder.program()
         cfg, kc, lut = model.config, model.kc, model.rope_lut
         x_in = torch.empty(cfg.hidden_size, dtype=torch.bfloat16)
         x = x_in
         row = lut[0]
         for layer, groups in enumerate(model.decode_groups):
             g1, g2 = groups["rms_gemv_rope"], groups["o_gemv_ffn"]
-            qkv = kc.record_run(prog, g1.name, bo_key(g1, layer),
+            qkv = kc.record_run(recorder, prog, g1.name, bo_key(g1, layer),
                                 {"x": (x, 0), "rope_lut": (row, row.numel() * row.element_size())})
-            if qkv is None:
-                return None
-            attn = model.kv.record_store_and_attend(prog, layer, qkv["q"], qkv["k"], qkv["v"],
-                                                    cfg.num_attention_heads)
-            if attn is None:
-                return None
-            out = kc.record_run(prog, g2.name, bo_key(g2, layer), {"attn": (attn, 0), "x_res": (x, 0)})
-            if out is None:
-                return None
-            x = out["out"]
-        head = _record_head(prog, model, x)
-        if head is None:
-            return None
+            attn = _record_store_and_attend(prog, model.kv, layer, qkv, cfg.num_attention_heads)
+            x = kc.record_run(recorder, prog, g2.name, bo_key(g2, layer), {"attn": (attn, 0), "x_res": (x, 0)})["out"]
+        normed, parts = _record_head(prog, recorder, model, x)
         prog.hold(lut)
-        return cls(prog, x_in, *head, min(lut.shape[0], model.kv.max_seq))
+        return cls(prog, x_in, normed, parts, min(lut.shape[0], model.kv.max_seq))
+
+    @property
+    def program(self) -> NativeProgram:
+        """The native program itself: its ops by label (`labelled`) say what it covers."""
+        return self._prog
 
     @property
     def row_in(self) -> torch.Tensor:
@@ -92,8 +92,26 @@ class DecodeProgram:
         return self._normed, self._parts
 
 
-def _record_head(prog: NativeProgram, model: DeviceModel,
-                 x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _record_store_and_attend(prog: NativeProgram, kv: KVCache, layer: int, qkv: dict[str, torch.Tensor],
+                             n_heads: int) -> torch.Tensor:
+    """`KVCache.store_and_attend` of `layer` for whatever position the program runs at, its ops
+    labelled and tallied as the host op `HOST_OP`, as the loop's profiler times it; returns
+    the row the attention writes."""
+    q, k_row, v_row = qkv["q"], qkv["k"], qkv["v"]
+    native = kv.native_calls(layer, q, k_row, v_row, n_heads)
+    if native is None:
+        raise ReplayError(f"layer {layer}: the KV store and attention ({HOST_OP}) have no native calls for "
+                          f"{q.numel()} query values of {kv.k.shape[-1]}-wide heads")
+    calls, out = native
+    with prog.host_op(HOST_OP):
+        for fn, args, steps in calls:
+            prog.call(fn, args, steps)
+    prog.hold(kv.k, kv.v, q, k_row, v_row, out)
+    return out
+
+
+def _record_head(prog: NativeProgram, recorder: Recorder, model: DeviceModel,
+                 x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What `DeviceModel.logits` runs before its host work, recorded after the layers that
     leave their row in `x`: the final RMSNorm (a host op, as the loop times it), the head's
     call on its row, and its partitions copied end to end, as the loop concatenates them."""
@@ -101,13 +119,10 @@ def _record_head(prog: NativeProgram, model: DeviceModel,
     normed = torch.empty(cfg.hidden_size, dtype=torch.bfloat16)
     norm = native_cpu.rmsnorm_call(x, model.final_norm, normed, cfg.hidden_size, cfg.rms_norm_eps)
     if norm is None:
-        return None
+        raise ReplayError(f"{FINAL_NORM}: no native RMSNorm for a {model.final_norm.dtype} weight")
     with prog.host_op(FINAL_NORM):
-        if not prog.bound(norm):
-            return None
-    outs = model.kc.record_run(prog, head.name, bo_key(head, None), {"x": (normed, 0)})
-    if outs is None:
-        return None
+        prog.bound(norm)
+    outs = model.kc.record_run(recorder, prog, head.name, bo_key(head, None), {"x": (normed, 0)})
     views = [outs[name] for name in model.head_parts()]
     parts = torch.empty(sum(v.numel() for v in views), dtype=torch.bfloat16)
     at = 0
@@ -120,23 +135,26 @@ def _record_head(prog: NativeProgram, model: DeviceModel,
 
 
 def decode_program(model: DeviceModel) -> DecodeProgram | None:
-    """`model`'s recorded decode layers, recorded again whenever a buffer they point into may
-    have moved (the device's storage epoch, the kernel cache's); None where they cannot be
-    recorded or `model.native_decode` is off."""
-    if not model.native_decode:
+    """`model`'s recorded decode token, recorded again whenever a buffer it points into may
+    have moved (`_key`); None where tokens run call by call: the device declares no recorder,
+    or `model.native_decode` is off."""
+    recorder = model.kc.device.recorder() if model.native_decode else None
+    if recorder is None:
         return None
-    key = _storage_key(model)
+    key = _key(model, recorder)
     if model.recorded_decode is not None and model.recorded_decode[0] == key:
         return model.recorded_decode[1]
-    program = DecodeProgram.record(model)
-    if _storage_key(model) != key:
+    program = DecodeProgram.record(model, recorder)
+    if _key(model, recorder) != key:
         # The epoch moved while recording (buffers given their first storage): record again,
         # so that the key kept and every address recorded come from one state.
-        key = _storage_key(model)
-        program = DecodeProgram.record(model)
+        key = _key(model, recorder)
+        program = DecodeProgram.record(model, recorder)
     model.recorded_decode = (key, program)
     return program
 
 
-def _storage_key(model: DeviceModel) -> tuple:
-    return getattr(model.kc.device, "storage_epoch", None), model.kc.epoch
+def _key(model: DeviceModel, recorder: Recorder) -> tuple[int, int]:
+    """What a recorded program's addresses hold for: no device storage replaced
+    (`Recorder.storage_epoch`) and no activation buffer rebound (`KernelCache.epoch`)."""
+    return recorder.storage_epoch, model.kc.epoch

@@ -111,3 +111,7 @@ class InterpDevice:
     def load(self, artifact_dir: Path, group: KernelGroup) -> InterpKernel:
         return InterpKernel(self, artifact_dir, group)
 
+    def recorder(self) -> None:
+        """None: a run interprets the module, op by op; there is no native call to record."""
+        return None
+

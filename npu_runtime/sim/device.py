@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from cpu_kernels import native_cpu
-from cpu_kernels.native_program import NativeProgram
+from cpu_kernels.native_program import NativeProgram, ReplayError
 from cpu_kernels.weight_tiles import DeviceQ4nx, PackedWeight, Packing, Q4nxPacking
 from llama_base.group_contract import KernelGroup
-from npu_runtime.api import Counters, DeviceError, Sync, copy_bytes
+from npu_runtime.api import Counters, DeviceError, RecordedInput, RecordedOutput, Sync, copy_bytes
 from npu_runtime.sim import ops
 from npu_runtime.sim.packing import packing_for
 
@@ -286,40 +286,43 @@ class SimKernel:
             call()
         self.device.counters.runs += 1
 
-    def record(self, prog: NativeProgram, bos: list[SimBO], inputs: list[tuple], outputs: list[tuple]) -> bool:
-        """Append a run on `bos` to `prog` as `KernelCache.load_and_run` makes it: each input
-        (BO, bytes, source address, source step per position) copied into its BO's host side
-        and synced, the bound launches, each output (BO, bytes) synced back; its ops labelled
-        ("call", group kind, "write" | "run" | "read") and the run tallied as ("call", kind), as
-        the profiler splits a call. False, with `prog` left unusable, where a launch has no native
-        form (the torch class)."""
+    def record(self, prog: NativeProgram, bos: list[SimBO], inputs: list[RecordedInput],
+               outputs: list[RecordedOutput]) -> None:
+        """`SimDevice.record` for this kernel: its ops labelled ("call", group kind, "write" |
+        "run" | "read") and the run tallied as ("call", kind), as the profiler splits a call."""
         program, kind = self._program(bos), self.group.kind
         prog.label = ("call", kind, "write")
         for bo, n, src, step in inputs:
-            host = bo.host_ptr()
-            if host is None:
-                return False
+            host = self._host_ptr(bo)
             prog.copy(host, src, n, step)
             prog.copy(bo.device_ptr(), host, n)
         prog.label = ("call", kind, "run")
-        if not all(prog.bound(call) for call in program):
-            return False
+        for step, call in zip(self._plan, program):
+            try:
+                prog.bound(call)
+            except ReplayError as e:
+                launches = ", ".join(f"{l.name} ({l.op})" for l in (step if isinstance(step, list) else [step]))
+                raise ReplayError(f"{self.group.name}, launch {launches}: {e}") from None
         prog.label = ("call", kind, "read")
         for bo, n in outputs:
-            host = bo.host_ptr()
-            if host is None:
-                return False
-            prog.copy(host, bo.device_ptr(), n)
+            prog.copy(self._host_ptr(bo), bo.device_ptr(), n)
         prog.label = None
         prog.tally(("call", kind))
         prog.hold(program, list(bos))
-        prog.count(self.device.counters, runs=1, bytes_to_device=sum(i[1] for i in inputs),
-                   bytes_from_device=sum(o[1] for o in outputs))
-        return True
+        prog.count(self.device.counters, runs=1, bytes_to_device=sum(i.nbytes for i in inputs),
+                   bytes_from_device=sum(o.nbytes for o in outputs))
+
+    def _host_ptr(self, bo: SimBO | SimSubBO) -> int:
+        host = bo.host_ptr()
+        if host is None:
+            raise DeviceError(f"{self.group.name}: a packed weight buffer is no run's input or output")
+        return host
 
 
 class SimDevice:
-    """The simulated NPU2: CPU reference kernels, bf16 storage, f32 accumulation."""
+    """The simulated NPU2: CPU reference kernels, bf16 storage, f32 accumulation. Its own
+    `api.Recorder` (`recorder`): its launches are native calls with fixed pointers, which a
+    native program can make without the interpreter between them."""
 
     kind = "sim"
     rebuild_on_load_error = True
@@ -338,7 +341,8 @@ class SimDevice:
         interpreted MLIR to. Sessions keep the class's kernels, the faster ones."""
         self.npu_numerics = npu_numerics
         self.counters = Counters()
-        self.storage_epoch = 0     # bumped whenever a BO's device storage is replaced (`SimBO._set_dev`)
+        # `api.Recorder`'s: bumped whenever a BO's device storage is replaced (`SimBO._set_dev`).
+        self.storage_epoch = 0
 
     def toolchain_stamp(self) -> str:
         return f"sim-ops-v1/torch-{torch.__version__}"
@@ -374,3 +378,20 @@ class SimDevice:
         if program != json.loads(json.dumps(group.to_json(), sort_keys=True)):
             raise DeviceError(f"{artifact_dir}: launch program does not match the declaration of {group.name}")
         return SimKernel(self, group)
+
+    # ---- recording (`api.Recorder`) ---------------------------------------------------------
+    def recorder(self) -> SimDevice | None:
+        """This device, which records its runs where every launch binds a native call: with the
+        native library loaded and the class's own numbers. The torch class binds torch bodies,
+        and `npu_numerics` may (it picks the NPU's contract over a class's native kernel);
+        their tokens run call by call."""
+        return self if native_cpu.available() and not self.npu_numerics else None
+
+    def program(self) -> NativeProgram:
+        return NativeProgram.new()
+
+    def record(self, prog: NativeProgram, kernel: SimKernel, bos: list[SimBO], inputs: list[RecordedInput],
+               outputs: list[RecordedOutput]) -> None:
+        if not isinstance(kernel, SimKernel) or kernel.device is not self:
+            raise DeviceError(f"a run of {type(kernel).__name__} recorded on a simulated device that did not load it")
+        kernel.record(prog, bos, inputs, outputs)

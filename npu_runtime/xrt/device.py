@@ -261,3 +261,8 @@ class XrtDevice(NpuTarget):
 
     def load(self, artifact_dir: Path, group: KernelGroup) -> XrtKernel:
         return XrtKernel(self, artifact_dir, group)
+
+    def recorder(self) -> None:
+        """None: a run is a command the NPU executes, with the host's syncs around it; there is
+        nothing the host could replay in its place."""
+        return None
