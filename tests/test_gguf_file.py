@@ -1,6 +1,6 @@
 """The GGUF reader against gguf-py's, on files gguf-py writes: every metadata value type, every
 tensor type the runtime meets, a custom alignment; every way a file can be broken, in one line
-each; and the import's values (`gguf_values`) against gguf-py's dequantization, bit for bit."""
+each; and the import's values (`gguf.values`) against gguf-py's dequantization, bit for bit."""
 from __future__ import annotations
 
 import struct

@@ -227,7 +227,7 @@ def _gguf_tensors(path: Path, cfg: LlamaConfig) -> tuple[dict[str, Callable[[], 
 
 
 def _build(bf16: LlamaWeights, gguf: Path | None, out: Path, log: Callable[[str], None]) -> None:
-    """The Q4NX weights written as they are made (`checkpoint_writer.write_streaming`)."""
+    """The Q4NX weights written as they are made (`writer.write_streaming`)."""
     from llama_runtime.checkpoints.writer import write_streaming
 
     cfg = bf16.config

@@ -1,8 +1,8 @@
 """Writing HF-style checkpoint folders (config, generation config, sharded safetensors).
 
-Only the fixture builders write checkpoints; keeping the layout rules in one place means both
-fixture folders follow the same conventions, the ones `from_pretrained` and the runtime's own
-`Checkpoint` reader expect.
+The built-in models, GGUF imports and Q4NX weights are all written here; keeping the layout
+rules in one place means every folder the runtime makes follows the same conventions, the ones
+`from_pretrained` and the runtime's own reader (`safetensors_io.Checkpoint`) expect.
 """
 from __future__ import annotations
 

@@ -190,7 +190,7 @@ def weight_tensors(reader: GGUFFile) -> list:
 
 
 def gguf_tensors(reader: GGUFFile, cfg: LlamaConfig):
-    """Yield (HF name, bf16 tensor) for every weight, dequantized (`gguf_values`) and re-laid-out
+    """Yield (HF name, bf16 tensor) for every weight, dequantized (`gguf.values`) and re-laid-out
     (its shape checked by `read_gguf`)."""
     for t in weight_tensors(reader):
         name, short, _ = gguf_tensor_name(t.name, cfg)

@@ -1,4 +1,4 @@
-"""A GGUF weight's values in bf16, for the import (`gguf_import`).
+"""A GGUF weight's values in bf16, for the import (`gguf.importer`).
 
 gguf-py's `dequantize` works through numpy a group of rows at a time on one core: 13 s of a
 first run of a Q4_K_M file of Llama-3.2-1B's shape on a 2-core Zen 3. The types llama.cpp's
