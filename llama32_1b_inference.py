@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import sys
 
-from llama_runtime.generation.session import DEFAULT_MAX_CONTEXT, GenerationResult, Session, build_session, is_chat_model
+from llama_runtime.engine.kv_cache import DEFAULT_MAX_CONTEXT
+from llama_runtime.generation.session import GenerationResult, Session, build_session, is_chat_model
 
 __all__ = ["DEFAULT_MAX_CONTEXT", "GenerationResult", "Session", "build_session", "is_chat_model", "main"]
 

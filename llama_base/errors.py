@@ -24,3 +24,7 @@ class KernelCacheError(UserError):
 
 class DeviceUnavailableError(UserError):
     """The device the user asked for (DEVICE=npu) is not usable on this machine."""
+
+
+class ContextError(UserError):
+    """A context length the model or the machine cannot hold (MAX_CONTEXT)."""

@@ -12,6 +12,7 @@ import traceback
 
 from llama_base.errors import UserError
 from llama_base.weight_formats import QUANTS
+from llama_runtime.engine.kv_cache import DEFAULT_MAX_CONTEXT
 from npu_runtime.devices import DEVICE_KINDS
 
 MODEL_HELP = ("instruct | base | embedded | llama1b-shape | tiny | a local folder | a .gguf file | a HF repo id "
@@ -56,7 +57,9 @@ def add_model_options(p: argparse.ArgumentParser, *, model: str | None = "instru
     if "quant" not in without:
         p.add_argument("--quant", choices=QUANTS, default=quant, help=quant_help)
     if max_context:
-        p.add_argument("--max-context", type=positive_int, help="KV cache length in positions (default 4096)")
+        p.add_argument("--max-context", type=positive_int,
+                       help=f"KV cache length in positions (default {DEFAULT_MAX_CONTEXT}; at most the model's limit, "
+                            "and only where its KV cache fits in the memory available)")
     return p
 
 

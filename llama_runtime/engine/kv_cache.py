@@ -9,10 +9,45 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+import psutil
 import torch
 
 from cpu_kernels import native_cpu
+from llama_base.config import LlamaConfig
+from llama_base.errors import ContextError
 from llama_base.memory import untouched_zeros
+
+
+# Positions a run's KV cache holds unless it asks for more (MAX_CONTEXT): pages are committed as
+# they are written, so this bounds a sequence, not the memory a short one uses.
+DEFAULT_MAX_CONTEXT = 4096
+
+
+def kv_cache_bytes(cfg: LlamaConfig, positions: int) -> int:
+    """Bytes of K and V for `positions` in every layer and KV head, bf16."""
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * positions * cfg.head_dim * 2
+
+
+def context_positions(cfg: LlamaConfig, asked: int | None, default: int) -> int:
+    """The KV cache length a run gets: `asked` if the model and the machine can hold it, else a
+    one-line `ContextError` before anything is loaded; `default` (capped at the model's limit)
+    when nothing was asked. The cache's pages are committed only as positions are written, so
+    a cache that does not fit would fail far into a long answer: the check is made up front,
+    against the memory the machine has available now."""
+    limit = cfg.max_position_embeddings
+    if asked is None:
+        return min(default, limit)
+    if asked < 1:
+        raise ContextError(f"MAX_CONTEXT={asked}: a context holds at least one position")
+    if asked > limit:
+        raise ContextError(f"MAX_CONTEXT={asked} is past this model's limit of {limit} positions "
+                           f"(max_position_embeddings)")
+    need, free = kv_cache_bytes(cfg, asked), psutil.virtual_memory().available
+    if need > free:
+        raise ContextError(f"MAX_CONTEXT={asked}: its KV cache needs {need / 2**30:.2f} GiB "
+                           f"({cfg.num_hidden_layers} layers x {cfg.num_key_value_heads} KV heads x {cfg.head_dim} "
+                           f"x 2 bytes, K and V, a position), and {free / 2**30:.2f} GiB are available")
+    return asked
 
 
 # Bound decode steps a cache keeps: one per layer's buffer set, with room for a model whose

@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 from llama_base.errors import PromptError
 from llama_runtime.checkpoints.loader import load_weights
 from llama_runtime.engine.device_model import DeviceModel
+from llama_runtime.engine.kv_cache import DEFAULT_MAX_CONTEXT, context_positions
 from llama_runtime.generation.logprobs import TokenLogprob, score
 from llama_runtime.checkpoints.resolve import ResolvedModel, resolve_model
 from llama_runtime.generation.processors import processors_for
@@ -31,7 +32,6 @@ from npu_runtime.cache import KernelCache
 from npu_runtime.devices import open_device
 from npu_runtime.profiler import NULL_PROFILER, Profiler
 
-DEFAULT_MAX_CONTEXT = 4096
 
 
 @dataclass
@@ -222,6 +222,7 @@ def build_session(model: str | ResolvedModel | None = None, device: str | Device
         resolved = resolve_model(model, log, quant)
         if resolved.fallback_note:
             log(f"[model] {resolved.fallback_note}")   # the reason says how to get the weights
+    ctx = context_positions(resolved.config, max_context, DEFAULT_MAX_CONTEXT)   # before any weight loads
     weights = load_weights(resolved, quant, log)
     cfg = weights.config
     log(f"[model] {resolved.name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
@@ -229,7 +230,6 @@ def build_session(model: str | ResolvedModel | None = None, device: str | Device
     tokenizer = Tokenizer(resolved.folder, cfg)
     prof = Profiler() if profile else NULL_PROFILER
     kc = KernelCache(dev, cache_dir, profiler=prof, allow_compile=allow_compile)
-    ctx = min(max_context or DEFAULT_MAX_CONTEXT, cfg.max_position_embeddings)
     dm = DeviceModel(kc, weights, ctx, buckets=buckets, profiler=prof)
     del weights
     use_chat = is_chat_model(cfg, tokenizer) if chat is None else chat
