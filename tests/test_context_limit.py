@@ -61,3 +61,16 @@ def test_the_command_line_refuses_in_one_line_before_loading(past, message, monk
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith(f"error: MAX_CONTEXT={limit + past}")
     assert message in err[0]
+
+
+def test_a_device_model_built_directly_makes_the_same_check(tiny_weights, tmp_path):
+    """Checkers and tests build a DeviceModel without a session: the same rule holds there,
+    before a kernel is compiled."""
+    from llama_runtime.engine.device_model import DeviceModel
+    from npu_runtime.cache import KernelCache
+    from npu_runtime.sim.device import SimDevice
+
+    limit = tiny_weights.config.max_position_embeddings
+    with pytest.raises(ContextError, match=f"past this model's limit of {limit} positions"):
+        DeviceModel(KernelCache(SimDevice(), tmp_path), tiny_weights, limit + 1)
+    assert not any(tmp_path.iterdir())

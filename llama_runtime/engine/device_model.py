@@ -18,7 +18,7 @@ from llama_base.group_contract import DECODE_KINDS, PREFILL_KINDS, KernelGroup, 
 from llama_base.config import LlamaConfig
 from llama_base.errors import PromptError
 from llama_runtime.engine.head_rescore import ROW_CACHE_BYTES, TOP_K, rescore
-from llama_runtime.engine.kv_cache import KVCache
+from llama_runtime.engine.kv_cache import KVCache, context_positions
 from llama_base.rope import generate_rope_lut
 from llama_runtime.engine.weight_slots import static_tensors
 from llama_runtime.checkpoints.safetensors_io import FileRows
@@ -72,8 +72,7 @@ class DeviceModel:
     def __init__(self, kc: KernelCache, weights: LlamaWeights, max_context: int,
                  buckets: tuple[int, ...] | None = None, profiler: Profiler | None = None):
         cfg = weights.config
-        if max_context > cfg.max_position_embeddings:
-            raise PromptError(f"max context {max_context} exceeds the model's {cfg.max_position_embeddings} positions")
+        max_context = context_positions(cfg, max_context)   # the check `build_session` makes before loading
         self.config: LlamaConfig = cfg
         self.kc = kc
         self.profiler = profiler or NULL_PROFILER

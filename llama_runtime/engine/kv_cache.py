@@ -28,7 +28,7 @@ def kv_cache_bytes(cfg: LlamaConfig, positions: int) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * positions * cfg.head_dim * 2
 
 
-def context_positions(cfg: LlamaConfig, asked: int | None, default: int) -> int:
+def context_positions(cfg: LlamaConfig, asked: int | None, default: int = DEFAULT_MAX_CONTEXT) -> int:
     """The KV cache length a run gets: `asked` if the model and the machine can hold it, else a
     one-line `ContextError` before anything is loaded; `default` (capped at the model's limit)
     when nothing was asked. The cache's pages are committed only as positions are written, so

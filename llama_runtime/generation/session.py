@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 from llama_base.errors import PromptError
 from llama_runtime.checkpoints.loader import load_weights
 from llama_runtime.engine.device_model import DeviceModel
-from llama_runtime.engine.kv_cache import DEFAULT_MAX_CONTEXT, context_positions
+from llama_runtime.engine.kv_cache import context_positions
 from llama_runtime.generation.logprobs import TokenLogprob, score
 from llama_runtime.checkpoints.resolve import ResolvedModel, resolve_model
 from llama_runtime.generation.processors import processors_for
@@ -222,7 +222,7 @@ def build_session(model: str | ResolvedModel | None = None, device: str | Device
         resolved = resolve_model(model, log, quant)
         if resolved.fallback_note:
             log(f"[model] {resolved.fallback_note}")   # the reason says how to get the weights
-    ctx = context_positions(resolved.config, max_context, DEFAULT_MAX_CONTEXT)   # before any weight loads
+    ctx = context_positions(resolved.config, max_context)   # before any weight loads
     weights = load_weights(resolved, quant, log)
     cfg = weights.config
     log(f"[model] {resolved.name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
