@@ -259,3 +259,47 @@ def group_options(kind: str) -> dict:
     group can be tuned on hardware; `tests/test_mlir_groups.py` refuses it on a gridded launch.
     """
     return {"device": "npu2", "output_format": "elf", "omit_while_true_loop": False}
+
+
+# Positions a decode-attention core streams per chunk, by head size: double-buffered K and V
+# chunks [chunk, head_dim] bf16 fit L1 with the query rows, scores and accumulators.
+DECODE_CHUNK = {64: 64, 128: 32}
+
+
+def decode_attention_l1_bytes(group: int, chunk: int, head_dim: int) -> int:
+    """L1 of one decode-attention core: its query rows, double-buffered K and V chunks, the f32
+    scores, bf16 probabilities, f32 accumulator and the three per-row f32 vectors, and the
+    position scalar."""
+    g, c, d = group, chunk, head_dim
+    return g * d * BF16 + 2 * 2 * c * d * BF16 + g * c * (4 + BF16) + g * d * 4 + 3 * g * 4 + 4
+
+
+def decode_attention_tiling(q_heads: int, kv_heads: int, head_dim: int, capacity: int) -> dict:
+    """Chunk size and cores of single-token attention over the resident cache.
+
+    Each KV head gets `splits` cores (as many as the array holds beside the heads, at most
+    its rows), and chunk c of the live positions goes to split c % splits: every split's work
+    is within one chunk of the others at any length, and a short context leaves the later
+    splits idle rather than unbalanced."""
+    chunk = DECODE_CHUNK.get(head_dim, 32)
+    group = q_heads // kv_heads
+    if capacity % chunk:
+        raise ValueError(f"a resident cache of {capacity} positions is not whole {chunk}-position chunks")
+    if decode_attention_l1_bytes(group, chunk, head_dim) > L1_BUDGET:
+        raise ValueError(f"decode attention of {group} query rows over {chunk}x{head_dim} chunks does not fit L1")
+    cols = min(kv_heads, ARRAY_COLS)
+    if kv_heads % cols:
+        raise ValueError(f"{kv_heads} KV heads do not spread evenly over {cols} columns")
+    splits = ARRAY_ROWS * cols // kv_heads
+    return {"chunk": chunk, "splits": splits, "herd": (cols, ARRAY_ROWS)}
+
+
+def attention_merge_herd(kv_heads: int) -> tuple[int, int]:
+    """One core per KV head (up to a row of the array) merges that head's splits."""
+    return (min(kv_heads, ARRAY_COLS), 1)
+
+
+def resident_cache_multiple(head_dim: int) -> int:
+    """What a resident cache's capacity is a multiple of: whole decode chunks and whole
+    prefill attention tiles (64 positions at most)."""
+    return max(DECODE_CHUNK.get(head_dim, 32), 64)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
@@ -25,6 +26,10 @@ class Role(str, Enum):
     STATIC = "static"              # weights / tables: written once per BO set
     INTERMEDIATE = "intermediate"  # written and read by launches only
     OUTPUT = "output"              # read back by the host after every call
+    # Device-resident state (the KV cache of the resident designs): written and read by
+    # launches across calls, of one group or of several sharing it (prefill appends, decode
+    # appends and reads); zeros when allocated, and never written or read back by the host.
+    STATE = "state"
 
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32,
@@ -122,11 +127,17 @@ class KernelGroup:
         bucket (and context), and a quantized kind once per set of weights it keeps in bf16.
         Kept once made (the fields are frozen): every device call asks for it."""
         fmt = "" if self.quant == "bf16" else f"_{self.quant}"
+        if self.kind == FUSED_KIND:
+            # Every layer's wide weights would make a name of hundreds of characters: a digest.
+            fmt += f"_w{hashlib.sha256(','.join(self.wide).encode()).hexdigest()[:8]}" if self.wide else ""
+            window = "_window" if any(l.param_dict.get("whole_window") for l in self.launches) else ""
+            return f"{self.kind}_c{self.ctx_len}{window}{fmt}"
         fmt += "".join(f"_bf16_{w}" for w in self.wide)
         if self.kind not in PREFILL_KINDS:
             return self.kind + fmt
         ctx = f"_c{self.ctx_len}" if self.ctx_len and self.ctx_len != self.seq_len else ""
-        return f"{self.kind}_s{self.seq_len}{ctx}{fmt}"
+        resident = "_resident" if self.with_role(Role.STATE) else ""
+        return f"{self.kind}_s{self.seq_len}{ctx}{resident}{fmt}"
 
     def slot(self, name: str) -> Slot:
         for s in self.slots:
@@ -190,6 +201,9 @@ class KernelGroup:
                 raise ValueError(f"{self.name}: slot {s.name} is used by no launch")
             if s.role in (Role.INTERMEDIATE, Role.OUTPUT) and s.name not in written:
                 raise ValueError(f"{self.name}: {s.role.value} slot {s.name} is never written")
+            if s.role is Role.STATE and not any(s.name in l.writes for l in self.launches):
+                raise ValueError(f"{self.name}: state slot {s.name} is written by no launch: resident state "
+                                 "fills in place, so a group that reads it appends too")
             if s.cache_positions and (s.role is not Role.INPUT or len(s.shape) != 3 or s.shape[1] != self.ctx_len):
                 raise ValueError(f"{self.name}: cache slot {s.name} is not an input [heads, {self.ctx_len}, dim]")
 
@@ -197,7 +211,23 @@ class KernelGroup:
 PREFILL_KINDS = ("rms_gemms_rope", "flash_attn", "o_ffn")
 
 
+# One call a token: every layer, the final norm and the LM head, the KV cache resident.
+FUSED_KIND = "fused_decode"
+
+
+def layer_slot(layer: int, name: str) -> str:
+    """The name a group holding several layers gives layer `layer`'s slot `name`: a per-layer
+    group's `name` in that layer's BO set (the KernelCache shares the buffer by it)."""
+    return f"L{layer}_{name}"
+
+
+def split_layer_slot(name: str) -> tuple[int, str] | None:
+    """(layer, per-layer name) of a `layer_slot` name; None for a slot of no one layer."""
+    m = re.fullmatch(r"L(\d+)_(.+)", name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
 DECODE_KINDS = ("rms_gemv_rope", "o_gemv_ffn")
 
 
-ALL_KINDS = PREFILL_KINDS + DECODE_KINDS + ("lm_head_gemv",)
+ALL_KINDS = PREFILL_KINDS + DECODE_KINDS + ("lm_head_gemv", FUSED_KIND)

@@ -173,6 +173,70 @@ def flash_attn(l: Launch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_s
     out.view(s, hq, d).copy_(o.squeeze(0).transpose(0, 1))
 
 
+# The masked-score fill of the attention kernels: finite, so max and exp never meet infinities.
+MASK_FILL = -1.0e30
+
+
+def kv_append(l: Launch, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor) -> None:
+    """The launch's `rows` token-major K/V rows into the resident head-major cache at positions
+    start.., in place: the cache is device state, so what is not written keeps its values."""
+    rows, kvh, d = l.p("rows"), l.p("kv_heads"), l.p("head_dim")
+    at = int(start[0])
+    if not 0 <= at <= l.p("ctx") - rows:
+        raise IndexError(f"{l.name}: {rows} rows at position {at} do not fit a {l.p('ctx')}-position cache")
+    k_cache[:, at:at + rows].copy_(k.view(rows, kvh, d).transpose(0, 1))
+    v_cache[:, at:at + rows].copy_(v.view(rows, kvh, d).transpose(0, 1))
+
+
+def decode_attn(l: Launch, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                acc: torch.Tensor, stats: torch.Tensor) -> None:
+    """One token's partial attention over positions 0..pos of the resident cache, split-K.
+
+    KV head h's split s streams chunks s, s + splits, ... of the live positions with the
+    attention kernels' online softmax (f32 scores scaled by 1/sqrt(d), positions past `pos`
+    given `MASK_FILL`, probabilities rounded to bf16 and summed as rounded) and leaves its
+    unnormalised f32 accumulator in `acc` [kv_heads, splits, group, d] and its running max and
+    sum in `stats` [..., group, 2]; `attn_merge` combines them. A split with no chunk leaves
+    max = fill, sum = 0, acc = 0, which the merge weighs zero."""
+    kvh, d, chunk, splits = l.p("kv_heads"), l.p("head_dim"), l.p("chunk"), l.p("splits")
+    group = l.p("q_heads") // kvh
+    n_pos = int(pos[0]) + 1
+    if not 1 <= n_pos <= l.p("ctx"):
+        raise IndexError(f"{l.name}: position {n_pos - 1} is outside a {l.p('ctx')}-position cache")
+    chunks = -(-n_pos // chunk)
+    qh = q.view(kvh, group, d).float()
+    scale = 1.0 / d ** 0.5
+    for s in range(splits):
+        m = torch.full((kvh, group), MASK_FILL)
+        total = torch.zeros(kvh, group)
+        a = torch.zeros(kvh, group, d)
+        for c in range(s, chunks, splits):
+            lo, hi = c * chunk, (c + 1) * chunk
+            scores = torch.matmul(qh, k_cache[:, lo:hi].float().transpose(1, 2)) * scale
+            if hi > n_pos:
+                scores[..., n_pos - lo:] = MASK_FILL
+            m_new = torch.maximum(m, scores.amax(-1))
+            p = torch.exp(scores - m_new[..., None]).to(torch.bfloat16).float()
+            corr = torch.exp(m - m_new)
+            total = total * corr + p.sum(-1)
+            a = a * corr[..., None] + torch.matmul(p, v_cache[:, lo:hi].float())
+            m = m_new
+        acc[:, s].copy_(a)
+        stats[:, s, :, 0].copy_(m)
+        stats[:, s, :, 1].copy_(total)
+
+
+def attn_merge(l: Launch, acc: torch.Tensor, stats: torch.Tensor, out: torch.Tensor) -> None:
+    """The splits of each KV head's query rows combined: every split's accumulator and sum
+    rescaled to the largest running max, their quotient rounded once to bf16."""
+    m, total = stats[..., 0], stats[..., 1]
+    w = torch.exp(m - m.amax(1, keepdim=True))
+    num = (acc * w[..., None]).sum(1)
+    den = (total * w).sum(1)
+    out.copy_((num / den[..., None]).reshape(-1))
+
+
 def _torch_gemvs(jobs) -> None:
     for w, x, y in jobs:
         torch.mv(dense(w), x, out=y)
@@ -262,6 +326,9 @@ OPS = {
     "swiglu": swiglu,
     "add": add,
     "flash_attn": flash_attn,
+    "kv_append": kv_append,
+    "decode_attn": decode_attn,
+    "attn_merge": attn_merge,
 }
 
 # The binders that keep the NPU's numbers where an op's own binder takes a class's cheaper
