@@ -8,6 +8,7 @@ MODEL     ?= instruct
 N_TOKENS  ?= 32
 DEVICE    ?= auto
 QUANT     ?= bf16
+DECODE    ?= auto
 MAX_CONTEXT ?=
 TEMPERATURE ?= 0
 TOP_K     ?= 0
@@ -21,7 +22,7 @@ PORT      ?=
 QUEUE_SIZE ?=
 export PROMPT STOP JSON_SCHEMA
 
-RUN_ARGS = --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)" --n-tokens "$(N_TOKENS)" \
+RUN_ARGS = --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)" --decode "$(DECODE)" --n-tokens "$(N_TOKENS)" \
 	--temperature "$(TEMPERATURE)" --top-k "$(TOP_K)" --top-p "$(TOP_P)" \
 	--repetition-penalty "$(REPETITION_PENALTY)" $(if $(SEED),--seed "$(SEED)") \
 	$(if $(MAX_CONTEXT),--max-context "$(MAX_CONTEXT)") \
@@ -29,7 +30,7 @@ RUN_ARGS = --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)" --n-tokens
 
 # Empty HOST/PORT/QUEUE_SIZE leave the server's own defaults (127.0.0.1, 8000, 16);
 # CORS_ORIGINS is a space-separated list of web origins allowed to call the API (default none).
-SERVE_ARGS = --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)" $(if $(MAX_CONTEXT),--max-context "$(MAX_CONTEXT)") \
+SERVE_ARGS = --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)" --decode "$(DECODE)" $(if $(MAX_CONTEXT),--max-context "$(MAX_CONTEXT)") \
 	$(if $(HOST),--host "$(HOST)") $(if $(PORT),--port "$(PORT)") $(if $(QUEUE_SIZE),--queue-size "$(QUEUE_SIZE)") \
 	$(foreach o,$(CORS_ORIGINS),--cors-origin "$(o)")
 
@@ -55,6 +56,8 @@ help:
 	@echo "variables: PROMPT MODEL=instruct|base|embedded|llama1b-shape|tiny|<folder>|<file.gguf> N_TOKENS DEVICE=auto|npu|sim|interp"
 	@echo "           QUANT=bf16|q4nx (4-bit weights) MAX_CONTEXT TEMPERATURE TOP_K TOP_P REPETITION_PENALTY SEED"
 	@echo "           STOP (end the answer at this text) JSON_SCHEMA (a schema file or JSON the answer must follow)"
+	@echo "           DECODE=auto|layers|fused (2 device calls a layer + host attention, or 1 call a token with"
+	@echo "                  the KV cache and attention on the device; auto: the faster on DEVICE)"
 	@echo "           make serve: HOST (127.0.0.1) PORT (8000) QUEUE_SIZE (16) MODEL DEVICE MAX_CONTEXT"
 	@echo "                       CORS_ORIGINS (none; e.g. \"http://localhost:5173\")"
 
@@ -97,10 +100,10 @@ compile: install
 	$(PY) -m llama_runtime.cli.compile --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)"
 
 verify: install
-	$(PY) -m verify --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)" --prompts 2 --n-tokens 32
+	$(PY) -m verify --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)" --decode "$(DECODE)" --prompts 2 --n-tokens 32
 
 verify-full: install
-	$(PY) -m verify --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)" --prompts 8 --n-tokens 32
+	$(PY) -m verify --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)" --decode "$(DECODE)" --prompts 8 --n-tokens 32
 
 # The interpreter is slow: it runs on the tiny model unless MODEL names another on the command line.
 verify-mlir: install

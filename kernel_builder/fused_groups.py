@@ -9,13 +9,21 @@ each layer's K and V buffers [kv_heads, capacity, head_dim] live on the device, 
 copies them. The same names as the per-layer groups (`layer_slot`) let the KernelCache give a
 layer's weights and cache one buffer in every group that uses them.
 
-How the live length reaches the hardware: the i32 input `pos` (the token's position; the
-attention reads positions 0..pos). Decode attention streams the cache in chunks of `chunk`
-positions and deals chunk c to split c % splits of the kv head's cores, so it moves
-ceil((pos + 1) / chunk) chunks of K and V per KV head, whatever the capacity; the cores mask the
-positions past `pos` in the last chunk. `whole_window` builds upstream's form instead (every
-chunk of the capacity moved each token, the masked ones not computed), which the cost model's
-validation prices against upstream's published figures.
+How the live length reaches the hardware, in two parts:
+- the *window*: a group is compiled for the first `window` positions of the cache, and the host
+  runs, for each token, the group of the smallest window of the staircase (`decode_windows`)
+  that holds its position. A window fixes the DMA transfers (buffer descriptors are built
+  into the instruction stream, so their counts are compile-time): each KV head's K and V
+  stream the window's chunks of `chunk` positions, chunk c to split c % splits of the head's
+  cores. Every window is compiled over the same buffers [kv_heads, capacity, head_dim], so a
+  token that crosses into the next window moves nothing: the weights and the cache are the
+  ones every window's call uses.
+- the *position*: the i32 input `pos`, which the cores read (a scalar the host writes each
+  token). They compute only the live chunks, 0..pos, and mask the positions past `pos` in the
+  last one, so compute follows the live context exactly and bytes follow it to within the
+  staircase's factor of two. The window of the whole capacity is upstream's form (its
+  fused decode reads its whole compiled window each token), which the cost model's
+  validation prices against upstream's published figures.
 """
 from __future__ import annotations
 
@@ -28,6 +36,28 @@ from llama_base.group_contract import FUSED_KIND, KernelGroup, Launch, Role, Slo
 # The slots of each layer's weights, in the order a layer uses them.
 LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")
 FINAL_NORM_SLOT = "final_norm"
+
+
+# The smallest window of the staircase, in positions (a window is at least one chunk a split).
+SMALLEST_WINDOW = 256
+
+
+def decode_windows(capacity: int, smallest: int = SMALLEST_WINDOW) -> tuple[int, ...]:
+    """The staircase of windows over a cache of `capacity` positions: doubling from `smallest`,
+    the last the capacity itself."""
+    out, w = [], smallest
+    while w < capacity:
+        out.append(w)
+        w *= 2
+    return tuple(out) + (capacity,)
+
+
+def window_for(positions: int, capacity: int) -> int:
+    """The window a call that reads `positions` positions (0..positions-1) runs in."""
+    for w in decode_windows(capacity):
+        if positions <= w:
+            return w
+    raise IndexError(f"{positions} positions do not fit a cache of {capacity}")
 
 
 def cache_capacity(cfg: LlamaConfig, max_context: int, largest_bucket: int) -> int:
@@ -44,10 +74,13 @@ def _cache_slots(cfg: LlamaConfig, capacity: int, name=lambda n: n) -> list[Slot
     return [_slot(name("k_cache"), shape, Role.STATE), _slot(name("v_cache"), shape, Role.STATE)]
 
 
-def resident_flash_attn(cfg: LlamaConfig, seq: int, capacity: int) -> KernelGroup:
+def resident_flash_attn(cfg: LlamaConfig, seq: int, capacity: int, window: int | None = None) -> KernelGroup:
     """A prefill chunk's attention on the resident cache: its `seq` K/V rows appended at
     `q_start`, then causal GQA of its queries over positions 0..q_start + row (`flash_attn`'s
-    launch, reading only the causal tiles of the capacity)."""
+    launch over the first `window` positions, the chunk's padded end among them)."""
+    window = window or capacity
+    if not seq <= window <= capacity:
+        raise ValueError(f"a window of {window} positions for a chunk of {seq} in a cache of {capacity}")
     I, O = Role.INPUT, Role.OUTPUT
     kvh, d, kv = cfg.num_key_value_heads, cfg.head_dim, cfg.kv_dim
     slots = [_slot("q", (seq, cfg.q_dim), I), _slot("k", (seq, kv), I), _slot("v", (seq, kv), I),
@@ -56,13 +89,13 @@ def resident_flash_attn(cfg: LlamaConfig, seq: int, capacity: int) -> KernelGrou
         _launch("kv_append", "kv_append", ["k", "v", "q_start"], ["k_cache", "v_cache"], rows=seq, ctx=capacity,
                 kv_heads=kvh, head_dim=d),
         _launch("flash_attn", "flash_attn", ["q", "k_cache", "v_cache", "q_start"], ["attn"], seq=seq, ctx=capacity,
-                q_heads=cfg.num_attention_heads, kv_heads=kvh, head_dim=d, causal=True,
+                window=window, q_heads=cfg.num_attention_heads, kv_heads=kvh, head_dim=d, causal=True,
                 **presets.attention_tiling(seq, d)),
     ]
-    return _group("flash_attn", seq, slots, launches, capacity)
+    return _group("flash_attn", seq, slots, launches, window)
 
 
-def _decode_attention(cfg: LlamaConfig, capacity: int, name, whole_window: bool) -> tuple[list[Slot], list[Launch]]:
+def _decode_attention(cfg: LlamaConfig, capacity: int, name, window: int) -> tuple[list[Slot], list[Launch]]:
     """Split-K attention of one token's query heads over the resident cache: each KV head's
     `splits` cores stream their chunks with an online softmax into partial sums, and a merge
     launch combines a head's splits into its query heads' rows."""
@@ -75,7 +108,7 @@ def _decode_attention(cfg: LlamaConfig, capacity: int, name, whole_window: bool)
     launches = [
         _launch(name("attn"), "decode_attn", [name("q"), name("k_cache"), name("v_cache"), "pos"],
                 [name("attn_acc"), name("attn_stats")], ctx=capacity, q_heads=cfg.num_attention_heads, kv_heads=kvh,
-                head_dim=d, whole_window=whole_window, **t),
+                head_dim=d, window=window, **t),
         _launch(name("attn_merge"), "attn_merge", [name("attn_acc"), name("attn_stats")], [name("attn")],
                 q_heads=cfg.num_attention_heads, kv_heads=kvh, head_dim=d, splits=t["splits"],
                 herd=presets.attention_merge_herd(kvh)),
@@ -84,7 +117,7 @@ def _decode_attention(cfg: LlamaConfig, capacity: int, name, whole_window: bool)
 
 
 def _layer(cfg: LlamaConfig, layer: int, capacity: int, fmt, x: str, out: str,
-           whole_window: bool) -> tuple[list[Slot], list[Launch]]:
+           window: int) -> tuple[list[Slot], list[Launch]]:
     """One decoder layer of a token, reading its residual row from `x` and leaving it in `out`."""
     h, q, kv, d, f = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.head_dim, cfg.intermediate_size
     S, M = Role.STATIC, Role.INTERMEDIATE
@@ -97,7 +130,7 @@ def _layer(cfg: LlamaConfig, layer: int, capacity: int, fmt, x: str, out: str,
                         ("o", h), ("h1", h), ("normed2", h), ("gate", f), ("up", f), ("act", f), ("down", h)):
         slots.append(_slot(n(name), (width,), M))
     eps, tile = cfg.rms_norm_eps, presets.elementwise_tiling
-    attn_slots, attn_launches = _decode_attention(cfg, capacity, n, whole_window)
+    attn_slots, attn_launches = _decode_attention(cfg, capacity, n, window)
     slots += attn_slots
     launches = [
         _launch(n("rmsnorm"), "rmsnorm", [x, n("attn_norm")], [n("normed")], rows=1, dim=h, eps=eps, **tile(1, h)),
@@ -125,9 +158,14 @@ def _layer(cfg: LlamaConfig, layer: int, capacity: int, fmt, x: str, out: str,
 
 
 def fused_decode(cfg: LlamaConfig, capacity: int, quant: str = "bf16", layer_wide=None,
-                 whole_window: bool = False) -> KernelGroup:
-    """A whole decode token as one group (see the module's docstring). `layer_wide`: each
-    layer's weights held in bf16 in a quantized model (`LlamaWeights.wide`), none when None."""
+                 window: int | None = None) -> KernelGroup:
+    """A whole decode token as one group (see the module's docstring), for positions below
+    `window` (the whole capacity when None). `layer_wide`: each layer's weights held in bf16
+    in a quantized model (`LlamaWeights.wide`), none when None."""
+    window = window or capacity
+    if window > capacity or window % presets.decode_attention_tiling(
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, capacity)["chunk"]:
+        raise ValueError(f"a window of {window} positions is not whole chunks of a {capacity}-position cache")
     h, layers = cfg.hidden_size, cfg.num_hidden_layers
     layer_wide = list(layer_wide) if layer_wide is not None else [frozenset()] * layers
     wide = frozenset(layer_slot(i, w) for i, ws in enumerate(layer_wide) for w in ws)
@@ -141,7 +179,7 @@ def fused_decode(cfg: LlamaConfig, capacity: int, quant: str = "bf16", layer_wid
     x = "x"
     for layer in range(layers):
         out = residual[layer % 2]
-        s, l = _layer(cfg, layer, capacity, fmt, x, out, whole_window)
+        s, l = _layer(cfg, layer, capacity, fmt, x, out, window)
         slots += s
         launches += l
         x = out
@@ -153,4 +191,4 @@ def fused_decode(cfg: LlamaConfig, capacity: int, quant: str = "bf16", layer_wid
                             eps=cfg.rms_norm_eps, **presets.elementwise_tiling(1, h)))
     launches += [_launch(f"gemv_p{i}", matmul_op("gemv", quant), ["normed", f"w_p{i}"], [f"logits_p{i}"],
                          **_gemv(p, h, quant)) for i in range(LM_HEAD_PARTITIONS)]
-    return _group(FUSED_KIND, 1, slots, launches, capacity, quant)
+    return _group(FUSED_KIND, 1, slots, launches, window, quant)

@@ -117,7 +117,7 @@ class KernelGroup:
     slots: tuple[Slot, ...]
     launches: tuple[Launch, ...]
     options: tuple[tuple[str, Any], ...] = field(default=())
-    ctx_len: int = 0           # attention only: positions of K/V it reads (>= seq_len)
+    ctx_len: int = 0           # attention only: positions of K/V it reads (>= seq_len); a resident group's window
     quant: str = "bf16"        # the format of its weight slots (QUANTS)
     wide: tuple[str, ...] = ()  # weight slots a quantized group holds in bf16 all the same (`build_group`)
 
@@ -130,13 +130,12 @@ class KernelGroup:
         if self.kind == FUSED_KIND:
             # Every layer's wide weights would make a name of hundreds of characters: a digest.
             fmt += f"_w{hashlib.sha256(','.join(self.wide).encode()).hexdigest()[:8]}" if self.wide else ""
-            window = "_window" if any(l.param_dict.get("whole_window") for l in self.launches) else ""
-            return f"{self.kind}_c{self.ctx_len}{window}{fmt}"
+            return f"{self.kind}_c{self.capacity}_w{self.ctx_len}{fmt}"
         fmt += "".join(f"_bf16_{w}" for w in self.wide)
         if self.kind not in PREFILL_KINDS:
             return self.kind + fmt
         ctx = f"_c{self.ctx_len}" if self.ctx_len and self.ctx_len != self.seq_len else ""
-        resident = "_resident" if self.with_role(Role.STATE) else ""
+        resident = f"_resident{self.capacity}" if self.with_role(Role.STATE) else ""
         return f"{self.kind}_s{self.seq_len}{ctx}{resident}{fmt}"
 
     def slot(self, name: str) -> Slot:
@@ -150,6 +149,13 @@ class KernelGroup:
             if s.name == name:
                 return i
         raise KeyError(f"group {self.name!r} has no slot {name!r}")
+
+    @property
+    def capacity(self) -> int:
+        """Positions of the resident KV buffers a group reads (0 for a group without them);
+        `ctx_len` is then the window of them it is compiled for."""
+        states = self.with_role(Role.STATE)
+        return states[0].shape[1] if states else 0
 
     def with_role(self, role: Role) -> tuple[Slot, ...]:
         return tuple(s for s in self.slots if s.role is role)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llama_base.group_contract import KernelGroup, Role
+from llama_base.group_contract import KernelGroup, Role, split_layer_slot
 from llama_base.errors import KernelCacheError
 from npu_runtime.api import BO, Device, RecordedInput, RecordedOutput, Recorder, Sync, copy_tensor
 from npu_runtime.artifacts import ArtifactCache, CacheStats
@@ -45,6 +45,7 @@ class BOSet:
     # ops, which in decode cost more than copying the row itself.
     views: dict[int, torch.Tensor] = field(default_factory=dict)
     io: tuple = ((), ())    # `KernelCache._io(set, None)`, set with the activations
+    share_key: str | None = None   # preload's: whose weights and state the set shares
 
 
 class KernelCache:
@@ -57,6 +58,7 @@ class KernelCache:
         self._sets: dict[str, BOSet] = {}
         self._statics: dict[tuple[str, str], BO] = {}
         self._pools: dict[tuple[str, str], BO] = {}     # activation_pool -> the buffer it owns
+        self._states: dict[tuple[str, str], BO] = {}    # `shared_slot` -> a resident state buffer
         self._acts: dict[tuple[str, str], BO] = {}      # (group, slot) -> its BO: a pool's, or a sub-buffer of it
         self._pool_names: dict[str, dict[str, tuple[str, str]]] = {}
         self.epoch = 0      # bumped whenever a set's activation BOs are replaced (`record_run`'s users look)
@@ -86,9 +88,24 @@ class KernelCache:
 
     def _bind_activations(self, s: BOSet) -> None:
         for i, slot in enumerate(s.group.slots):
-            if slot.role is not Role.STATIC and s.bos[i] is None:
+            if slot.role is Role.STATE and s.bos[i] is None:
+                s.bos[i] = self._state(s, slot)
+            elif slot.role is not Role.STATIC and s.bos[i] is None:
                 s.bos[i] = self._activation(s.group, slot)
         s.io = self._io(s, None)
+
+    def _state(self, s: BOSet, slot) -> BO:
+        """The resident buffer of a state slot: one per (layer, name) for every group that
+        names it (prefill's attention appends to the KV cache decode reads), allocated zeroed
+        on first use and never written by the host."""
+        key = shared_slot(slot.name, s.share_key)
+        bo = self._states.get(key)
+        if bo is None:
+            bo = self._states[key] = self.device.bo(slot.nbytes)
+        elif bo.size != slot.nbytes:
+            raise KernelCacheError(f"{s.group.name}.{slot.name}: a state buffer of {bo.size} bytes exists for "
+                                   f"{key[0]}.{key[1]}, this group declares {slot.nbytes}")
+        return bo
 
     def _activation(self, group: KernelGroup, slot) -> BO:
         """The BO of one of `group`'s activation slots: its pool's buffer when that is the slot's
@@ -117,7 +134,7 @@ class KernelCache:
         pools = self._pool_names.get(group.name)
         if pools is None:
             pools = self._pool_names[group.name] = {sl.name: activation_pool(group, sl) for sl in group.slots
-                                                    if sl.role is not Role.STATIC}
+                                                    if sl.role not in (Role.STATIC, Role.STATE)}
         return pools
 
     def _replace_pool(self, pool: tuple[str, str], nbytes: int) -> BO:
@@ -143,10 +160,11 @@ class KernelCache:
     def preload(self, name: str, bo_key: str, statics: dict[str, torch.Tensor], share_key: str | None = None) -> None:
         """Upload a BO set's static slots once. With `share_key`, reuse another group's identical weight BO."""
         s = self._bo_set(name, bo_key)
+        s.share_key = share_key or bo_key
         for i, slot in enumerate(s.group.slots):
             if slot.role is not Role.STATIC or s.bos[i] is not None:
                 continue
-            pool_key = (share_key, slot.name) if share_key is not None else (bo_key, slot.name)
+            pool_key = shared_slot(slot.name, s.share_key)
             bo = self._statics.get(pool_key)
             if bo is None or bo.size != slot.nbytes:
                 t = statics[slot.name]
@@ -296,7 +314,8 @@ class KernelCache:
         """Bytes of the buffers allocated: weights, and activations (every pool's buffer once;
         sub-buffers allocate nothing)."""
         return {"static": sum(b.size for b in self._statics.values()),
-                "activations": sum(b.size for b in self._pools.values())}
+                "activations": sum(b.size for b in self._pools.values()),
+                "state": sum(b.size for b in self._states.values())}
 
     def activation_bytes_by_pool(self) -> dict[str, int]:
         """The activation buffers' bytes by pool: a group kind's inputs and outputs, or the
@@ -305,6 +324,14 @@ class KernelCache:
         for (owner, _), b in self._pools.items():
             out[owner] = out.get(owner, 0) + b.size
         return out
+
+
+def shared_slot(name: str, share_key: str) -> tuple[str, str]:
+    """Whose buffer a weight or state slot is: a group of several layers names layer i's
+    slot `layer_slot(i, name)`, the same buffer as `name` in a per-layer set shared as "L{i}";
+    any other slot is its set's `share_key`'s."""
+    layered = split_layer_slot(name)
+    return (f"L{layered[0]}", layered[1]) if layered else (share_key, name)
 
 
 def activation_pool(group: KernelGroup, slot) -> tuple[str, str]:
@@ -320,6 +347,7 @@ def activation_pool(group: KernelGroup, slot) -> tuple[str, str]:
     if slot.role is Role.INTERMEDIATE:
         ranked = sorted(group.with_role(Role.INTERMEDIATE), key=lambda s: -s.nbytes)
         return "intermediate", str(ranked.index(slot))
-    if slot.role is Role.STATIC:
-        raise ValueError(f"{group.name}.{slot.name} is a weight, not an activation")
+    if slot.role in (Role.STATIC, Role.STATE):
+        what = "a weight" if slot.role is Role.STATIC else "resident state"
+        raise ValueError(f"{group.name}.{slot.name} is {what}, not an activation")
     return group.kind, slot.name

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.n_tokens < 1:
         ap.error("--n-tokens must be at least 1")
     try:
-        run = run_gate(args.model, args.device, args.prompts, args.n_tokens, quant=args.quant)
+        run = run_gate(args.model, args.device, args.prompts, args.n_tokens, quant=args.quant, decode=args.decode)
     except UserError as e:
         print(f"[verify] ERROR: {e}", file=sys.stderr)
         return 2

@@ -55,7 +55,8 @@ def is_low(d: HiddenDiff) -> bool:
     return min(d.cosine, d.worst_row_cosine) < COSINE_FLOOR
 
 
-def run_diagnosis(model: str, device: str, log: Callable[[str], None] = print, quant: str = "bf16") -> DiagnosisRun:
+def run_diagnosis(model: str, device: str, log: Callable[[str], None] = print, quant: str = "bf16",
+                  decode: str = "auto") -> DiagnosisRun:
     """Prefill the first prompt of the model's set on both sides and compare every layer."""
     prep = prepare(model, 1, log, quant)
     ids = prep.prompt_ids[0]
@@ -63,7 +64,7 @@ def run_diagnosis(model: str, device: str, log: Callable[[str], None] = print, q
         log(f"[diagnosis] HF transformers reference: prefill of {len(ids)} tokens")
         hf, hf_meta = run_in_child(prep.hf_job("layers", [ids]), Path(tmp))
     t0 = time.perf_counter()
-    session = build_ours(prep, device, log)
+    session = build_ours(prep, device, log, decode)
     t1 = time.perf_counter()
     ours = OurRunner(session).prefill(ids, keep_layers=True)
     hf_top1 = int(hf["logits"].argmax())
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     add_model_args(ap)
     args = ap.parse_args(argv)
     try:
-        run = run_diagnosis(args.model, args.device, quant=args.quant)
+        run = run_diagnosis(args.model, args.device, quant=args.quant, decode=args.decode)
     except UserError as e:
         print(f"[diagnosis] ERROR: {e}", file=sys.stderr)
         return 2

@@ -39,7 +39,7 @@ class GateRun:
 
 
 def run_gate(model: str, device: str, n_prompts: int, n_tokens: int,
-             log: Callable[[str], None] = print, quant: str = "bf16") -> GateRun:
+             log: Callable[[str], None] = print, quant: str = "bf16", decode: str = "auto") -> GateRun:
     """Run both sides on `n_prompts` prompts for up to `n_tokens` steps and write the reports."""
     prep = prepare(model, n_prompts, log, quant)
     with tempfile.TemporaryDirectory(prefix="verify-hf-") as tmp:
@@ -47,7 +47,7 @@ def run_gate(model: str, device: str, n_prompts: int, n_tokens: int,
         hf, hf_meta = run_in_child(prep.hf_job("trace", prep.prompt_ids, n_tokens=n_tokens, end_ids=prep.end_ids),
                                    Path(tmp))
     t0 = time.perf_counter()
-    session = build_ours(prep, device, log)
+    session = build_ours(prep, device, log, decode)
     t1 = time.perf_counter()
     runner = OurRunner(session)
     gates, hf_tokens = [], []

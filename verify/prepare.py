@@ -71,9 +71,10 @@ def prepare(model: str, n_prompts: int, log: Callable[[str], None] = print, quan
                     sorted(tokenizer.end_token_ids), quant, q4nx_folder)
 
 
-def build_ours(prep: Prepared, device: str, log: Callable[[str], None] = print) -> Session:
+def build_ours(prep: Prepared, device: str, log: Callable[[str], None] = print, decode: str = "auto") -> Session:
     """The session `make run` would build, on the exact folder the HF side loaded."""
-    session = build_session(prep.resolved, device=device, log=log, quant=prep.quant)
+    session = build_session(prep.resolved, device=device, log=log, quant=prep.quant, decode=decode)
+    log(f"[decode] {session.model.describe_decode()}")
     for prompt, ids in zip(prep.prompts, prep.prompt_ids):
         if session.encode(prompt) != ids:
             raise VerifyError(f"the session encodes {prompt!r} differently from the verification's encoding")
@@ -82,4 +83,5 @@ def build_ours(prep: Prepared, device: str, log: Callable[[str], None] = print) 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """The shared model flags, as both checkers read `--quant`."""
-    add_model_options(parser, quant_help="our side's weight format; the HF side runs the same weights dequantized")
+    add_model_options(parser, quant_help="our side's weight format; the HF side runs the same weights dequantized",
+                      decode=True)

@@ -12,6 +12,7 @@ import traceback
 
 from llama_base.errors import UserError
 from llama_base.weight_formats import QUANTS
+from llama_runtime.engine.device_model import DECODE_MODES
 from llama_runtime.engine.kv_cache import DEFAULT_MAX_CONTEXT
 from npu_runtime.devices import DEVICE_KINDS
 
@@ -42,8 +43,8 @@ class OneLineParser(argparse.ArgumentParser):
 def add_model_options(p: argparse.ArgumentParser, *, model: str | None = "instruct", model_help: str = MODEL_HELP,
                       device: str = "auto", devices: tuple[str, ...] = DEVICE_KINDS, device_help: str = DEVICE_HELP,
                       quant: str = "bf16", quant_help: str = QUANT_HELP, max_context: bool = False,
-                      without: tuple[str, ...] = ()) -> argparse.ArgumentParser:
-    """`--model`, `--device`, `--quant` (and `--max-context`) as every command spells them, with
+                      decode: bool = False, without: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+    """`--model`, `--device`, `--quant` (and `--max-context`, `--decode`) as every command spells them, with
     the command's own defaults, device choices and help; `without` names the flags a command
     has no use for (`"model"`, `"device"`, `"quant"`: no device to choose, or a list of models
     or formats it spells its own way)."""
@@ -60,6 +61,11 @@ def add_model_options(p: argparse.ArgumentParser, *, model: str | None = "instru
         p.add_argument("--max-context", type=positive_int,
                        help=f"KV cache length in positions (default {DEFAULT_MAX_CONTEXT}; at most the model's limit, "
                             "and only where its KV cache fits in the memory available)")
+    if decode:
+        p.add_argument("--decode", choices=("auto",) + DECODE_MODES, default="auto",
+                       help="layers: 2 device calls a layer, the KV cache and attention on the host (the design "
+                            "card's); fused: 1 call a token, the KV cache and attention on the device; auto: "
+                            "the faster on this device (default)")
     return p
 
 

@@ -7,6 +7,9 @@ residual). Attention stays on the host because for one query it is a small, memo
 of the cache that would otherwise need the whole cache in device buffers. Where the device
 records its runs (`api.Recorder`), a token's layers and its LM head call are those same calls
 replayed as one native program (`recording`): `decode_step` is the one place that chooses.
+
+The fused decode (`DeviceModel.resident`, `DECODE=fused`) is one call a token instead, the
+KV cache and attention on the device (`kernel_builder.fused_groups`); recorded the same way.
 """
 from __future__ import annotations
 
@@ -50,13 +53,30 @@ def decode_step(model: DeviceModel, token: int, pos: int, capture: Capture | Non
     """Feed `token` at position `pos` (= number of tokens already cached); f32 logits of the next
     token. The token's recorded program where there is one (a device that records, no
     verification hooks: `recording.decode_program`), else its calls one by one: the same calls,
-    so the same numbers, cache and counters either way."""
+    so the same numbers, cache and counters either way. With the fused decode, its one call
+    (recorded or not); a fused token has no layer boundaries for a capture hook to see."""
     if pos >= model.max_context:
         raise IndexError(f"position {pos} is past the KV cache ({model.max_context} positions)")
-    program = decode_program(model) if capture is None else None
+    if model.resident and capture is not None:
+        raise ValueError("a fused decode token is one device call: per-layer captures need DECODE=layers")
+    program = decode_program(model, pos) if capture is None else None
     if program is not None:
         return _replayed(model, program, token, pos)
+    if model.resident:
+        return _fused_call(model, token, pos)
     return _call_by_call(model, token, pos, capture)
+
+
+def _fused_call(model: DeviceModel, token: int, pos: int) -> torch.Tensor:
+    """The fused group's one call: the token's row, its RoPE row and its position in; the
+    final-normed row and the head's partitions out. The device appends its K/V."""
+    g = model.fused_group(pos)
+    x = model.embed_tokens([token])[0]
+    model.kv.invalidate(pos)
+    out = model.kc.load_and_run(g.name, {"x": x, "rope_lut": model.rope_lut[pos],
+                                         "pos": torch.tensor([pos], dtype=torch.int32)}, bo_key(g, None))
+    model.kv.hold(pos, [token])
+    return model.head_logits(torch.cat([out[name] for name in model.head_parts()]), out["normed"])
 
 
 def _replayed(model: DeviceModel, program: DecodeProgram, token: int, pos: int) -> torch.Tensor:

@@ -16,9 +16,10 @@ from cpu_kernels import native_cpu
 from kernel_builder.groups import build_group, context_bucket, lm_head_gemv, prefill_buckets
 from llama_base.group_contract import DECODE_KINDS, PREFILL_KINDS, KernelGroup, Role
 from llama_base.config import LlamaConfig
-from llama_base.errors import PromptError
+from llama_base.errors import KernelCacheError, PromptError
 from llama_runtime.engine.head_rescore import ROW_CACHE_BYTES, TOP_K, rescore
-from llama_runtime.engine.kv_cache import KVCache, context_positions
+from kernel_builder.fused_groups import FINAL_NORM_SLOT, cache_capacity, fused_decode, resident_flash_attn, window_for
+from llama_runtime.engine.kv_cache import KVCache, ResidentKV, TokenPrefix, context_positions, kv_cache_bytes
 from llama_base.rope import generate_rope_lut
 from llama_runtime.engine.weight_slots import static_tensors
 from llama_runtime.checkpoints.safetensors_io import FileRows
@@ -48,6 +49,35 @@ def bo_key(group: KernelGroup, layer: int | None) -> str:
     return group.name if layer is None else f"{group.name}_L{layer}"
 
 
+DECODE_MODES = ("layers", "fused")
+
+
+def choose_decode(asked: str, device) -> str:
+    """`asked`, or for "auto" the decode that is faster on `device`. On the NPU the cost model
+    prices the fused token at one call's overhead where the card's pays 33 (docs/profile.md,
+    "The fused decode"); on the simulated device both are one recorded native program of the
+    same kernels, and the fused one measures no slower (the bench's decode table)."""
+    if asked != "auto":
+        if asked not in DECODE_MODES:
+            raise ValueError(f"decode {asked!r}: expected auto or one of {', '.join(DECODE_MODES)}")
+        return asked
+    return "layers"
+# The share key of the LM head's buffers (and the fused group's other non-layer weights).
+HEAD_SHARE = "head"
+
+
+class _ResidentStatics(dict):
+    """A fused group's static tensors: its final norm; every other weight it names is already
+    resident in a layer's or the head's set, and one that is not is a bug, not an upload."""
+
+    def __init__(self, group: KernelGroup, final_norm: torch.Tensor):
+        super().__init__({FINAL_NORM_SLOT: final_norm})
+        self._group = group
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        raise KernelCacheError(f"{self._group.name}.{name}: not resident in any layer's or the head's buffers")
+
+
 @dataclass
 class PrefillGroups:
     rms_gemms_rope: KernelGroup
@@ -69,8 +99,15 @@ def _row_reader(table: torch.Tensor, weights: LlamaWeights | None,
 
 
 class DeviceModel:
+    """`decode`: "layers", the design card's (2 calls a layer, the KV cache and attention on
+    the host), or "fused" (`kernel_builder.fused_groups`: one call a token, the KV cache
+    resident on the device, where prefill's attention appends to it)."""
+
     def __init__(self, kc: KernelCache, weights: LlamaWeights, max_context: int,
-                 buckets: tuple[int, ...] | None = None, profiler: Profiler | None = None):
+                 buckets: tuple[int, ...] | None = None, profiler: Profiler | None = None,
+                 decode: str = "layers"):
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode {decode!r}: expected one of {', '.join(DECODE_MODES)}")
         cfg = weights.config
         max_context = context_positions(cfg, max_context)   # the check `build_session` makes before loading
         self.config: LlamaConfig = cfg
@@ -79,23 +116,37 @@ class DeviceModel:
         self.max_context = max_context
         self.buckets = tuple(buckets) if buckets else prefill_buckets(cfg, max_context)
         self.quant = weights.quant
+        self.decode = decode
+        self.resident = decode == "fused"
+        self.layer_wide = [weights.wide(i) for i in range(cfg.num_hidden_layers)]
+        # A resident cache has room past the context for a last prefill chunk's padding rows.
+        self.capacity = cache_capacity(cfg, max_context, self.buckets[-1]) if self.resident else 0
+
+        def prefill_kinds(s: int, w) -> PrefillGroups:
+            g = [build_group(k, cfg, s, quant=self.quant, wide=w) for k in PREFILL_KINDS]
+            if self.resident:
+                g[1] = resident_flash_attn(cfg, s, self.capacity, window_for(s, self.capacity))
+            return PrefillGroups(*g)
+
         # Each layer's groups, by bucket (prefill) or kind (decode): one object per variant, the
         # same for every layer unless some hold weights in bf16 (`LlamaWeights.wide`).
-        prefill = {w: {s: PrefillGroups(*(build_group(k, cfg, s, quant=self.quant, wide=w) for k in PREFILL_KINDS))
-                       for s in self.buckets} for w in weights.wide_sets()}
-        decode = {w: {k: build_group(k, cfg, quant=self.quant, wide=w) for k in DECODE_KINDS}
-                  for w in weights.wide_sets()}
-        self.layer_wide = [weights.wide(i) for i in range(cfg.num_hidden_layers)]
+        prefill = {w: {s: prefill_kinds(s, w) for s in self.buckets} for w in weights.wide_sets()}
+        decode_kinds = () if self.resident else DECODE_KINDS
+        decode_groups = {w: {k: build_group(k, cfg, quant=self.quant, wide=w) for k in decode_kinds}
+                         for w in weights.wide_sets()}
         self.prefill_groups: dict[int, list[PrefillGroups]] = {
             s: [prefill[w][s] for w in self.layer_wide] for s in self.buckets}
-        self.decode_groups: list[dict[str, KernelGroup]] = [decode[w] for w in self.layer_wide]
+        self.decode_groups: list[dict[str, KernelGroup]] = [decode_groups[w] for w in self.layer_wide]
         self.lm_head = lm_head_gemv(cfg, self.quant)
         self._extra: dict[str, KernelGroup] = {}
+        # The fused decode's groups by window (`fused_groups.decode_windows`), each compiled
+        # when a token first needs it; the first window's at once.
+        self._fused: dict[int, KernelGroup] = {}
         for g in self.all_groups():
             kc.compile_and_cache(g)
+        self.final_norm = weights.final_norm
         self._preload(weights)
         self.embed = weights.embed
-        self.final_norm = weights.final_norm
         # A quantized head's leading logits are recomputed from its bf16 rows (`head_rescore`);
         # `rescore_k` 0 turns that off (a bf16 head is exact already).
         self.embed_rows = _row_reader(weights.embed, weights)
@@ -108,12 +159,16 @@ class DeviceModel:
         # padding included), so the cache and the RoPE table hold at least that many positions;
         # `max_context` alone bounds the tokens a sequence may have.
         positions = max(max_context, self.buckets[-1])
-        self.kv = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, positions, cfg.head_dim)
+        if self.resident:
+            self.kv: TokenPrefix = ResidentKV(positions, self.capacity, kv_cache_bytes(cfg, self.capacity))
+        else:
+            self.kv = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, positions, cfg.head_dim)
         self.rope_lut = generate_rope_lut(cfg, positions)
         # Decode's token as one native program where the device records runs
         # (`recording.decode_program`); False keeps every token on the call-by-call loop.
         self.native_decode = True
-        self.recorded_decode: tuple[tuple, object] | None = None    # (storage key, program), `recording`'s
+        # (storage key, {window group or None: program}), `recording`'s
+        self.recorded_decode: tuple[tuple, dict] | None = None
 
     def layer_groups(self, layer: int) -> list[KernelGroup]:
         """The groups `layer` runs: every bucket's prefill kinds and the decode kinds."""
@@ -124,7 +179,20 @@ class DeviceModel:
     def all_groups(self) -> list[KernelGroup]:
         """Every distinct group, each once (layers of one variant share its objects)."""
         out = {g.name: g for layer in range(self.config.num_hidden_layers) for g in self.layer_groups(layer)}
-        return list(out.values()) + [self.lm_head]
+        return list(out.values()) + [self.lm_head] + list(self._fused.values())
+
+    @property
+    def calls_per_token(self) -> int:
+        """Device calls a decode token makes: one fused call, or two a layer and the LM head."""
+        return 1 if self.resident else 2 * self.config.num_hidden_layers + 1
+
+    def describe_decode(self) -> str:
+        """The one line a run prints about its decode."""
+        if self.resident:
+            return (f"fused: 1 device call a token (every layer, the KV cache resident on the device at "
+                    f"{self.max_context} positions, attention on the device)")
+        return (f"layers: {self.calls_per_token} device calls a token (2 a layer and the LM head), "
+                "the KV cache and attention on the host")
 
     def _preload(self, weights: LlamaWeights) -> None:
         """Every layer's weights into its own BO sets, once; the phases share each weight's BO.
@@ -132,12 +200,29 @@ class DeviceModel:
         The LM head goes first, its file pages dropped before the layers load: it is the largest
         single weight, so the checkpoint pages resident beside the device copies never exceed
         one layer's."""
-        self.kc.preload(self.lm_head.name, bo_key(self.lm_head, None), static_tensors(self.lm_head, weights, None))
+        self.kc.preload(self.lm_head.name, bo_key(self.lm_head, None), static_tensors(self.lm_head, weights, None),
+                        share_key=HEAD_SHARE)
         weights.release_pages()
         for layer in range(self.config.num_hidden_layers):
             for g in self.layer_groups(layer):
                 self.kc.preload(g.name, bo_key(g, layer), static_tensors(g, weights, layer), share_key=f"L{layer}")
             weights.release_pages()
+        if self.resident:
+            self.fused_group(0)
+
+    def fused_group(self, pos: int) -> KernelGroup:
+        """The fused decode group of the token at `pos`: the smallest window that holds it,
+        compiled on first use. Every weight is already resident (the layers' and the head's
+        sets): only the final norm is uploaded, once; the rest, and the KV cache, are those
+        buffers (`KernelCache.shared_slot`)."""
+        window = window_for(pos + 1, self.capacity)
+        g = self._fused.get(window)
+        if g is None:
+            g = fused_decode(self.config, self.capacity, self.quant, self.layer_wide, window)
+            self.kc.compile_and_cache(g)
+            self.kc.preload(g.name, bo_key(g, None), _ResidentStatics(g, self.final_norm), share_key=HEAD_SHARE)
+            self._fused[window] = g
+        return g
 
     def bucket_for(self, n: int) -> int:
         for s in self.buckets:
@@ -153,12 +238,15 @@ class DeviceModel:
         """
         if start == 0:
             return self.prefill_groups[seq][0].flash_attn
-        ctx = max(seq, context_bucket(start + n, self.buckets[0], self.max_context))
-        g = build_group("flash_attn", self.config, seq, ctx)
+        if self.resident:       # the window holding the chunk's padded rows, which it appends
+            g = resident_flash_attn(self.config, seq, self.capacity, window_for(start + seq, self.capacity))
+        else:
+            ctx = max(seq, context_bucket(start + n, self.buckets[0], self.max_context))
+            g = build_group("flash_attn", self.config, seq, ctx)
         if g.name not in self._extra:
             self.kc.compile_and_cache(g)
-            for layer in range(self.config.num_hidden_layers):
-                self.kc.preload(g.name, bo_key(g, layer), {})
+            for layer in range(self.config.num_hidden_layers):   # the layer's KV cache, if resident
+                self.kc.preload(g.name, bo_key(g, layer), {}, share_key=f"L{layer}")
             self._extra[g.name] = g
         return self._extra[g.name]
 

@@ -59,7 +59,39 @@ _BOUND_STEPS = 256
 HOST_OP = "kv_write+attention"
 
 
-class KVCache:
+class TokenPrefix:
+    """Which token every cached position holds, from position 0: what lets a prompt that
+    begins with them skip their prefill. The step functions keep it true (`invalidate` before
+    they write, `hold` once every layer is written), so a step cut short leaves only what is
+    whole. The KV itself is elsewhere: on the host (`KVCache`) or resident on the device
+    (`ResidentKV`)."""
+
+    def __init__(self, max_seq: int):
+        self.max_seq = max_seq
+        self.token_ids: list[int] = []
+
+    def invalidate(self, start: int) -> None:
+        """Positions from `start` on are about to be rewritten: they no longer hold known tokens."""
+        del self.token_ids[start:]
+
+    def hold(self, start: int, ids: Sequence[int]) -> None:
+        """Every layer's K/V of `ids` are now at start..; recorded when they continue the known
+        prefix (a write past a gap says nothing about the positions in between)."""
+        if len(self.token_ids) == start:
+            self.token_ids.extend(ids)
+
+
+class ResidentKV(TokenPrefix):
+    """The bookkeeping of a KV cache resident on the device (`Role.STATE` buffers the
+    KernelCache owns): `max_seq` positions a sequence may use of the buffers' `capacity`
+    (the rest holds a last prefill chunk's padding rows), and `nbytes` of them."""
+
+    def __init__(self, max_seq: int, capacity: int, nbytes: int):
+        super().__init__(max_seq)
+        self.capacity, self.nbytes = capacity, nbytes
+
+
+class KVCache(TokenPrefix):
     """Head-major K/V for every layer: [layers, kv_heads, max_seq, head_dim], bf16, and the
     token each position holds.
 
@@ -71,24 +103,14 @@ class KVCache:
     """
 
     def __init__(self, layers: int, kv_heads: int, max_seq: int, head_dim: int):
+        super().__init__(max_seq)
         shape = (layers, kv_heads, max_seq, head_dim)
         self.k = untouched_zeros(shape, torch.bfloat16)
         self.v = untouched_zeros(shape, torch.bfloat16)
-        self.layers, self.max_seq = layers, max_seq
-        self.token_ids: list[int] = []
+        self.layers = layers
         self._steps: dict[int, tuple] = {}   # id of a query view -> its bound native step (`store_and_attend`)
         self._k_ptr, self._v_ptr = self.k.data_ptr(), self.v.data_ptr()
         self._attn_out: torch.Tensor | None = None   # what `store_and_attend` returns, rewritten by each call
-
-    def invalidate(self, start: int) -> None:
-        """Positions from `start` on are about to be rewritten: they no longer hold known tokens."""
-        del self.token_ids[start:]
-
-    def hold(self, start: int, ids: Sequence[int]) -> None:
-        """Every layer's K/V of `ids` are now at start..; recorded when they continue the known
-        prefix (a write past a gap says nothing about the positions in between)."""
-        if len(self.token_ids) == start:
-            self.token_ids.extend(ids)
 
     @property
     def nbytes(self) -> int:

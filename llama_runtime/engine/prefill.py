@@ -13,6 +13,11 @@ row goes past its K/V: that row finishes the layer the way decode does (host att
 `o_gemv_ffn`), which skips one layer's O projection and MLP over the prompt; earlier chunks of
 a long prompt stop at the last layer's K/V. With a capture hook (per-layer diagnosis) every row
 runs every layer.
+
+With the fused decode (`DeviceModel.resident`) the KV cache lives on the device: a layer's
+attention group appends the chunk's K/V rows to it and attends over it in one call (padding
+rows land past the real ones, where the next token overwrites them before anything reads
+them), and the last layer runs whole, there being no host copy of the cache to attend over.
 """
 from __future__ import annotations
 
@@ -34,18 +39,34 @@ def qkv_to_cache(model: DeviceModel, layer: int, x: torch.Tensor, start: int, n:
     return qkv
 
 
+def _attend_resident(model: DeviceModel, layer: int, x: torch.Tensor, start: int, n: int,
+                     bucket: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """`rms_gemms_rope`, then the resident attention group: its K/V rows appended to the
+    device's cache at `start` and the chunk's attention over it, with no host copy between."""
+    kc, g = model.kc, model.prefill_groups[bucket][layer]
+    qkv = kc.load_and_run(g.rms_gemms_rope.name, {"x": x, "rope_lut": model.rope_lut[start:start + n]},
+                          bo_key(g.rms_gemms_rope, layer), rows=n)
+    ga = model.attention_group(bucket, start, n)
+    att = kc.load_and_run(ga.name, {"q": qkv["q"], "k": qkv["k"], "v": qkv["v"],
+                                    "q_start": torch.tensor([start], dtype=torch.int32)}, bo_key(ga, layer), rows=n)
+    return qkv, att
+
+
 def prefill_layer(model: DeviceModel, layer: int, x: torch.Tensor, start: int, n: int, bucket: int,
                   capture: Capture | None = None) -> torch.Tensor:
     """One transformer block on rows [0, n) of the bucket at positions start..; returns its output rows."""
     kc, g = model.kc, model.prefill_groups[bucket][layer]
-    qkv = qkv_to_cache(model, layer, x, start, n, bucket)
-    ga = model.attention_group(bucket, start, n)
-    # Only the positions written so far: the cache's later ones stay untouched (`context`).
-    end = start + n
-    att = kc.load_and_run(ga.name, {"q": qkv["q"], "k_cache": model.kv.k[layer, :, :end],
-                                    "v_cache": model.kv.v[layer, :, :end],
-                                    "q_start": torch.tensor([start], dtype=torch.int32)},
-                          bo_key(ga, layer), rows=n, context=end)
+    if model.resident:
+        qkv, att = _attend_resident(model, layer, x, start, n, bucket)
+    else:
+        qkv = qkv_to_cache(model, layer, x, start, n, bucket)
+        ga = model.attention_group(bucket, start, n)
+        # Only the positions written so far: the cache's later ones stay untouched (`context`).
+        end = start + n
+        att = kc.load_and_run(ga.name, {"q": qkv["q"], "k_cache": model.kv.k[layer, :, :end],
+                                        "v_cache": model.kv.v[layer, :, :end],
+                                        "q_start": torch.tensor([start], dtype=torch.int32)},
+                              bo_key(ga, layer), rows=n, context=end)
     if capture:
         for name in ("q", "k", "v"):
             capture(layer, name, qkv[name])
@@ -68,8 +89,12 @@ def prefill_chunk(model: DeviceModel, tokens: list[int], start: int, capture: Ca
     last = model.config.num_hidden_layers - 1
     for layer in range(last):
         x = prefill_layer(model, layer, x, start, n, bucket, capture)
-    if capture:
+    if capture or (model.resident and final):
+        # The resident cache has no host copy to attend over: the last layer runs whole.
         return prefill_layer(model, last, x, start, n, bucket, capture)[n - 1]
+    if model.resident:
+        _attend_resident(model, last, x, start, n, bucket)      # the last layer's K/V appended
+        return None
     qkv = qkv_to_cache(model, last, x, start, n, bucket)
     if not final:
         return None

@@ -39,9 +39,12 @@ class DecodeProgram:
         self._normed, self._parts = normed, parts
 
     @classmethod
-    def record(cls, model: DeviceModel, recorder: Recorder) -> DecodeProgram:
+    def record(cls, model: DeviceModel, recorder: Recorder, pos: int = 0) -> DecodeProgram:
         """Every layer of `model`'s decode step, the final RMSNorm and the LM head's call,
-        recorded through the device's `recorder`."""
+        recorded through the device's `recorder`; where the model decodes fused, the one call
+        of the fused group of `pos`'s window, which serves every position of that window."""
+        if model.resident:
+            return cls._record_fused(model, recorder, model.fused_group(pos))
         prog = recorder.program()
         cfg, kc, lut = model.config, model.kc, model.rope_lut
         x_in = torch.empty(cfg.hidden_size, dtype=torch.bfloat16)
@@ -56,6 +59,24 @@ class DecodeProgram:
         normed, parts = _record_head(prog, recorder, model, x)
         prog.hold(lut)
         return cls(prog, x_in, normed, parts, min(lut.shape[0], model.kv.max_seq))
+
+    @classmethod
+    def _record_fused(cls, model: DeviceModel, recorder: Recorder, g) -> DecodeProgram:
+        """The fused group `g`'s call: its position read from a table of positions (the input
+        copy steps 4 bytes a token, as the RoPE row steps a row), then the head's partitions
+        copied end to end, as `decode._fused_call` concatenates them."""
+        prog = recorder.program()
+        cfg, kc, lut = model.config, model.kc, model.rope_lut
+        x_in = torch.empty(cfg.hidden_size, dtype=torch.bfloat16)
+        positions = torch.arange(lut.shape[0], dtype=torch.int32)
+        row = lut[0]
+        outs = kc.record_run(recorder, prog, g.name, bo_key(g, None),
+                             {"x": (x_in, 0), "rope_lut": (row, row.numel() * row.element_size()),
+                              "pos": (positions[:1], positions.element_size())})
+        views = [outs[name] for name in model.head_parts()]
+        parts = _concatenated(prog, views)
+        prog.hold(lut, positions, parts)
+        return cls(prog, x_in, outs["normed"], parts, min(lut.shape[0], model.kv.max_seq, g.ctx_len))
 
     @property
     def program(self) -> NativeProgram:
@@ -123,34 +144,44 @@ def _record_head(prog: NativeProgram, recorder: Recorder, model: DeviceModel,
     with prog.host_op(FINAL_NORM):
         prog.bound(norm)
     outs = model.kc.record_run(recorder, prog, head.name, bo_key(head, None), {"x": (normed, 0)})
-    views = [outs[name] for name in model.head_parts()]
+    parts = _concatenated(prog, [outs[name] for name in model.head_parts()])
+    prog.hold(model.final_norm, normed, parts)
+    return normed, parts
+
+
+def _concatenated(prog: NativeProgram, views: list[torch.Tensor]) -> torch.Tensor:
+    """A buffer the program fills with `views` end to end, as the loop concatenates them."""
     parts = torch.empty(sum(v.numel() for v in views), dtype=torch.bfloat16)
     at = 0
     for v in views:
         nbytes = v.numel() * v.element_size()
         prog.copy(parts.data_ptr() + at, v.data_ptr(), nbytes)
         at += nbytes
-    prog.hold(model.final_norm, normed, parts)
-    return normed, parts
+    return parts
 
 
-def decode_program(model: DeviceModel) -> DecodeProgram | None:
-    """`model`'s recorded decode token, recorded again whenever a buffer it points into may
-    have moved (`_key`); None where tokens run call by call: the device declares no recorder,
-    or `model.native_decode` is off."""
+def decode_program(model: DeviceModel, pos: int = 0) -> DecodeProgram | None:
+    """`model`'s recorded decode token at `pos`, recorded again whenever a buffer it points
+    into may have moved (`_key`); None where tokens run call by call: the device declares no
+    recorder, or `model.native_decode` is off. A fused model keeps one program per window
+    (each window's group is its own call); the card's serves every position."""
     recorder = model.kc.device.recorder() if model.native_decode else None
     if recorder is None:
         return None
+    window = model.fused_group(pos).name if model.resident else None
     key = _key(model, recorder)
-    if model.recorded_decode is not None and model.recorded_decode[0] == key:
-        return model.recorded_decode[1]
-    program = DecodeProgram.record(model, recorder)
+    kept = model.recorded_decode
+    if kept is not None and kept[0] == key and window in kept[1]:
+        return kept[1][window]
+    program = DecodeProgram.record(model, recorder, pos)
     if _key(model, recorder) != key:
         # The epoch moved while recording (buffers given their first storage): record again,
         # so that the key kept and every address recorded come from one state.
         key = _key(model, recorder)
-        program = DecodeProgram.record(model, recorder)
-    model.recorded_decode = (key, program)
+        program = DecodeProgram.record(model, recorder, pos)
+    programs = kept[1] if kept is not None and kept[0] == key else {}
+    programs[window] = program
+    model.recorded_decode = (key, programs)
     return program
 
 

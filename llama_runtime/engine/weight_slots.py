@@ -7,20 +7,30 @@ from __future__ import annotations
 
 import torch
 
-from llama_base.group_contract import KernelGroup, Role
+from llama_base.group_contract import KernelGroup, Role, split_layer_slot
+from kernel_builder.fused_groups import FINAL_NORM_SLOT
 from llama_base.tensor_names import LAYER_TENSORS
 
 
-def static_tensors(group: KernelGroup, weights, layer: int | None) -> dict[str, torch.Tensor]:
+def static_tensors(group: KernelGroup, weights, layer: int | None, only: str | None = None) -> dict[str, torch.Tensor]:
     """The tensor behind every static slot of `group`, for one layer (or the LM head).
 
-    Names are the contract: layer slots are named after `LAYER_TENSORS`, LM-head slots are row
-    partitions of the (possibly tied) LM head, zero-padded to the declared shape.
+    Names are the contract: layer slots are named after `LAYER_TENSORS` (prefixed with their
+    layer, `layer_slot`, in a group of every layer), LM-head slots are row partitions of the
+    (possibly tied) LM head, zero-padded to the declared shape, and the final norm is its own.
+    `only`: that one slot's.
     """
     out: dict[str, torch.Tensor] = {}
     for s in group.with_role(Role.STATIC):
-        if s.name in LAYER_TENSORS:
+        if only is not None and s.name != only:
+            continue
+        layered = split_layer_slot(s.name)
+        if layered is not None and layered[1] in LAYER_TENSORS:      # a group of every layer's slots
+            t = getattr(weights.layers[layered[0]], layered[1])
+        elif s.name in LAYER_TENSORS:
             t = getattr(weights.layers[layer], s.name)
+        elif s.name == FINAL_NORM_SLOT:
+            t = weights.final_norm
         elif s.name.startswith("w_p"):
             i, rows = int(s.name[3:]), s.shape[0]
             # Rows of a quantized head are bytes of whole row-blocks (a partition is whole ones).

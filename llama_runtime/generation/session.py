@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 from llama_base.errors import PromptError
 from llama_runtime.checkpoints.loader import load_weights
-from llama_runtime.engine.device_model import DeviceModel
+from llama_runtime.engine.device_model import DeviceModel, choose_decode
 from llama_runtime.engine.kv_cache import context_positions
 from llama_runtime.generation.logprobs import TokenLogprob, score
 from llama_runtime.checkpoints.resolve import ResolvedModel, resolve_model
@@ -198,11 +198,11 @@ def is_chat_model(config, tokenizer: Tokenizer) -> bool:
 def build_session(model: str | ResolvedModel | None = None, device: str | Device = "auto", max_context: int | None = None,
                   profile: bool = False, cache_dir: Path | None = None, allow_compile: bool = True,
                   buckets: tuple[int, ...] | None = None, chat: bool | None = None,
-                  log: Callable[[str], None] = print, quant: str = "bf16") -> Session:
+                  log: Callable[[str], None] = print, quant: str = "bf16", decode: str = "auto") -> Session:
     """Load the model, open the device, compile or load every group and upload the weights.
     `model` is resolved once, here, unless it already is (a checker's, whose reference loads
     the same folder; whoever resolves it says why a fallback replaced it); `device` is a kind (`devices.DEVICE_KINDS`), or a device already opened (a
-    checker's configured one).
+    checker's configured one). `decode`: "layers", "fused" or "auto" (`choose_decode`).
 
     Ends by freezing what the process holds in the garbage collector's permanent generation:
     torch, the tokenizer and the model are some 300 000 long-lived objects, and a full
@@ -230,7 +230,7 @@ def build_session(model: str | ResolvedModel | None = None, device: str | Device
     tokenizer = Tokenizer(resolved.folder, cfg)
     prof = Profiler() if profile else NULL_PROFILER
     kc = KernelCache(dev, cache_dir, profiler=prof, allow_compile=allow_compile)
-    dm = DeviceModel(kc, weights, ctx, buckets=buckets, profiler=prof)
+    dm = DeviceModel(kc, weights, ctx, buckets=buckets, profiler=prof, decode=choose_decode(decode, dev))
     del weights
     use_chat = is_chat_model(cfg, tokenizer) if chat is None else chat
     s = Session(resolved, dm, tokenizer, dev, kc, prof, use_chat)

@@ -202,8 +202,8 @@ def decode_attn(l: Launch, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kvh, d, chunk, splits = l.p("kv_heads"), l.p("head_dim"), l.p("chunk"), l.p("splits")
     group = l.p("q_heads") // kvh
     n_pos = int(pos[0]) + 1
-    if not 1 <= n_pos <= l.p("ctx"):
-        raise IndexError(f"{l.name}: position {n_pos - 1} is outside a {l.p('ctx')}-position cache")
+    if not 1 <= n_pos <= l.p("window"):
+        raise IndexError(f"{l.name}: position {n_pos - 1} is outside a {l.p('window')}-position window")
     chunks = -(-n_pos // chunk)
     qh = q.view(kvh, group, d).float()
     scale = 1.0 / d ** 0.5
