@@ -504,6 +504,22 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, 
     return True
 
 
+def attention_at_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                      out: torch.Tensor) -> Callable[[], None] | None:
+    """`decode_attention` bound, over positions 0..*pos of a resident cache [kv_heads, capacity,
+    d]: the kernel reads the position from `pos` (one int32) when it runs, as the NPU's cores
+    read theirs, so one bound call serves every token. None if unavailable."""
+    lib = usable(q, k, v, out)
+    if lib is None or getattr(lib, "attention_at_bf16_cpu", None) is None or pos.dtype != torch.int32:
+        return None
+    kvh, stride, d = k.shape
+    if d > lib.max_head_dim or v.shape != k.shape or q.numel() % d or (q.numel() // d) % kvh \
+            or out.numel() != q.numel():
+        return None
+    return _bound(lib.attention_at_bf16_cpu, (q, k, v, pos, out), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                  out.data_ptr(), q.numel() // d, kvh, d, pos.data_ptr(), stride)
+
+
 def decode_step_calls(q: torch.Tensor, k_row: torch.Tensor, v_row: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       out: torch.Tensor) -> tuple[Callable, Callable] | None:
     """The native KV row store and single-query attention (`kv_store_row`, `decode_attention`)

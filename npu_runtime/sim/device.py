@@ -235,7 +235,8 @@ class SimKernel:
     def __init__(self, device: "SimDevice", group: KernelGroup):
         self.device = device
         self.group = group
-        self._plan = ops.plan(group.launches)
+        # Sessions take the host attention's numbers, the NPU's when asked (`ops.plan`).
+        self._plan = ops.plan(group.launches, host_attention=not device.npu_numerics)
         self._bind_step = partial(ops.bind, npu_numerics=device.npu_numerics)
         self._written = {w for l in group.launches for w in l.writes}
         self.packings = [packing_for(group, i) for i in range(len(group.slots))]
@@ -301,7 +302,8 @@ class SimKernel:
             try:
                 prog.bound(call)
             except ReplayError as e:
-                launches = ", ".join(f"{l.name} ({l.op})" for l in (step if isinstance(step, list) else [step]))
+                group = step if isinstance(step, list) else getattr(step, "launches", [step])
+                launches = ", ".join(f"{l.name} ({l.op})" for l in group)
                 raise ReplayError(f"{self.group.name}, launch {launches}: {e}") from None
         prog.label = ("call", kind, "read")
         for bo, n in outputs:

@@ -16,6 +16,7 @@ so the device replays a decode call as a list of native calls.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial, wraps
 from typing import Callable
 
@@ -237,6 +238,38 @@ def attn_merge(l: Launch, acc: torch.Tensor, stats: torch.Tensor, out: torch.Ten
     out.copy_((num / den[..., None]).reshape(-1))
 
 
+@dataclass(frozen=True)
+class AttendStep:
+    """A token's `decode_attn` and the `attn_merge` of its partial sums, run as one step on the
+    host attention's contract (`attend`); `launches` names them as the group declares them."""
+
+    attn: Launch
+    merge: Launch
+
+    @property
+    def launches(self) -> tuple[Launch, Launch]:
+        return self.attn, self.merge
+
+
+def attend(step: AttendStep, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+           out: torch.Tensor) -> None:
+    """Single-query GQA attention over positions 0..pos, f32 softmax and P·V, rounded once:
+    the numbers of the design card's host attention (`kv_cache.decode_attention_cpu`), so the
+    fused decode and the card's agree bit for bit on the simulated device."""
+    l = step.attn
+    kvh, d = l.p("kv_heads"), l.p("head_dim")
+    n_pos = int(pos[0]) + 1
+    if not 1 <= n_pos <= l.p("window"):
+        raise IndexError(f"{l.name}: position {n_pos - 1} is outside a {l.p('window')}-position window")
+    qh = q.view(kvh, l.p("q_heads") // kvh, d).float()
+    scores = torch.matmul(qh, k_cache[:, :n_pos].float().transpose(1, 2)).mul_(1.0 / d ** 0.5)
+    out.copy_(torch.matmul(torch.softmax(scores, -1), v_cache[:, :n_pos].float()).reshape(-1))
+
+
+def _attend_native(step: AttendStep, q, k_cache, v_cache, pos, out) -> Callable[[], None] | None:
+    return native_cpu.attention_at_call(q, k_cache, v_cache, pos, out)
+
+
 def _torch_gemvs(jobs) -> None:
     for w, x, y in jobs:
         torch.mv(dense(w), x, out=y)
@@ -270,6 +303,9 @@ def bind(step: Launch | list[Launch], views: dict[str, torch.Tensor],
 
     Ops are looked up in `OPS` when binding, so an op replaced there is what runs.
     """
+    if isinstance(step, AttendStep):
+        args = [views[a] for a in step.attn.reads] + [views[step.merge.writes[0]]]
+        return _attend_native(step, *args) or partial(attend, step, *args)
     if isinstance(step, list):
         jobs = [(views[l.reads[1]], views[l.reads[0]], views[l.writes[0]]) for l in step]
         if step[0].op == "gemv_q4nx":
@@ -290,16 +326,33 @@ def _bind_one(step: Launch, views: dict[str, torch.Tensor], npu_numerics: bool) 
     return (native(step, *args) if native else None) or partial(getattr(op, "__wrapped__", op), step, *args)
 
 
-def plan(launches: tuple[Launch, ...]) -> list[Launch | list[Launch]]:
+def plan(launches: tuple[Launch, ...], host_attention: bool = False) -> list[Launch | list[Launch] | AttendStep]:
     """Launch order for the simulator: runs of mutually independent GEMVs of one op become one batch.
 
     Same launches, same results: a batch only groups GEMVs whose inputs none of them writes,
     so their order never mattered (Q/K/V of a layer, gate and up, the LM-head partitions).
+    With `host_attention`, a `decode_attn` and the `attn_merge` of its partials become one
+    `AttendStep` (the host attention's numbers; nothing else reads the partials).
     """
-    steps: list[Launch | list[Launch]] = []
+    steps: list[Launch | list[Launch] | AttendStep] = []
     batch: list[Launch] = []
     written: set[str] = set()
+    pending: Launch | None = None     # a decode_attn waiting for its merge
     for l in launches:
+        if host_attention and l.op == "decode_attn":
+            pending = l
+            continue
+        if pending is not None:
+            if l.op != "attn_merge" or tuple(l.reads) != tuple(pending.writes):
+                raise ValueError(f"{pending.name}: a decode_attn is followed by the attn_merge of its partials, "
+                                 f"not {l.name}")
+            l, pending = AttendStep(pending, l), None
+        if isinstance(l, AttendStep):
+            if batch:
+                steps.append(batch)
+                batch, written = [], set()
+            steps.append(l)
+            continue
         if l.op in _GEMV_OPS and batch and l.op == batch[0].op and not (set(l.reads) & written):
             batch.append(l)
             written |= set(l.writes)
