@@ -148,43 +148,68 @@ def silu_and_mul(tile: int) -> ExternKernel:
     )
 
 
-def attention(head_dim: int, tile: int) -> list[ExternKernel]:
-    """The flash-attention tile primitives for one (head_dim, tile) shape, in call order.
+def attention(head_dim: int, tile_q: int, tile_k: int | None = None, row_step: int = 1) -> list[ExternKernel]:
+    """The flash-attention tile primitives for one shape, in call order.
 
-    For a query tile of one head (rows `tile`): init running max/sum/accumulator; then for each
-    key/value tile: scores = q·kᵀ/√d (`qk`), causal mask by absolute positions (`mask`, skipped
-    for tiles wholly in the past), online-softmax update producing bf16 probabilities and the
-    rescale factor of the old accumulator (`softmax`), acc = acc·corr + p·v (`pv`); finally
-    o = acc / sum (`finalize`).
+    For a tile of `tile_q` query rows of one head: init running max/sum/accumulator; then for
+    each key/value tile of `tile_k` positions (`tile_q` when not given): scores = q·kᵀ/√d
+    (`qk`), causal mask by absolute positions (`mask`, skipped for tiles wholly in the past),
+    online-softmax update producing bf16 probabilities and the rescale factor of the old
+    accumulator (`softmax`), acc = acc·corr + p·v (`pv`); finally o = acc / sum (`finalize`).
+    Query row i sits at position q_pos0 + i·`row_step`: 1 for a prefill tile of consecutive
+    tokens, 0 for decode's rows (one token's query heads, all at its position).
 
-    All six are called from the one attention herd, so they share the object `attn_{tag}.o`.
+    All six are called from the one attention herd, so they share the object `attn_{tag}.o`;
+    prefill's square tiles keep the tag `d{d}_t{t}`.
     """
-    d, t = head_dim, tile
-    tag = f"d{d}_t{t}"
+    d, tq = head_dim, tile_q
+    tk = tile_q if tile_k is None else tile_k
+    tag = f"d{d}_t{tq}" if tq == tk and row_step == 1 else f"d{d}_q{tq}_k{tk}_r{row_step}"
 
     def k(name: str, args: tuple[str, ...], reads: tuple[int, ...], writes: tuple[int, ...]) -> ExternKernel:
         sym = f"attn_{name}_{tag}"
         return ExternKernel(sym, "attention.cc", args,
-                            (("ATTN_HEAD_DIM", d), ("ATTN_TILE", t), ("ATTN_ONLY", name), ("ATTN_SYMBOL", sym)),
+                            (("ATTN_HEAD_DIM", d), ("ATTN_TILE_Q", tq), ("ATTN_TILE_K", tk), ("ATTN_ROW_STEP", row_step),
+                             ("ATTN_ONLY", name), ("ATTN_SYMBOL", sym)),
                             bundle=f"attn_{tag}", reads=reads, writes=writes)
 
     f32 = lambda *s: memref(s, "f32")  # noqa: E731
     return [
-        k("init", (f32(t), f32(t), f32(t, d)), (), (0, 1, 2)),                           # -> m, l, acc
-        k("qk", (memref((t, d)), memref((t, d)), f32(t, t)), (0, 1), (2,)),              # q, k -> s
-        k("mask", (f32(t, t), "i32", "i32"), (0,), (0,)),                                 # s, q_pos0, k_pos0
-        k("softmax", (f32(t, t), f32(t), f32(t), memref((t, t)), f32(t)), (0, 1, 2), (1, 2, 3, 4)),  # -> p, corr
-        k("pv", (memref((t, t)), memref((t, d)), f32(t), f32(t, d)), (0, 1, 2, 3), (3,)),  # p, v, corr, acc
-        k("finalize", (f32(t, d), f32(t), memref((t, d))), (0, 1), (2,)),                 # acc, l -> o
+        k("init", (f32(tq), f32(tq), f32(tq, d)), (), (0, 1, 2)),                            # -> m, l, acc
+        k("qk", (memref((tq, d)), memref((tk, d)), f32(tq, tk)), (0, 1), (2,)),              # q, k -> s
+        k("mask", (f32(tq, tk), "i32", "i32"), (0,), (0,)),                                   # s, q_pos0, k_pos0
+        k("softmax", (f32(tq, tk), f32(tq), f32(tq), memref((tq, tk)), f32(tq)), (0, 1, 2), (1, 2, 3, 4)),  # -> p, corr
+        k("pv", (memref((tq, tk)), memref((tk, d)), f32(tq), f32(tq, d)), (0, 1, 2, 3), (3,)),  # p, v, corr, acc
+        k("finalize", (f32(tq, d), f32(tq), memref((tq, d))), (0, 1), (2,)),                  # acc, l -> o
     ]
+
+
+def decode_attention(head_dim: int, group: int, chunk: int) -> list[ExternKernel]:
+    """The primitives one decode-attention core calls, in call order: `attention`'s over the
+    `group` query heads of one KV head (every row at the token's position) and chunks of
+    `chunk` positions, without `finalize` (the splits' partial sums are merged instead)."""
+    return attention(head_dim, group, chunk, row_step=0)[:5]
+
+
+def attention_merge(head_dim: int, group: int, splits: int) -> ExternKernel:
+    """out[group, d] = bf16(Σ_s w_s acc_s / Σ_s w_s l_s), w_s = exp(m_s - max m): one KV head's
+    split-K partial results (acc [splits, group, d], stats [splits, group, (m, l)]) combined."""
+    sym = f"attn_merge_d{head_dim}_g{group}_s{splits}"
+    return ExternKernel(
+        sym, "attention.cc",
+        (memref((splits, group, head_dim), "f32"), memref((splits, group, 2), "f32"), memref((group, head_dim))),
+        (("ATTN_HEAD_DIM", head_dim), ("ATTN_TILE_Q", group), ("ATTN_SPLITS", splits), ("ATTN_ONLY", "merge"),
+         ("ATTN_SYMBOL", sym)),
+        reads=(0, 1), writes=(2,),
+    )
 
 
 def externs_for_launch(launch: Launch) -> list[ExternKernel]:
     """The external kernels one group launch calls, from its op and parameters.
 
-    Ops lowered by the compiler (rmsnorm, gemm, add) call none; gemm_q4nx calls only its
-    dequantization (the product is the bf16 GEMM's linalg). The MLIR builders declare
-    these and the object build compiles them, both through this one mapping.
+    Ops lowered by the compiler (rmsnorm, gemm, add) and the KV append (DMAs only) call none;
+    gemm_q4nx calls only its dequantization (the product is the bf16 GEMM's linalg). The MLIR
+    builders declare these and the object build compiles them, both through this one mapping.
     """
     if launch.op == "gemv":
         return [gemv(launch.p("tile_m"), launch.p("K"), launch.param_dict.get("tile_k"))]
@@ -200,4 +225,8 @@ def externs_for_launch(launch: Launch) -> list[ExternKernel]:
         if launch.p("tile_q") != launch.p("tile_kv"):
             raise ValueError(f"launch {launch.name!r}: the attention primitives need tile_q == tile_kv")
         return attention(launch.p("head_dim"), launch.p("tile_q"))
+    if launch.op == "decode_attn":
+        return decode_attention(launch.p("head_dim"), launch.p("q_heads") // launch.p("kv_heads"), launch.p("chunk"))
+    if launch.op == "attn_merge":
+        return [attention_merge(launch.p("head_dim"), launch.p("q_heads") // launch.p("kv_heads"), launch.p("splits"))]
     return []

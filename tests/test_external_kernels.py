@@ -75,11 +75,23 @@ def _attention_kernels(head_dim):
     return {dict(k.defines)["ATTN_ONLY"]: k for k in externs.attention(head_dim, t)}, t
 
 
+# Decode attention at the tiny model's shape: 2 KV heads of 2 query heads, 4 splits of
+# 64-position chunks.
+DEC_KV_HEADS, DEC_GROUP, DEC_DIM, DEC_CHUNK, DEC_SPLITS, DEC_CTX = 2, 2, 64, 64, 4, 512
+
+
+def _decode_kernels():
+    prims = {dict(k.defines)["ATTN_ONLY"]: k for k in externs.decode_attention(DEC_DIM, DEC_GROUP, DEC_CHUNK)}
+    return prims, externs.attention_merge(DEC_DIM, DEC_GROUP, DEC_SPLITS)
+
+
 @pytest.fixture(scope="session")
 def hk(tmp_path_factory):
     kernels = [externs.rope(LLAMA.head_dim), _swiglu_kernel(), *_gemv_kernels(), *sum(_q4nx_kernels(), [])]
     for d in ATTN_HEAD_DIMS:
         kernels += _attention_kernels(d)[0].values()
+    prims, merge = _decode_kernels()
+    kernels += [*prims.values(), merge]
     return HostKernels(kernels, tmp_path_factory.mktemp("host_kernels"))
 
 
@@ -313,6 +325,73 @@ def test_mask_uses_absolute_positions(hk):
     assert (s[future] < -1e29).all()
 
 
+def test_decode_mask_puts_every_row_at_the_token_s_position(hk):
+    """Row step 0: the group's query heads are one token, so the columns past its position
+    are masked in every row alike, those up to it in none."""
+    prims, _ = _decode_kernels()
+    rng = np.random.default_rng(4)
+    pos, k_pos0 = 150, 128
+    s = rng.standard_normal((DEC_GROUP, DEC_CHUNK), dtype=np.float32)
+    before = s.copy()
+    hk(prims["mask"].symbol, s, pos, k_pos0)
+    future = np.broadcast_to(k_pos0 + np.arange(DEC_CHUNK) > pos, s.shape)
+    np.testing.assert_array_equal(s[~future], before[~future])
+    assert (s[future] < -1e29).all() and future[0].sum() == k_pos0 + DEC_CHUNK - 1 - pos
+
+
+def _decode_launches():
+    from llama_base.group_contract import Launch
+
+    common = (("head_dim", DEC_DIM), ("kv_heads", DEC_KV_HEADS), ("q_heads", DEC_KV_HEADS * DEC_GROUP),
+              ("splits", DEC_SPLITS))
+    attn = Launch("attn", "decode_attn", (), (), common + (("chunk", DEC_CHUNK), ("ctx", DEC_CTX),
+                                                          ("window", DEC_CTX)))
+    return attn, Launch("merge", "attn_merge", (), (), common)
+
+
+@pytest.mark.parametrize("pos", [0, DEC_CHUNK - 1, DEC_CHUNK, 3 * DEC_CHUNK + 5, DEC_CTX - 1])
+def test_decode_primitives_and_merge_give_the_simulated_device_s_attention(hk, pos):
+    """Split s of each KV head streams chunks s, s + splits, ... up to the one holding `pos`
+    through the decode primitives, the merge combines the splits: the simulated device's
+    `decode_attn` + `attn_merge` (the NPU's contract), to f32 summation order."""
+    from npu_runtime.sim import ops
+
+    prims, merge = _decode_kernels()
+    rng = np.random.default_rng(pos)
+    q = rand_bf16(rng, (DEC_KV_HEADS, DEC_GROUP, DEC_DIM))
+    k, v = (rand_bf16(rng, (DEC_KV_HEADS, DEC_CTX, DEC_DIM)) for _ in range(2))
+    acc = np.zeros((DEC_KV_HEADS, DEC_SPLITS, DEC_GROUP, DEC_DIM), np.float32)
+    stats = np.zeros((DEC_KV_HEADS, DEC_SPLITS, DEC_GROUP, 2), np.float32)
+    live = (pos + DEC_CHUNK) // DEC_CHUNK
+    for h in range(DEC_KV_HEADS):
+        for sp in range(DEC_SPLITS):
+            m, l = np.empty(DEC_GROUP, np.float32), np.empty(DEC_GROUP, np.float32)
+            a = np.empty((DEC_GROUP, DEC_DIM), np.float32)
+            hk(prims["init"].symbol, m, l, a)
+            for c in range(sp, live, DEC_SPLITS):
+                rows = slice(c * DEC_CHUNK, (c + 1) * DEC_CHUNK)
+                s = np.empty((DEC_GROUP, DEC_CHUNK), np.float32)
+                hk(prims["qk"].symbol, q[h], np.ascontiguousarray(k[h, rows]), s)
+                if (c + 1) * DEC_CHUNK - 1 > pos:
+                    hk(prims["mask"].symbol, s, pos, c * DEC_CHUNK)
+                p, corr = np.empty((DEC_GROUP, DEC_CHUNK), BF16), np.empty(DEC_GROUP, np.float32)
+                hk(prims["softmax"].symbol, s, m, l, p, corr)
+                hk(prims["pv"].symbol, p, np.ascontiguousarray(v[h, rows]), corr, a)
+            acc[h, sp], stats[h, sp, :, 0], stats[h, sp, :, 1] = a, m, l
+    got = np.empty((DEC_KV_HEADS, DEC_GROUP, DEC_DIM), BF16)
+    for h in range(DEC_KV_HEADS):
+        hk(merge.symbol, acc[h], stats[h], got[h])
+
+    attn, merge_launch = _decode_launches()
+    want_acc, want_stats = torch.zeros(acc.shape), torch.zeros(stats.shape)
+    ops.decode_attn(attn, torch_bf16(q).reshape(-1), torch_bf16(k), torch_bf16(v), torch.tensor([pos], dtype=torch.int32),
+                    want_acc, want_stats)
+    want = torch.zeros(got.size, dtype=torch.bfloat16)
+    ops.attn_merge(merge_launch, want_acc, want_stats, want)
+    np.testing.assert_allclose(stats, want_stats.numpy(), rtol=1e-5, atol=1e-6)
+    ref.assert_within_ulps(got.reshape(-1), want, 1, ref.REORDERED)
+
+
 # --- signatures ------------------------------------------------------------------------
 
 _LINEMARK = re.compile(r'^# \d+ "([^"]+)"')
@@ -351,13 +430,17 @@ def _c_param(arg: ArgType) -> list[str]:
 
 
 def every_format(cfg):
-    return [g for quant in ("bf16", q4nx.NAME) for g in all_groups(cfg, prefill_buckets(cfg), quant=quant)]
+    from kernel_builder.fused_groups import cache_capacity, fused_decode
+
+    return [g for quant in ("bf16", q4nx.NAME)
+            for g in all_groups(cfg, prefill_buckets(cfg), quant=quant) + [fused_decode(cfg, cache_capacity(cfg, 512, 128), quant)]]
 
 
 @pytest.mark.parametrize("cfg", [LLAMA, SMOLLM2], ids=["llama-3.2-1b", "smollm2-135m"])
 def test_extern_c_signatures_match_the_mlir_declarations(cfg):
     kernels = externs_for_groups(every_format(cfg))
     assert {"gemv", "rope", "silu", "attn", "dequant"} <= {k.symbol.split("_")[0] for k in kernels}
+    assert {"attn_merge", "attn_mask"} <= {"_".join(k.symbol.split("_")[:2]) for k in kernels}
     for k in kernels:
         sigs = exported_signatures(k)
         assert list(sigs) == [k.symbol], f"{k.source} with {k.defines} exports {list(sigs)}"
