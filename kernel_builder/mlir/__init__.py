@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from llama_base.group_contract import KernelGroup, Launch, Slot
-from kernel_builder.mlir import add, flash_attention, gemm, gemm_q4nx, gemv, gemv_q4nx, rmsnorm, rope, swiglu
+from kernel_builder.mlir import (add, decode_attention, flash_attention, gemm, gemm_q4nx, gemv, gemv_q4nx, kv_append,
+                                 rmsnorm, rope, swiglu)
 from kernel_builder.mlir.common import KernelShapeError
 
 Builder = Callable[[Launch, Sequence[Slot]], str]
@@ -23,6 +24,9 @@ BUILDERS: dict[str, Builder] = {
     "swiglu": swiglu.build,
     "add": add.build,
     "flash_attn": flash_attention.build,
+    "kv_append": kv_append.build,
+    "decode_attn": decode_attention.build,
+    "attn_merge": decode_attention.build_merge,
 }
 
 

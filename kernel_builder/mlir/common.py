@@ -7,9 +7,9 @@ nothing here knows a model dimension.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from llama_base.group_contract import Launch, Slot
 from kernel_builder.mlir.emit import Emitter, Hierarchy, Index, Pattern, Value, memref, memref_parts
@@ -69,9 +69,10 @@ def launch_segment(b: Emitter, k: Kernel, args: Sequence[Value]) -> Iterator[Hie
 
 
 @contextmanager
-def single_herd(b: Emitter, k: Kernel, args: Sequence[Value]) -> Iterator[Hierarchy]:
-    """launch → segment → herd over `k.herd()`, with every argument passed down unchanged."""
-    hx, hy = k.herd()
+def single_herd(b: Emitter, k: Kernel, args: Sequence[Value], herd: tuple[int, int] | None = None) -> Iterator[Hierarchy]:
+    """launch → segment → herd over `herd` (default `k.herd()`, the launch's), with every
+    argument passed down unchanged."""
+    hx, hy = herd or k.herd()
     with launch_segment(b, k, args) as sh:
         with b.hierarchy("herd", [hx, hy], sh.args, [s.name for s in k.slots]) as hh:
             yield hh
@@ -85,6 +86,21 @@ def core_index(b: Emitter, h: Hierarchy, herd: tuple[int, int]) -> Index:
     if herd[1] == 1:
         return tx
     return b.add(b.mul(tx, herd[1]), ty)
+
+
+def deal_items(b: Emitter, cores: int, items: int, core: Index, body: Callable[[Index], None]) -> None:
+    """`body(item)` for every work item dealt to this core, round-robin: item = round·cores +
+    core, for each round that holds one (no loop when one round deals them all, no guard when
+    the cores divide them)."""
+    rounds = -(-items // cores)
+    if rounds == 1:
+        with b.if_(b.cmp("ult", core, items)) if cores > items else nullcontext():
+            body(core)
+        return
+    with b.loop(0, rounds, 1, "round") as rnd:
+        i = b.add(b.mul(rnd, cores), core)
+        with b.if_(b.cmp("ult", i, items)) if rounds * cores != items else nullcontext():
+            body(i)
 
 
 def flat_pattern(b: Emitter, shape: tuple[int, ...], start: Index, n: int) -> Pattern:

@@ -1,7 +1,8 @@
 """Causal GQA flash attention of a prefill chunk over the KV cache, through the attention tile kernels.
 
-Params: `seq` (queries), `ctx` (cached positions), `q_heads`, `kv_heads`, `head_dim`,
-`causal`, `tile_q` = `tile_kv`, `herd`. Slots: q [seq, q_heads·d] (heads side by side),
+Params: `seq` (queries), `ctx` (cached positions), `window` (optional: the first positions of
+the cache the queries may see, all `ctx` when absent; a resident cache's build for shorter
+contexts), `q_heads`, `kv_heads`, `head_dim`, `causal`, `tile_q` = `tile_kv`, `herd`. Slots: q [seq, q_heads·d] (heads side by side),
 k_cache and v_cache [kv_heads, ctx, d] (head-major), q_start [1] i32 (absolute position of
 query row 0), out [seq, q_heads·d]. Every (head, tile) block is then one strided DMA.
 
@@ -38,9 +39,12 @@ def build(launch: Launch, slots: Sequence[Slot]) -> str:
               f"slot shapes {shapes} do not match seq {seq}, ctx {ctx}, heads {hq}/{hkv}, dim {d}")
     k.require(k.slots[3].dtype == "i32", "q_start must be an i32 scalar")
     k.require(hq % hkv == 0, f"{hq} query heads do not group over {hkv} key/value heads")
-    k.require(seq % t == 0 and ctx % t == 0, f"tile {t} does not divide seq {seq} and ctx {ctx}")
+    window = k.launch.param_dict.get("window", ctx)
+    k.require(seq % t == 0 and ctx % t == 0 and window % t == 0, f"tile {t} does not divide seq {seq}, ctx {ctx} "
+                                                                  f"and window {window}")
+    k.require(seq <= window <= ctx, f"a window of {window} positions for {seq} queries in a {ctx}-position cache")
     k.require(attention_l1_bytes(t, d) <= L1_BUDGET, f"tile {t}x{d} does not fit L1")
-    q_tiles, kv_tiles = seq // t, ctx // t
+    q_tiles, kv_tiles = seq // t, window // t
     items = hq * q_tiles
     rounds = -(-items // cores)
     # One herd calls all six: the emitter names their one bundle object on the herd.
