@@ -14,7 +14,7 @@ import numpy as np
 from iree.compiler import ir
 
 from kernel_builder.externs import externs_for_launch
-from llama_base.group_contract import KernelGroup
+from llama_base.group_contract import KernelGroup, Role
 from llama_base.paths import host_kernels_dir
 from npu_runtime.api import Counters, DeviceError
 from npu_runtime.interp.host_kernels import HostKernels
@@ -57,7 +57,8 @@ class InterpKernel:
         index = {s.name: i for i, s in enumerate(group.slots)}
         self.machine = Machine(program, group.name, calls,
                                launch_writes=[tuple(index[w] for w in l.writes) for l in group.launches],
-                               arg_names=[s.name for s in group.slots])
+                               arg_names=[s.name for s in group.slots],
+                               partial_writes=frozenset(i for i, s in enumerate(group.slots) if s.role is Role.STATE))
         self._written = {w for launch in group.launches for w in launch.writes}
         # A module compiled for another declaration would run on the wrong buffers.
         want = [(s.storage_shape, s.element_type) for s in group.slots]

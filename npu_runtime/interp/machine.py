@@ -20,7 +20,9 @@ group, launch, herd core and op:
   an L2 allocation inside a herd (a core allocates only its own L1), a herd larger than the
   array (`hw_rules`);
 - a launch that writes an L3 buffer it does not declare, or leaves part of one it declares
-  unwritten, when the caller says which buffers each launch writes (the group declaration does).
+  unwritten, when the caller says which buffers each launch writes (the group declaration does);
+  a buffer the caller names as written in part (device-resident state, which a launch appends
+  to) is exempt from the second check only.
 """
 from __future__ import annotations
 
@@ -75,12 +77,16 @@ class ExternCall:
 
 class Machine:
     def __init__(self, program: Program, group: str, externs: dict[str, ExternCall],
-                 launch_writes: list[tuple[int, ...]] | None = None, arg_names: list[str] | None = None):
+                 launch_writes: list[tuple[int, ...]] | None = None, arg_names: list[str] | None = None,
+                 partial_writes: frozenset[int] = frozenset()):
+        """`partial_writes`: arguments a launch that declares them may leave partly unwritten
+        (the group's `STATE` slots: a KV append writes its rows and keeps every other position)."""
         self.p = program
         self.group = group
         self.arg_names = arg_names
         self.externs = externs
         self.launch_writes = launch_writes
+        self.partial_writes = frozenset(partial_writes)
         self._reset()
         self.ops = {
             "arith.constant": self._constant, "arith.addi": _binop(lambda a, b: a + b),
@@ -111,6 +117,9 @@ class Machine:
         self._loops = 0                                        # loop depth inside the current hierarchy body
         self._l3_written: dict[int, np.ndarray] | None = None  # per top-level launch, when checked
         self._top_launch = -1
+        # Bytes the last run's DMAs moved from and into L3 (the host's buffers): what a module
+        # costs in DDR bandwidth, which a resident cache's window sets.
+        self.l3_read_bytes = self.l3_write_bytes = 0
 
     def run(self, args: list[np.ndarray]) -> None:
         """Execute the function on `args` (one flat array per function argument, written in place)."""
@@ -284,6 +293,10 @@ class Machine:
                 buf.doubled = True
                 self._hold(buf, buf.nbytes)
         self._check_read(sbuf, si)
+        if sbuf.space == L3:
+            self.l3_read_bytes += sn * sbuf.data.itemsize
+        if dbuf.space == L3:
+            self.l3_write_bytes += dn * dbuf.data.itemsize
         values = sbuf.data if si is None else sbuf.data[si]
         if di is None:
             dbuf.data[:] = values
@@ -385,6 +398,8 @@ class Machine:
         if self._top_launch >= len(self.launch_writes):
             raise self.error(f"launch {self._top_launch} is beyond the {len(self.launch_writes)} declared")
         for arg_index in self.launch_writes[self._top_launch]:
+            if arg_index in self.partial_writes:
+                continue
             buf = self._arg_buffers[arg_index]
             mask = self._l3_written.get(id(buf))
             covered = 0 if mask is None else int(mask.sum())
