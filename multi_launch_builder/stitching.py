@@ -73,6 +73,8 @@ def _skip_string(text: str, i: int) -> int:
 
 
 def _strip_comments(text: str) -> str:
+    if "//" not in text:          # what the builders emit: nothing to strip
+        return text
     out, i = [], 0
     while i < len(text):
         if text[i] == '"':
@@ -317,6 +319,7 @@ def stitch(func_name: str, arg_types: Sequence[str], parts: Sequence[Part]) -> s
     externs: dict[str, _Extern] = {}
     alias_lines, decls, bodies = [], [], []
     owners: dict[str, str] = {}   # renamed name -> prefix of the part that defines it
+    combined = {f"%arg{i}" for i in range(len(arg_types))}
     referenced: set[int] = set()
     for part in parts:
         mod = _parse_module(part.text)
@@ -364,7 +367,7 @@ def stitch(func_name: str, arg_types: Sequence[str], parts: Sequence[Part]) -> s
         part_decls = [_rename(d, ssa, alias, symbol) for d in mod.decls]
         names = renamed_ssa | {"#" + pre + a for a in mod.aliases} | {"@" + pre + s for s in local_syms}
         for n in names:
-            if n in owners or n in {f"%arg{i}" for i in range(len(arg_types))}:
+            if n in owners or n in combined:
                 raise StitchError(f"colliding names: {n} from part {part.prefix!r} "
                                   f"also comes from part {owners.get(n, '<combined arguments>')!r}")
             owners[n] = part.prefix
