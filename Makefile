@@ -97,7 +97,8 @@ profile: install
 	$(PY) llama32_1b_inference.py --prompt "$$PROMPT" --profile $(RUN_ARGS)
 
 compile: install
-	$(PY) -m llama_runtime.cli.compile --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)"
+	$(PY) -m llama_runtime.cli.compile --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)" \
+		$(if $(MAX_CONTEXT),--max-context "$(MAX_CONTEXT)") $(if $(filter command line,$(origin DECODE)),--decode "$(DECODE)")
 
 verify: install
 	$(PY) -m verify --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)" --decode "$(DECODE)" --prompts 2 --n-tokens 32

@@ -192,3 +192,14 @@ def fused_decode(cfg: LlamaConfig, capacity: int, quant: str = "bf16", layer_wid
     launches += [_launch(f"gemv_p{i}", matmul_op("gemv", quant), ["normed", f"w_p{i}"], [f"logits_p{i}"],
                          **_gemv(p, h, quant)) for i in range(LM_HEAD_PARTITIONS)]
     return _group(FUSED_KIND, 1, slots, launches, window, quant)
+
+
+def resident_groups(cfg: LlamaConfig, buckets: tuple[int, ...], max_context: int, quant: str = "bf16",
+                    layer_wide=None) -> list[KernelGroup]:
+    """The groups a fused-decode session of `max_context` positions can call beside the
+    prefill's projections: each bucket's resident attention in every window that holds it,
+    and the fused token in every window (sessions compile each on first use)."""
+    capacity = cache_capacity(cfg, max_context, buckets[-1])
+    windows = decode_windows(capacity)
+    attn = [resident_flash_attn(cfg, s, capacity, w) for s in buckets for w in windows if w >= s]
+    return attn + [fused_decode(cfg, capacity, quant, layer_wide, w) for w in windows]

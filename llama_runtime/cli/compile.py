@@ -19,7 +19,11 @@ from llama_base.config import LlamaConfig
 from llama_base.errors import UserError
 from llama_runtime.checkpoints.resolve import resolve_model
 from llama_runtime.checkpoints.q4nx_weights import wide_sets
-from llama_runtime.cli.options import add_model_options
+from kernel_builder.fused_groups import resident_groups
+from llama_base.group_contract import DECODE_KINDS
+from llama_runtime.cli.options import add_model_options, positive_int
+from llama_runtime.engine.device_model import DECODE_MODES, choose_decode
+from llama_runtime.engine.kv_cache import DEFAULT_MAX_CONTEXT, context_positions
 from multi_launch_builder.compile import ToolchainError, default_objects_dir, toolchain
 from npu_runtime.cache import KernelCache
 from npu_runtime.devices import open_device
@@ -64,11 +68,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                       model_help="checkpoint (folder, .gguf file, repo id or alias) whose config gives the shapes",
                       quant_help="the weight format the groups read")
     ap.add_argument("--max-seq", type=int, help="largest prefill bucket to build")
+    ap.add_argument("--max-context", type=positive_int,
+                    help=f"the context the fused decode's windows cover (default: a run's, {DEFAULT_MAX_CONTEXT} "
+                         "capped at the model's limit)")
+    ap.add_argument("--decode", choices=("both", "auto") + DECODE_MODES, default="both",
+                    help="the decodes whose groups to build: both (default), or the one a run takes (auto, "
+                         "layers, fused)")
     ap.add_argument("--out", help="also copy each stitched .mlir here, for reading")
     args = ap.parse_args(argv)
     try:
         cfg, wide = _config(args)
-        all_groups = groups.all_groups(cfg, groups.prefill_buckets(cfg, args.max_seq), args.quant, wide)
+        decode = args.decode if args.decode == "both" else choose_decode(args.decode, args.device)
+        buckets = groups.prefill_buckets(cfg, args.max_seq)
+        all_groups = groups.all_groups(cfg, buckets, args.quant, wide)
+        if decode == "fused":      # the card's decode groups are not called
+            all_groups = [g for g in all_groups if g.kind not in DECODE_KINDS]
+        if decode != "layers":
+            # A model whose layers keep different weights wide builds its fused groups on first run.
+            all_groups += resident_groups(cfg, buckets, context_positions(cfg, args.max_context), args.quant)
         for target in _targets(args.device):
             kc = KernelCache(target, refresh_toolchain=True)   # a new aircc/Peano rebuilds here, never in a run
             built = cached = 0
