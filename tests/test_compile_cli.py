@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+from kernel_builder.fused_groups import resident_groups
 from kernel_builder.groups import all_groups, prefill_buckets
 from llama_runtime.cli import compile as compile_cli
 
@@ -12,7 +13,12 @@ def test_second_compile_builds_nothing(tiny_config, tmp_path, monkeypatch, capsy
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(tiny_config.to_dict()))
     args = ["--model-config", str(cfg), "--device", "sim", "--max-seq", "64", "--out", str(tmp_path / "mlir")]
-    groups = len(all_groups(tiny_config, prefill_buckets(tiny_config, 64)))
+    buckets = prefill_buckets(tiny_config, 64)
+    # Both decodes' groups: the card's, and the fused decode's windows with each bucket's resident
+    # attention, for a run's default context.
+    resident = resident_groups(tiny_config, buckets, tiny_config.max_position_embeddings)
+    assert {g.kind for g in resident} == {"flash_attn", "fused_decode"}
+    groups = len(all_groups(tiny_config, buckets)) + len(resident)
     assert compile_cli.main(args) == 0
     first = capsys.readouterr().out
     assert f"sim: {groups} built, 0 already cached" in first
@@ -21,6 +27,8 @@ def test_second_compile_builds_nothing(tiny_config, tmp_path, monkeypatch, capsy
     assert compile_cli.main(args) == 0
     second = capsys.readouterr().out
     assert f"sim: 0 built, {groups} already cached" in second and "built (MLIR" not in second
+    assert compile_cli.main(args + ["--decode", "layers"]) == 0
+    assert f"sim: 0 built, {groups - len(resident)} already cached" in capsys.readouterr().out
 
 
 def test_npu_target_without_toolchain_fails_cleanly(tiny_config, tmp_path):
