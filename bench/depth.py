@@ -94,8 +94,8 @@ def depth_targets(by_depth: dict[str, dict], kept: list[int], ttft_depths: tuple
     out = []
     for d in kept:
         rat = by_depth[str(d)]["ratios"]
-        out.append(Target(f"decode @{depth_label(d)} ≥ {DECODE_TARGET:.1f}× {who}", f"depth@{d}", ">=", DECODE_TARGET,
-                          rat["decode"]))
+        out.append(Target(f"decode @{depth_label(d)} ≥ {DECODE_TARGET:.1f}× {who}", f"depth@{d}", ">=",
+                          DECODE_TARGET, rat["decode"]))
         if d in ttft_depths:
             out.append(Target(f"TTFT @{depth_label(d)} ≤ {TTFT_TARGET:.1f}× {who}", f"depth@{d}", "<=", TTFT_TARGET,
                               rat["ttft"]))
@@ -129,8 +129,11 @@ def summarize_depths(raw: dict, plan: Plan) -> dict:
 def plot_depths(models: list[dict], path: Path, machine: dict) -> Path | None:
     """Decode tokens/s against depth, a panel per model, a line per runtime, as a PNG at `path`
     (matplotlib's Agg canvas: no display needed). None where no model has a decode figure."""
-    panels = [m for m in models if any(s.get("decode_tok_s") for d in (m.get("depth") or {}).get("by_depth", {}).values()
-                                       for s in d["runtimes"].values())]
+    def measured(m: dict) -> bool:
+        rows = (m.get("depth") or {}).get("by_depth", {}).values()
+        return any(s.get("decode_tok_s") for row in rows for s in row["runtimes"].values())
+
+    panels = [m for m in models if measured(m)]
     if not panels:
         return None
     from matplotlib.backends.backend_agg import FigureCanvasAgg

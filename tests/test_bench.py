@@ -595,7 +595,8 @@ def test_quick_bench_on_the_embedded_model_writes_both_reports(reports, capsys):
         assert len(s["runs"]["ttft_s"]) == len(s["runs"]["decode_tok_s"]) == QUICK.depth_rounds
     mem = dep["memory"]
     assert mem["deep_positions"] == QUICK.depths[-1] + QUICK.depth_decode and mem["ratio"] > 0
-    assert [t["status"] for t in dep["targets"][:-1]] == ["n/a"] * 3 and dep["targets"][-1]["status"] in ("PASS", "MISS")
+    assert [t["status"] for t in dep["targets"][:-1]] == ["n/a"] * 3          # no llama.cpp: not a pass
+    assert dep["targets"][-1]["status"] in ("PASS", "MISS")
     assert "## Decode at depth" in md and f"Figures from {data['machine']['cpu']}, {data['machine']['core']}," in md
     png = jpath.with_name(data["depth_plot"])        # beside the reports, linked from the Markdown
     assert png.name == f"{jpath.stem}-depth.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -745,7 +746,8 @@ def test_depth_ratios_memory_and_targets_on_constructed_numbers():
                          "32768": {**_depth_runs([], [], []), "error": "round 1: killed by SIGKILL"}}}}
     d = summarize_depths(raw, plan)
     at = d["by_depth"]
-    assert at["1024"]["runtimes"][OURS]["ttft_s"] == pytest.approx(0.6) and at["1024"]["runtimes"][lc]["decode_tok_s"] == 19
+    assert at["1024"]["runtimes"][OURS]["ttft_s"] == pytest.approx(0.6)
+    assert at["1024"]["runtimes"][lc]["decode_tok_s"] == 19.0
     assert at["1024"]["ratios"] == {"ttft": pytest.approx(0.6 / 1.1), "decode": pytest.approx(23.0 / 19.0)}
     assert at["8192"]["ratios"] == {"ttft": pytest.approx(6.1 / 5.0), "decode": pytest.approx(18.5 / 17.0)}
     assert at["32768"]["ratios"] == {"ttft": None, "decode": None} and "SIGKILL" in at["32768"]["runtimes"][lc]["error"]
