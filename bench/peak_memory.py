@@ -1,6 +1,7 @@
 """Peak resident memory of our side of the bench, step by step, in one process.
 
     python -m bench.peak_memory --model llama1b-shape --quant q4nx
+    python -m bench.peak_memory --model llama1b-shape --depth 32768
 
 Builds the session as `bench/side_ours.py` does, then runs the bench's sequence through the
 same `measure` (every prompt length's warm-up and timed prefills, the decode steps after the
@@ -10,6 +11,13 @@ memory. Each step's own peak is read too: the high-water mark is reset between s
 and what is resident after it. The KernelCache's buffers are summed by what they hold
 (weights, activations per group) beside it. Standard measurement only: no tracemalloc, which
 would itself cost memory and time.
+
+With `--depth N` the sequence is the depth sweep's instead (`bench.plan`): the session holds
+N positions and the plan's decode steps past them, a short prompt (the plan's shallowest
+depth) and then N positions are prefilled, each followed by its decode steps, and the peak at N
+is held against what it should be (`depth_memory`): the weights, the KV cache the positions
+actually wrote, and the fixed overhead the short prompt's peak left beyond its weights and KV.
+The bench reads its own children's peaks with the same arithmetic.
 """
 from __future__ import annotations
 
@@ -84,6 +92,21 @@ def resident_by_mapping(top: int = 6) -> list[tuple[str, int]]:
     return sorted(rows.items(), key=lambda kv: -kv[1])[:top]
 
 
+def depth_memory(peak_short: int, peak_deep: int, weight_bytes: int, kv_bytes_per_position: int,
+                 short_positions: int, deep_positions: int) -> dict:
+    """The peak at a deep context against weights + the KV written there + the fixed overhead
+    measured at a short one (its peak less its weights and its own KV written): `ratio` is
+    1.0 where memory grew by exactly the deep context's extra KV, and more by what else grew."""
+    kv_short = short_positions * kv_bytes_per_position
+    kv_deep = deep_positions * kv_bytes_per_position
+    overhead = peak_short - weight_bytes - kv_short
+    expected = weight_bytes + kv_deep + overhead
+    return {"short_positions": short_positions, "deep_positions": deep_positions, "peak_short_bytes": peak_short,
+            "peak_deep_bytes": peak_deep, "weight_bytes": weight_bytes, "kv_bytes_per_position": kv_bytes_per_position,
+            "kv_short_bytes": kv_short, "kv_deep_bytes": kv_deep, "overhead_bytes": overhead,
+            "expected_bytes": expected, "ratio": peak_deep / expected if expected > 0 else None}
+
+
 def buffer_breakdown(kc) -> dict[str, int]:
     """The KernelCache's BO bytes: weights, then the activation buffers by pool."""
     out: dict[str, int] = {"weights (static BOs)": kc.resident_bytes()["static"]}
@@ -100,8 +123,10 @@ def _parser() -> argparse.ArgumentParser:
     from llama_runtime.cli.options import add_model_options
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_options(ap, model=LLAMA1B_SHAPE, device="sim", quant="q4nx")
+    add_model_options(ap, model=LLAMA1B_SHAPE, device="sim", quant="q4nx", decode=True)
     ap.add_argument("--buckets", help="prefill buckets, comma-separated (default: the session's own)")
+    ap.add_argument("--depth", type=int, help="run the depth sweep's sequence to this many positions instead, "
+                                                "against weights + KV written + the overhead at a short prompt")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     return ap
 
@@ -124,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     steps.run("imports (torch, runtime)", imports)
     args = _parser().parse_args(argv)
     from bench.plan import FULL, prompt_ids
-    from bench.protocol import measure
+    from bench.protocol import measure, measure_depth
+    from llama_runtime.engine.kv_cache import kv_cache_bytes
     from llama32_1b_inference import build_session
     from llama_runtime.checkpoints.resolve import resolve_checkpoint
     from verify.our_runner import OurRunner
@@ -132,13 +158,29 @@ def main(argv: list[str] | None = None) -> int:
     plan = FULL
     buckets = tuple(int(b) for b in args.buckets.split(",")) if args.buckets else None
     resolved = resolve_checkpoint(args.model, quant=args.quant)
-    prompts = prompt_ids(resolved.folder, resolved.config, plan.prompt_lengths)
+    if args.depth:
+        short = min(plan.depths[0], args.depth)
+        lengths, max_context = tuple(sorted({short, args.depth})), args.depth + plan.depth_decode
+    else:
+        lengths, max_context = plan.prompt_lengths, plan.max_context
+    prompts = prompt_ids(resolved.folder, resolved.config, lengths)
     session = steps.run("build_session (load, preload)",
-                        lambda: build_session(resolved, device=args.device, max_context=plan.max_context,
-                                              log=lambda _: None, quant=args.quant, buckets=buckets))
+                        lambda: build_session(resolved, device=args.device, max_context=max_context,
+                                              log=lambda _: None, quant=args.quant, buckets=buckets,
+                                              decode=args.decode))
     runner = OurRunner(session)
     log(f"kernel cache: {session.kc.stats}")
-    for n in sorted(prompts):
+    depth = None
+    if args.depth:
+        peaks = {}
+        for n in lengths:         # VmHWM after each: the process's peak up to that depth
+            steps.run(f"prefill {n} and {plan.depth_decode} decode steps",
+                      lambda: measure_depth(runner, prompts[n], plan.depth_decode))
+            peaks[n] = steps.peak
+        depth = depth_memory(peaks[short], peaks[args.depth], session.kc.resident_bytes()["static"],
+                             kv_cache_bytes(resolved.config, 1), short + plan.depth_decode,
+                             args.depth + plan.depth_decode)
+    for n in sorted(prompts) if not args.depth else ():
         # The bench's sequence for this length: warm-up and timed runs, the decode steps after the
         # decode prompt's first runs (a decode length of -1 matches no prompt: no decode).
         decode_length = plan.decode_length if n == plan.decode_length else -1
@@ -149,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     log("")
     log(f"peak (VmHWM over the run): {steps.peak / GIB:.3f} GiB")
     log(f"KV cache: {session.model.kv.nbytes / MIB:.1f} MiB allocated ({session.model.kv.max_seq} positions)")
+    if depth:
+        log(f"at {depth['deep_positions']} positions: peak {depth['peak_deep_bytes'] / GIB:.3f} GiB against weights "
+            f"{depth['weight_bytes'] / GIB:.3f} + KV written {depth['kv_deep_bytes'] / GIB:.3f} + overhead at "
+            f"{depth['short_positions']} positions {depth['overhead_bytes'] / GIB:.3f} = "
+            f"{depth['expected_bytes'] / GIB:.3f} GiB: {depth['ratio']:.3f}x")
     for k, v in buffers.items():
         log(f"  {k:<44} {v / MIB:9.1f} MiB")
     mappings = resident_by_mapping()
@@ -157,10 +204,11 @@ def main(argv: list[str] | None = None) -> int:
         log(f"  {where:<60} {nbytes / MIB:9.1f} MiB")
     result = {"model": args.model, "quant": args.quant, "device": session.device.name, "peak_bytes": steps.peak,
               "steps": steps.rows, "buffers": buffers, "kv_cache_bytes": session.model.kv.nbytes,
-              "mappings": dict(mappings)}
+              "mappings": dict(mappings), **({"depth": depth} if depth else {})}
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({"peak_gib": round(steps.peak / GIB, 3), "quant": args.quant}))
+    print(json.dumps({"peak_gib": round(steps.peak / GIB, 3), "quant": args.quant,
+                      **({"depth_ratio": round(depth["ratio"], 3)} if depth else {})}))
     return 0
 
 

@@ -27,6 +27,17 @@ The bandwidth also jumps within seconds, which rounds minutes apart cannot pair 
 rounds, `turns` turns of `turn_steps` decode steps per runtime, all runtimes loaded and taking
 turns burst by burst (`bench.turns`), give the decode figures and ratios; the rounds' decode
 runs stay in the report beside them.
+
+Decode at depth: for each of `depths` (1K to 32K positions) a prompt of exactly that many ids
+(the same fixed text, repeated) is prefilled, its TTFT timed, then `depth_decode` greedy decode
+steps after it, for our runtime and llama.cpp in the same weights class. Every (depth, runtime)
+is a child of its own, and the runtimes take turns depth by depth, round by round
+(`depth_rounds`); a child first warms up untimed on the prompt's first `depth_warmup_tokens` ids
+and `depth_warmup_steps` decode steps, since a whole second prefill of 32K positions would
+double the sweep. Our KV cache holds the deepest depth plus its decode steps in every child
+(its pages are committed only as they are written), llama.cpp's n_ctx each child's own depth
+plus its steps. Depths past a model's `max_position_embeddings` are skipped with the reason.
+The TTFT targets are read at `depth_ttft_targets`.
 """
 from __future__ import annotations
 
@@ -36,6 +47,7 @@ from pathlib import Path
 from bench.bandwidth import GIB
 from llama32_1b_inference import DEFAULT_MAX_CONTEXT
 from llama_base.config import LlamaConfig
+from llama_runtime.engine.device_model import DECODE_MODES
 from llama_runtime.text.tokenizer import Tokenizer
 from verify.eval_text import CHUNK_LEN, N_CHUNKS
 
@@ -70,6 +82,13 @@ class Plan:
     gguf_types: tuple[str, ...] = GGUF_TYPES["bf16"]
     perplexity_chunks: int = N_CHUNKS  # 0: no perplexity
     perplexity_len: int = CHUNK_LEN
+    decode: str = "auto"              # our decode (`build_session`'s): auto, layers or fused
+    depths: tuple[int, ...] = (1024, 4096, 8192, 16384, 32768)   # decode at depth; () leaves it out
+    depth_decode: int = 64            # decode steps timed after each depth's prompt
+    depth_rounds: int = 3
+    depth_warmup_tokens: int = 128    # each depth child's untimed warm-up: a prompt this long ...
+    depth_warmup_steps: int = 8       # ... and this many decode steps after it
+    depth_ttft_targets: tuple[int, ...] = (8192, 32768)   # the depths whose TTFT has a target
     quick: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -80,6 +99,16 @@ class Plan:
             raise ValueError("a decode turn's steps must be among the n_decode positions the rounds time")
         if max(self.prompt_lengths) + self.n_decode >= self.max_context:
             raise ValueError("the longest prompt plus its decode steps must fit the context")
+        if self.decode not in ("auto",) + DECODE_MODES:
+            raise ValueError(f"decode {self.decode!r}: expected auto or one of {', '.join(DECODE_MODES)}")
+        if list(self.depths) != sorted(set(self.depths)) or any(d < 1 for d in self.depths):
+            raise ValueError("the depths must be positive and in increasing order, each once")
+        if self.depths and not (self.depth_decode > 0 and self.depth_rounds > 0):
+            raise ValueError("a depth sweep times at least one decode step in at least one round")
+        if not 0 <= self.depth_warmup_steps <= self.depth_decode:
+            raise ValueError("a depth child's warm-up steps must be among the positions its decode times")
+        if not set(self.depth_ttft_targets) <= set(self.depths):
+            raise ValueError("a TTFT target's depth must be one of the depths")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -94,10 +123,37 @@ FULL = Plan()
 QUICK = Plan(prompt_lengths=(32,), decode_length=32, n_decode=4, rounds=2, runs=1, short_runs=1, warmup=1,
              turns=2, turn_steps=2,
              max_context=128,
+             depths=(64, 256), depth_decode=8, depth_rounds=2, depth_warmup_tokens=32, depth_warmup_steps=2,
+             depth_ttft_targets=(256,),
              bandwidth_bytes=GIB // 4, gguf_types=GGUF_TYPES["bf16"][:1], perplexity_chunks=1, perplexity_len=32,
              quick=True,
              notes=("quick smoke run: fewer, shorter measurements and a 256 MiB bandwidth matrix; "
                     "not a benchmark result",))
+
+
+def with_depths(plan: Plan, depths: tuple[int, ...]) -> Plan:
+    """`plan` sweeping `depths` instead (sorted, each once), its TTFT targets kept where still measured."""
+    depths = tuple(sorted(set(depths)))
+    return replace(plan, depths=depths, depth_ttft_targets=tuple(d for d in plan.depth_ttft_targets if d in depths))
+
+
+def depth_label(depth: int) -> str:
+    """1024 → "1K", 32768 → "32K", 64 → "64"."""
+    return f"{depth // 1024}K" if depth >= 1024 and depth % 1024 == 0 else str(depth)
+
+
+def split_depths(plan: Plan, cfg: LlamaConfig, model: str) -> tuple[tuple[int, ...], dict[int, str]]:
+    """The plan's depths `model` can hold with their decode steps after them, and for each other
+    the reason it is skipped."""
+    limit = cfg.max_position_embeddings
+    kept, skipped = [], {}
+    for d in plan.depths:
+        if d + plan.depth_decode > limit:
+            skipped[d] = (f"{d} positions and {plan.depth_decode} decode steps after them exceed {model}'s "
+                          f"max_position_embeddings of {limit}")
+        else:
+            kept.append(d)
+    return tuple(kept), skipped
 
 
 def prompt_ids(folder: Path, cfg: LlamaConfig, lengths: tuple[int, ...]) -> dict[int, list[int]]:

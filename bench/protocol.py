@@ -12,7 +12,9 @@ A child can instead score chunks of text for perplexity, untimed (`verify.scorin
 runner then also has `score(ids)`), or serve decode turns (`serve_turns`, see `bench.turns`):
 stay loaded and decode a short burst each time the parent asks, so the runtimes' bursts can
 alternate within seconds of each other, or only be built (`PREPARE`), untimed, so that the
-caches a first build fills are full before anything is timed.
+caches a first build fills are full before anything is timed. A child of the depth sweep
+(`DEPTH`) times one deep prompt's TTFT and the decode steps after it (`measure_depth`); its
+prepare job (`DEPTHS`) asks our side to compile what those prompts will call.
 
 Standard library only (and `verify.scoring`, which is too): the llama.cpp side imports this
 under an interpreter that has nothing but llama-cpp-python.
@@ -37,6 +39,9 @@ TURN_FDS = "turn_fds"     # job key: the child's (command, reply) pipe descripto
 PERPLEXITY = "perplexity"  # job key: chunks of token ids to score (`verify.scoring`) instead of timing
 PREPARE = "prepare"        # job key: build the runtime and stop, filling the caches its first load fills
 DECODE_SPLIT = "decode_split"  # result key of a prepare job: a decode step inside and outside the device's runs
+DEPTH = "depth"            # job key: time this one prompt length's TTFT and decode (`measure_depth`)
+DEPTH_WARMUP = "depth_warmup"   # job key: [prompt ids, decode steps] of a depth child's untimed warm-up
+DEPTHS = "depths"          # job key of a prepare job: the depths the sweep will time, to compile for
 
 
 def turn_pipes(job: dict):
@@ -91,6 +96,19 @@ def measure(runner, prompts: dict[int, list[int]], decode_length: int, n_decode:
                 times.append(t1 - t0)
         ttft[str(length)] = times
     return {"ttft_s": ttft, "decode_tok_s": decode}
+
+
+def measure_depth(runner, ids: list[int], n_decode: int, warmup_tokens: int = 0, warmup_steps: int = 0) -> dict:
+    """One deep prompt: an untimed warm-up on its first `warmup_tokens` ids and `warmup_steps`
+    decode steps after them (threads started, buffers made, programs recorded), then the whole
+    prompt's TTFT and `n_decode` greedy steps after it, timed as `measure` times them."""
+    if warmup_tokens:
+        warm = ids[:warmup_tokens]
+        tok = runner.prefill(warm).top1
+        for i in range(warmup_steps):
+            tok = runner.decode_step(tok, len(warm) + i).top1
+    out = measure(runner, {len(ids): ids}, len(ids), n_decode, runs=1, warmup=0)
+    return {"ttft_s": out["ttft_s"][str(len(ids))][0], "decode_tok_s": out["decode_tok_s"][0]}
 
 
 def serve_turns(runner, prompt: list[int], n_decode: int, commands, replies) -> int:
@@ -162,12 +180,19 @@ def child_main(make_runner: Callable[[dict], tuple[object, dict]], argv: list[st
             with commands, replies:
                 result["turns"] = serve_turns(runner, prompts[job["decode_length"]], job["n_decode"], commands,
                                               replies)
+        elif DEPTH in job and not job.get(PREPARE):
+            result.update(measure_depth(runner, prompts[job[DEPTH]], job["n_decode"], *job.get(DEPTH_WARMUP, (0, 0))))
         elif not job.get(PREPARE):
             result.update(measure(runner, prompts, job["decode_length"], job["n_decode"], job["runs"],
                                   job["warmup"], job.get("short_runs", 1), job.get("short_limit", 0)))
+        elif DEPTHS in job:
+            if hasattr(runner, "compile_depths"):   # ours: attention groups of each chunk's offset, fused windows
+                result["depth_groups_compiled"] = runner.compile_depths(job[DEPTHS], job["n_decode"])
         elif hasattr(runner, "decode_split"):   # ours: the bench's peers have no device to split by
             # Untimed, so a profiler may run: no timed step carries its cost.
             result[DECODE_SPLIT] = runner.decode_split(prompts[job["decode_length"]], job["n_decode"])
+        if hasattr(runner, "facts"):            # what the run itself changed (kernel groups it compiled)
+            result["info"].update(runner.facts())
     except Exception as e:  # reported by the parent as this runtime's note
         result["error"] = f"{type(e).__name__}: {e}"
         result["traceback"] = traceback.format_exc()

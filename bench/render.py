@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import statistics
 
+from bench.plan import depth_label
 from bench.protocol import PERPLEXITY
 from bench.summary import OURS
 from bench.turns import BANDWIDTH_PASSES
@@ -83,13 +84,106 @@ def _turns(plan: dict) -> str:
             "medians of those bursts and decode ratios the medians of the ratios within each turn.")
 
 
+def _machine(mc: dict) -> str:
+    return (f"{mc['cpu']}, {mc.get('core', 'core not recorded')}, {mc['cores']} cores, "
+            f"{mc['memory_bytes'] / GIB:.0f} GiB")
+
+
+def _decode_mode(data: dict) -> str:
+    """Our decode as asked and, where a model's runs report it, as chosen (`auto` picks one)."""
+    asked = data["plan"].get("decode", "auto")
+    chosen = {s.get("info", {}).get("decode") for m in data["models"] for k, s in m["runtimes"].items()
+              if k.startswith(OURS)} - {None}
+    if not chosen or chosen == {asked}:
+        return f"`{asked}`"
+    return f"`{asked}` → " + ", ".join(f"`{c}`" for c in sorted(chosen))
+
+
+def depth_table(m: dict) -> str:
+    """One row a depth the model holds: TTFT and decode of ours and its peer, ours ÷ peer, our
+    peak, the targets of that depth."""
+    dep = m["depth"]
+    peer = dep.get("peer")
+    by_row: dict[str, list[str]] = {}
+    for t in dep["targets"]:
+        by_row.setdefault(t["row"], []).append(f"{t['name']}: {_target_value(t)} **{t['status']}**")
+    who = peer or "llama.cpp"
+    header = ["depth", "TTFT ours (s)", f"TTFT {who} (s)", "TTFT ours/peer", "decode ours (tokens/s)",
+              f"decode {who} (tokens/s)", "decode ours/peer", "peak ours (GiB)", "target"]
+    rows = []
+    for d in dep["kept"]:
+        row = dep["by_depth"][str(d)]
+        o, p = row["runtimes"].get(OURS, {}), row["runtimes"].get(peer, {}) if peer else {}
+        rat = row["ratios"]
+        peak = o.get("peak_rss_bytes")
+        rows.append([depth_label(d), _num(o.get("ttft_s"), ".3f"), _num(p.get("ttft_s"), ".3f"),
+                     _num(rat["ttft"], ".2f") + ("×" if rat["ttft"] is not None else ""),
+                     _num(o.get("decode_tok_s"), ".2f"), _num(p.get("decode_tok_s"), ".2f"),
+                     _num(rat["decode"], ".2f") + ("×" if rat["decode"] is not None else ""),
+                     _num(peak / GIB if peak else None, ".3f"), "; ".join(by_row.get(f"depth@{d}", []))])
+    return md_table(header, rows)
+
+
+def _depth_memory(m: dict) -> str:
+    mem = m["depth"]["memory"]
+    (t,) = [t for t in m["depth"]["targets"] if t["row"] == "depth_memory"] or [None]
+    verdict = f" {t['name']}: **{t['status']}**." if t else ""
+    if mem.get("error"):
+        return f"Peak memory at depth: not compared ({mem['error']}).{verdict}"
+    deep, short = depth_label(mem["deep_depth"]), depth_label(mem["short_depth"])
+    return (f"Peak memory at {deep}: **{mem['peak_deep_bytes'] / GIB:.3f} GiB** against weights "
+            f"{mem['weight_bytes'] / GIB:.3f} + KV written {mem['kv_deep_bytes'] / GIB:.3f} ({mem['deep_positions']} "
+            f"positions × {mem['kv_bytes_per_position']} bytes) + fixed overhead {mem['overhead_bytes'] / GIB:.3f} "
+            f"(the peak at {short}, {mem['peak_short_bytes'] / GIB:.3f} GiB, less its weights and "
+            f"{mem['kv_short_bytes'] / GIB:.3f} of KV) = {mem['expected_bytes'] / GIB:.3f} GiB: "
+            f"**{mem['ratio']:.2f}×**.{verdict}")
+
+
+def depth_section(data: dict) -> list[str]:
+    """The decode-at-depth section: what ran on which CPU, the plot, a table per model."""
+    models = [m for m in data["models"] if m.get("depth")]
+    if not models:
+        return []
+    plan = data["plan"]
+    n = plan["depth_decode"]
+    lines = ["", "## Decode at depth", "",
+             f"Figures from {_machine(data['machine'])}, device `{data['device']}`, our decode "
+             f"{_decode_mode(data)}. For each depth a prompt of that many token ids (the plan's fixed text, "
+             f"repeated; the same ids for every runtime) is prefilled, its TTFT timed, then {n} greedy decode "
+             f"steps after it; each runtime and depth in a child of its own, after an untimed warm-up of "
+             f"{plan['depth_warmup_tokens']} ids and {plan['depth_warmup_steps']} decode steps; the runtimes take "
+             f"turns depth by depth in {plan['depth_rounds']} rounds and each figure is the median of its rounds. "
+             f"Our KV cache holds the deepest depth + {n} positions in every child (committed as written), "
+             f"llama.cpp's n_ctx each depth + {n}. Ratios are ours ÷ llama.cpp: decode tokens/s (above 1 is "
+             "better for us), TTFT seconds (below 1 is)."]
+    if data.get("depth_plot"):
+        lines += ["", f"![decode tokens/s against depth]({data['depth_plot']})",
+                  "", f"Plot: [{data['depth_plot']}]({data['depth_plot']})"]
+    for m in models:
+        dep = m["depth"]
+        lines += ["", f"### {m['model']} at depth", ""]
+        who = (f"ours `{m.get('quant', 'bf16')}` against {dep['peer']} ({dep['peer_reason']})" if dep.get("peer")
+               else f"ours `{m.get('quant', 'bf16')}` alone ({dep.get('peer_reason') or 'llama.cpp not measured'})")
+        lines.append(f"{who[0].upper()}{who[1:]}.")
+        for d, why in dep["skipped"].items():
+            lines.append(f"- {depth_label(int(d))} skipped: {why}.")
+        if not dep["kept"]:
+            continue
+        lines += ["", depth_table(m), "", _depth_memory(m)]
+        for d in dep["kept"]:
+            for name, s in dep["by_depth"][str(d)]["runtimes"].items():
+                if s.get("error"):
+                    lines.append(f"\n- {LABELS.get(name, name)} at {depth_label(d)} failed: {s['error']}")
+    return lines
+
+
 def markdown(data: dict) -> str:
     bw = data.get("bandwidth")
     lines = [f"# Bench {data['created']}", ""]
     mc = data["machine"]
-    lines.append(f"Machine: {mc['cpu']}, {mc.get('core', 'core not recorded')}, {mc['cores']} cores, "
-                 f"{mc['memory_bytes'] / GIB:.0f} GiB; "
-                 f"device `{data['device']}`; our weights `{data['plan'].get('quant', 'bf16')}`; plan: TTFT at {', '.join(map(str, data['plan']['prompt_lengths']))} tokens, "
+    lines.append(f"Machine: {_machine(mc)}; "
+                 f"device `{data['device']}`; our weights `{data['plan'].get('quant', 'bf16')}`; our decode "
+                 f"{_decode_mode(data)}; plan: TTFT at {', '.join(map(str, data['plan']['prompt_lengths']))} tokens, "
                  f"{data['plan']['n_decode']} decode tokens after the {data['plan']['decode_length']}-token prompt, "
                  f"median of {data['plan']['rounds'] * data['plan']['runs']} timed runs: {data['plan']['rounds']} rounds "
                  f"in which the runtimes take turns, each starting afresh and running every measurement "
@@ -154,6 +248,7 @@ def markdown(data: dict) -> str:
         for name, s in m["runtimes"].items():
             if s.get("error"):
                 lines.append(f"\n- {LABELS.get(name, name)} failed: {s['error']}")
+    lines += depth_section(data)
     if data.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {n}" for n in data["notes"]]
     return "\n".join(lines)

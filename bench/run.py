@@ -5,8 +5,9 @@ all the memory bandwidth) while it is timed, and its peak memory is its own. The
 turns over the plan's rounds (one child per runtime per round) and their rounds are merged, so
 a drift of the host's bandwidth falls on all of them alike. Decode is then timed once more in
 short alternating bursts (`bench.turns`), which pairs each runtime's decode with its peers'
-within seconds. A runtime that cannot run (llama.cpp not built, a crash) becomes a note and
-empty cells, never a lost bench.
+within seconds. Last, for each model, decode at depth (`bench_depths`): our runtime and its
+llama.cpp peer after prompts of 1K to 32K positions. A runtime that cannot run (llama.cpp not
+built, a crash) becomes a note and empty cells, never a lost bench.
 """
 from __future__ import annotations
 
@@ -22,28 +23,31 @@ from bench import BenchError
 from bench.bandwidth import Bandwidth, Stream, measure_bandwidth
 from bench.bandwidth import summarize as summarize_bandwidth
 from bench.bound import decode_call_bytes
+from bench.depth import depth_peer, merge_depth_rounds, plot_depths, summarize_depths
 from bench.machine import cpu_sample, describe, other_cores
-from bench.plan import Plan, prompt_ids
-from bench.protocol import (DECODE_SPLIT, JOB_FILE, PERPLEXITY, PREPARE, PROJECT_ROOT, RESULT_FILE, child_env,
-                            exit_description)
+from bench.plan import Plan, depth_label, prompt_ids, split_depths
+from bench.protocol import (DECODE_SPLIT, DEPTH, DEPTH_WARMUP, DEPTHS, JOB_FILE, PERPLEXITY, PREPARE, PROJECT_ROOT,
+                            RESULT_FILE, child_env, exit_description)
 from bench.render import markdown
 from bench.summary import HF, OURS, OURS_BF16, summarize_model
 from bench.turns import BANDWIDTH, decode_turns
 from llama_base.config import LlamaConfig
 from llama_runtime.checkpoints.resolve import EMBEDDED, LLAMA1B_SHAPE, TINY, resolve_checkpoint
+from llama_runtime.engine.kv_cache import kv_cache_bytes
 from npu_runtime.xrt import device as xrt_device
-from verify.report import write_report
+from verify.report import report_paths, write_report
 
 BUSY_CORES = 0.1   # other processes' average CPU use above which a runtime's times are flagged
 BANDWIDTH_SPREAD = 1.15   # max/min of the bandwidth samples above which the report says the bound is soft
 CALL_PASSES = 4       # the cut bandwidth pass: the fastest of this many, alternated with as many whole ones
 SIDE_TIMEOUT_S = 3600   # a runtime that has not finished by then is hung, not slow
+DEPTH_TIMEOUT_DEPTH = 8192   # ... a depth child gets that long per this many positions of its prompt
 RANDOM_WEIGHT_MODELS = (LLAMA1B_SHAPE, TINY)
 OURS_MODULE = "bench.side_ours"
 
 
 def run_side(module: str, job: dict, workdir: Path, python: str = sys.executable,
-             log: Callable[[str], None] = print) -> dict:
+             log: Callable[[str], None] = print, timeout_s: float = SIDE_TIMEOUT_S) -> dict:
     """Run one runtime's child on `job`; its result dict (with `error` when it failed)."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / JOB_FILE).write_text(json.dumps(job))
@@ -52,13 +56,13 @@ def run_side(module: str, job: dict, workdir: Path, python: str = sys.executable
     with open(workdir / "child.log", "w") as out:
         try:
             rc = subprocess.run([python, "-m", module, str(workdir)], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                cwd=PROJECT_ROOT, timeout=SIDE_TIMEOUT_S).returncode
+                                cwd=PROJECT_ROOT, timeout=timeout_s).returncode
         except subprocess.TimeoutExpired:
             rc = None
     result_file = workdir / RESULT_FILE
     result = json.loads(result_file.read_text()) if result_file.is_file() else {}
     if rc is None:
-        result["error"] = f"no result after {SIDE_TIMEOUT_S} s: stopped"
+        result["error"] = f"no result after {timeout_s:.0f} s: stopped"
     elif rc != 0 and "error" not in result:
         result["error"] = exit_description(workdir, rc)
     after = cpu_sample()
@@ -110,7 +114,7 @@ def _sides(plan: Plan, folder: Path, cfg: LlamaConfig, device: str, llamacpp, mo
            log) -> list[tuple[str, str, dict, str]]:
     """(name, module, job extras, interpreter) of every runtime measured against our `plan.quant` weights:
     HF and llama.cpp's bf16/q8_0 for bf16; our own bf16 and llama.cpp's 4-bit types for q4nx."""
-    ours = {"model": str(folder), "device": device}
+    ours = {"model": str(folder), "device": device, "decode": plan.decode}
     sides = [(OURS, OURS_MODULE, {**ours, "quant": plan.quant}, sys.executable)]
     if plan.quant == "bf16":
         sides.append((HF, "bench.side_hf", {"folder": str(folder)}, sys.executable))
@@ -218,6 +222,63 @@ def bench_model(model: str, plan: Plan, device: str, llamacpp, work: Path, notes
     return cfg, raw, str(folder), turn_bandwidth
 
 
+def bench_depths(model: str, plan: Plan, device: str, llamacpp, work: Path, notes: list[str], log,
+                 raw: dict[str, dict]) -> dict:
+    """Decode at depth on `model`: for each depth it holds, every runtime's child of each round
+    (ours, then its llama.cpp peer, `bench.depth.depth_peer`), the runtimes taking turns depth
+    by depth; `raw` is the model's rounds, which name the fastest 4-bit peer. Returns the
+    merged runs by runtime and depth, with the depths skipped and why."""
+    resolved = resolve_checkpoint(model)
+    folder, cfg = resolved.folder, resolved.config
+    kept, skipped = split_depths(plan, cfg, model)
+    out: dict = {"kept": list(kept), "skipped": {str(d): why for d, why in skipped.items()}, "runs": {},
+                 "kv_bytes_per_position": kv_cache_bytes(cfg, 1), "peer": None, "peer_reason": None}
+    for d, why in skipped.items():
+        log(f"[bench] {model}: depth {depth_label(d)} skipped: {why}")
+    if not kept:
+        return out
+    peer, out["peer_reason"] = depth_peer(plan, raw)
+    sides = {name: (module, extra, python)
+             for name, module, extra, python in _sides(plan, folder, cfg, device, llamacpp, model, [], log)}
+    if peer not in sides:        # its file did not convert this time: the note of the rounds says why
+        peer = None
+    out["peer"] = peer
+    chosen = [(name, *sides[name]) for name in (OURS, peer) if name]
+    ids = prompt_ids(folder, cfg, kept)
+    # Ours holds the deepest depth in every child (its KV pages are committed as they are
+    # written, and the same buckets serve every depth); llama.cpp's context is each child's own.
+    ours_ctx = kept[-1] + plan.depth_decode
+    out["max_context"] = {OURS: ours_ctx, **({peer: "each depth + its decode steps"} if peer else {})}
+    base = {"n_decode": plan.depth_decode, "runs": 1, "warmup": 0,
+            DEPTH_WARMUP: [plan.depth_warmup_tokens, plan.depth_warmup_steps]}
+    module, extra, python = sides[OURS]
+    log(f"[bench] {model}: {OURS}: kernel groups of the depth sweep, untimed ...")
+    prep = run_side(module, {**extra, **base, "prompts": {}, "decode_length": 0, "max_context": ours_ctx,
+                             PREPARE: True, DEPTHS: list(kept)}, work / model / "depth" / OURS / "prepare", python, log)
+    if prep.get("error"):
+        notes.append(f"{model}: {OURS}'s untimed build for the depth sweep failed: {prep['error'].splitlines()[0]}")
+    rounds: dict[str, dict[int, list[dict]]] = {name: {d: [] for d in kept} for name, *_ in chosen}
+    for r in range(plan.depth_rounds):
+        for d in kept:
+            for name, module, extra, python in chosen:
+                log(f"[bench] {model}: {name} at depth {depth_label(d)} (round {r + 1} of {plan.depth_rounds}) ...")
+                job = {**extra, **base, "prompts": {str(d): ids[d]}, "decode_length": d, DEPTH: d,
+                       "max_context": ours_ctx if name == OURS else d + plan.depth_decode}
+                result = run_side(module, job, work / model / "depth" / name.replace(" ", "-") / f"{d}-round{r + 1}",
+                                  python, log, timeout_s=SIDE_TIMEOUT_S * max(1.0, d / DEPTH_TIMEOUT_DEPTH))
+                rounds[name][d].append(result)
+                if result.get("info", {}).get("kernels_compiled"):
+                    notes.append(f"{model}: {name} compiled kernel groups at depth {depth_label(d)} in round "
+                                 f"{r + 1}: its load or TTFT there includes the MLIR compiler.")
+                busy = result["other_cores"]
+                if busy is not None and busy > BUSY_CORES:
+                    notes.append(f"{model}: while {name} ran at depth {depth_label(d)} (round {r + 1}), other "
+                                 f"processes used {busy:.2f} cores on average: its times may be slow.")
+    out["runs"] = {name: {str(d): merge_depth_rounds(results) for d, results in by_depth.items()}
+                   for name, by_depth in rounds.items()}
+    return out
+
+
 def decode_calls(measured: list, plan: Plan, device: str, log: Callable[[str], None]) -> dict[str, dict]:
     """Per model, the bandwidth pass cut into our decode step's GEMV calls on the simulated
     device (`Stream.sample_calls`), after every runtime has finished: the share of the bound
@@ -259,18 +320,21 @@ def run_bench(models: list[str], plan: Plan, device: str = "auto", skip_llamacpp
     measured = []
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         for model in models:
-            measured.append((model, *bench_model(model, plan, device, llamacpp, Path(tmp), notes, sample_bandwidth,
-                                                 log)))
+            cfg, raw, folder, turn_bandwidth = bench_model(model, plan, device, llamacpp, Path(tmp), notes,
+                                                           sample_bandwidth, log)
+            depth = bench_depths(model, plan, device, llamacpp, Path(tmp), notes, log, raw) if plan.depths else None
+            measured.append((model, cfg, raw, folder, turn_bandwidth, depth))
     bw = data["bandwidth"] = summarize_bandwidth(samples)
     if bw["max_bytes_per_s"] > BANDWIDTH_SPREAD * bw["min_bytes_per_s"]:
         notes.append(f"memory bandwidth varied from {bw['min_bytes_per_s'] / 1e9:.1f} to {bw['max_bytes_per_s'] / 1e9:.1f} "
                      "GB/s during the run (a shared host): the bound and the % of it are approximate.")
     calls = decode_calls(measured, plan, device, log)
-    for model, cfg, raw, folder, turn_bandwidth in measured:
+    for model, cfg, raw, folder, turn_bandwidth, depth in measured:
         summary = summarize_model(model, cfg, model == EMBEDDED, plan.prompt_lengths, plan.max_context, raw,
                                   bw["bytes_per_s"], quant=plan.quant, turn_bandwidth=turn_bandwidth,
                                   call_structure=calls.get(model))
-        data["models"].append({**summary, "folder": folder})
+        data["models"].append({**summary, "folder": folder,
+                               **({"depth": summarize_depths(depth, plan)} if depth is not None else {})})
         for name in summary["bound_readers"]:
             frac = summary["bound_fraction"].get(name)
             if frac is not None and frac > 1:
@@ -278,5 +342,19 @@ def run_bench(models: list[str], plan: Plan, device: str = "auto", skip_llamacpp
                 notes.append(f"{model}: {name} decoded at {frac:.0%} of the bound, reading {plan.quant} weights at "
                              f"{rate / 1e9:.1f} GB/s: faster than the median bandwidth sample, so the bound is a "
                              "reference here, not a ceiling.")
+    paths = report_paths("bench")
+    data["depth_plot"] = _depth_plot(data, paths[0].with_name(f"{paths[0].stem}-depth.png"), notes)
     md = markdown(data)
-    return data, md, write_report("bench", data, md)
+    return data, md, write_report("bench", data, md, paths)
+
+
+def _depth_plot(data: dict, path: Path, notes: list[str]) -> str | None:
+    """The decode-at-depth plot beside the reports; its file name (the Markdown links it), or
+    None with a note where it could not be drawn."""
+    try:
+        return plot_depths(data["models"], path, data["machine"]) and path.name
+    except ImportError as e:
+        notes.append(f"decode at depth: no plot ({e}; `make install` installs matplotlib).")
+    except Exception as e:      # a plot is not worth the measurements of the whole run
+        notes.append(f"decode at depth: no plot ({type(e).__name__}: {e}).")
+    return None

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import weakref
+from dataclasses import replace
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
@@ -24,13 +25,15 @@ from bench.bandwidth import summarize as summarize_bandwidth
 from bench.bound import decode_bound_tokens_per_s, decode_bytes_per_token, kv_cache_bytes, weight_bytes
 from bench.gguf_convert import trim_tokenizer_files
 from bench.llamacpp_build import AMX_SWITCHES, cmake_args
-from bench.plan import QUICK, prompt_ids
-from bench.protocol import (DECODE_SPLIT, JOB_FILE, PREPARE, PROJECT_ROOT, RESULT_FILE, child_main, measure,
-                            serve_turns)
+from bench.depth import depth_peer, merge_depth_rounds, plot_depths, summarize_depths
+from bench.plan import FULL, QUICK, depth_label, prompt_ids, split_depths, with_depths
+from bench.protocol import (DECODE_SPLIT, DEPTH, JOB_FILE, PREPARE, PROJECT_ROOT, RESULT_FILE, child_main, measure,
+                            measure_depth, serve_turns)
+from bench.render import depth_table
 from bench.render import model_table as render_model_table
 from bench.run import merge_rounds, run_side
-from bench.summary import (HF, LLAMACPP_BF16, OURS, OURS_BF16, host_share, paired_ratio, ratio, summarize_model,
-                           with_calls)
+from bench.summary import (HF, LLAMACPP, LLAMACPP_BF16, OURS, OURS_BF16, host_share, paired_ratio, ratio,
+                           summarize_model, with_calls)
 from bench.turns import BANDWIDTH, decode_turns
 from llama_base.config import LlamaConfig
 from llama_runtime.checkpoints.builtin import ensure_embedded_model, llama_tokenizer_dir
@@ -582,6 +585,22 @@ def test_quick_bench_on_the_embedded_model_writes_both_reports(reports, capsys):
     assert any("--skip-llamacpp" in n for n in data["notes"])
     assert "| metric | ours | HF transformers | ours/HF transformers | target |" in md
     assert "NPU estimate (cost model, not a measurement)" in md and m["npu_estimate"]["decode_tok_s"] > 0
+    assert data["plan"]["decode"] == "auto" and "our decode `auto` → `layers`" in md    # as asked, as chosen
+    dep = m["depth"]                     # the quick plan's depth sweep: ours alone, llama.cpp skipped
+    assert dep["kept"] == list(QUICK.depths) and dep["skipped"] == {} and dep["peer"] is None
+    assert dep["max_context"] == {OURS: QUICK.depths[-1] + QUICK.depth_decode} and dep["decode"] == "layers"
+    for d in QUICK.depths:
+        s = dep["by_depth"][str(d)]["runtimes"][OURS]
+        assert "error" not in s and s["ttft_s"] > 0 and s["decode_tok_s"] > 0 and s["peak_rss_bytes"] > 0
+        assert len(s["runs"]["ttft_s"]) == len(s["runs"]["decode_tok_s"]) == QUICK.depth_rounds
+    mem = dep["memory"]
+    assert mem["deep_positions"] == QUICK.depths[-1] + QUICK.depth_decode and mem["ratio"] > 0
+    assert [t["status"] for t in dep["targets"][:-1]] == ["n/a"] * 3          # no llama.cpp: not a pass
+    assert dep["targets"][-1]["status"] in ("PASS", "MISS")
+    assert "## Decode at depth" in md and f"Figures from {data['machine']['cpu']}, {data['machine']['core']}," in md
+    png = jpath.with_name(data["depth_plot"])        # beside the reports, linked from the Markdown
+    assert png.name == f"{jpath.stem}-depth.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"]({png.name})" in md and "| 256 |" in md and "Peak memory at 256:" in md
     assert str(jpath) in out
 
 
@@ -637,11 +656,15 @@ def test_the_embedded_model_s_q4nx_target_is_its_perplexity_against_llamacpp_q4_
 
 
 def test_quick_q4nx_bench_scores_perplexity_for_ours_in_both_formats(reports):
-    rc = bench_cli.main(["--quick", "--quant", "q4nx", "--models", EMBEDDED, "--skip-llamacpp", "--device", "sim"])
+    rc = bench_cli.main(["--quick", "--quant", "q4nx", "--models", EMBEDDED, "--skip-llamacpp", "--device", "sim",
+                         "--decode", "layers", "--depths", "none"])
     assert rc == 0
     (jpath,) = reports.glob("bench-*.json")
     data = json.loads(jpath.read_text())
     (m,) = data["models"]
+    assert data["plan"]["depths"] == [] and "depth" not in m and data["depth_plot"] is None    # --depths none
+    assert not list(reports.glob("*.png")) and "Decode at depth" not in jpath.with_suffix(".md").read_text()
+    assert {s["info"]["decode"] for s in m["runtimes"].values()} == {"layers"}
     assert data["plan"]["quant"] == "q4nx" and set(m["runtimes"]) == {OURS, OURS_BF16}
     assert m["runtimes"][OURS]["info"]["quant"] == "q4nx" and m["runtimes"][OURS_BF16]["info"]["quant"] == "bf16"
     ppl = {k: s["perplexity"] for k, s in m["runtimes"].items()}
@@ -666,3 +689,178 @@ def test_peak_memory_steps_report_each_steps_peak_and_the_largest_mappings():
     assert steps.peak >= row["step_peak"] and len(lines) == 1
     names = [name for name, _ in resident_by_mapping()]
     assert "[anon]" in names or "[heap]" in names
+
+
+# ---- decode at depth ----------------------------------------------------------------------
+
+def _depth_runs(ttfts: list[float], rates: list[float], peaks: list[int], **info) -> dict:
+    return merge_depth_rounds([{"ttft_s": t, "decode_tok_s": r, "peak_rss_bytes": p, "load_s": 1.0,
+                                "other_cores": 0.0, "wall_s": 2.0, "info": info}
+                               for t, r, p in zip(ttfts, rates, peaks)])
+
+
+def test_a_depth_child_warms_up_short_then_times_the_whole_prompt_and_the_steps_after_it():
+    r = _Scripted()
+    out = measure_depth(r, list(range(10)), n_decode=3, warmup_tokens=4, warmup_steps=2)
+    assert r.prefills == [4, 10]                                 # the warm-up's short prompt, then the whole one
+    assert [pos for _, pos in r.steps] == [4, 5, 10, 11, 12]     # 2 warm-up steps, 3 timed after the prompt
+    assert out["ttft_s"] >= 0 and out["decode_tok_s"] > 0
+
+
+def test_depths_past_a_model_s_limit_are_skipped_with_the_reason():
+    embedded = LlamaConfig.from_json(ensure_embedded_model())
+    assert embedded.max_position_embeddings == 8192 and LLAMA_1B.max_position_embeddings == 131072
+    kept, skipped = split_depths(FULL, embedded, EMBEDDED)
+    assert kept == (1024, 4096) and set(skipped) == {8192, 16384, 32768}
+    assert skipped[8192] == ("8192 positions and 64 decode steps after them exceed embedded's "
+                             "max_position_embeddings of 8192")
+    assert split_depths(FULL, LLAMA_1B, "llama1b-shape") == (FULL.depths, {})
+    assert split_depths(QUICK, embedded, EMBEDDED) == ((64, 256), {})
+    assert [depth_label(d) for d in FULL.depths] == ["1K", "4K", "8K", "16K", "32K"] and depth_label(64) == "64"
+    assert with_depths(FULL, (4096, 1024, 4096)).depths == (1024, 4096)
+    assert with_depths(FULL, (4096, 32768)).depth_ttft_targets == (32768,)      # 8K is no longer measured
+    with pytest.raises(ValueError, match="increasing"):
+        replace(FULL, depths=(4096, 1024))
+    with pytest.raises(ValueError, match="TTFT target"):
+        replace(FULL, depths=(1024,))
+    with pytest.raises(ValueError, match="decode 'fast'"):
+        replace(FULL, decode="fast")
+
+
+def test_depth_ratios_memory_and_targets_on_constructed_numbers():
+    gib, per_pos = 1 << 30, 32768                     # the 1B shape's KV: 32 KiB a position
+    weights = int(1.8 * gib)
+    plan = replace(FULL, depths=(1024, 8192, 32768), depth_ttft_targets=(8192, 32768))
+    lc = f"{LLAMACPP} bf16"
+    # our peak: 0.4 GiB overhead + weights + KV; at 32K 50 MiB more than the KV alone would need
+    peak = {d: weights + int(0.4 * gib) + (d + 64) * per_pos for d in plan.depths}
+    peak[32768] += 50 << 20
+    raw = {"kept": [1024, 8192, 32768], "skipped": {}, "peer": lc, "peer_reason": "the same weights class, bf16",
+           "kv_bytes_per_position": per_pos, "max_context": {OURS: 32832, lc: "each depth + its decode steps"},
+           "runs": {OURS: {"1024": _depth_runs([0.5, 0.7, 0.6], [22.0, 24.0, 23.0], [peak[1024]] * 3,
+                                               resident_bytes={"static": weights}, decode="layers"),
+                           "8192": _depth_runs([6.0, 6.2], [18.0, 19.0], [peak[8192]] * 2),
+                           "32768": _depth_runs([60.0], [11.0], [peak[32768]])},
+                    lc: {"1024": _depth_runs([1.0, 1.2, 1.1], [18.0, 20.0, 19.0], [gib] * 3),
+                         "8192": _depth_runs([5.0, 5.0], [17.0, 17.0], [gib] * 2),
+                         "32768": {**_depth_runs([], [], []), "error": "round 1: killed by SIGKILL"}}}}
+    d = summarize_depths(raw, plan)
+    at = d["by_depth"]
+    assert at["1024"]["runtimes"][OURS]["ttft_s"] == pytest.approx(0.6)
+    assert at["1024"]["runtimes"][lc]["decode_tok_s"] == 19.0
+    assert at["1024"]["ratios"] == {"ttft": pytest.approx(0.6 / 1.1), "decode": pytest.approx(23.0 / 19.0)}
+    assert at["8192"]["ratios"] == {"ttft": pytest.approx(6.1 / 5.0), "decode": pytest.approx(18.5 / 17.0)}
+    assert at["32768"]["ratios"] == {"ttft": None, "decode": None} and "SIGKILL" in at["32768"]["runtimes"][lc]["error"]
+    mem = d["memory"]
+    assert (mem["short_depth"], mem["deep_depth"], mem["deep_positions"]) == (1024, 32768, 32832)
+    assert mem["overhead_bytes"] == int(0.4 * gib) and mem["kv_deep_bytes"] == 32832 * per_pos
+    assert mem["ratio"] == pytest.approx(peak[32768] / (weights + int(0.4 * gib) + 32832 * per_pos))
+    got = {t["name"]: (t["status"], t["value"]) for t in d["targets"]}
+    assert got == {
+        "decode @1K ≥ 1.1× llama.cpp bf16": ("PASS", pytest.approx(23.0 / 19.0)),
+        "decode @8K ≥ 1.1× llama.cpp bf16": ("MISS", pytest.approx(18.5 / 17.0)),
+        "TTFT @8K ≤ 1.0× llama.cpp bf16": ("MISS", pytest.approx(6.1 / 5.0)),
+        "decode @32K ≥ 1.1× llama.cpp bf16": ("n/a", None),            # llama.cpp failed there: not a pass
+        "TTFT @32K ≤ 1.0× llama.cpp bf16": ("n/a", None),
+        "peak memory @32K ≤ 1.2× (weights + KV written + overhead at 1K)": ("PASS", pytest.approx(mem["ratio"])),
+    }
+    assert d["decode"] == "layers" and d["peer"] == lc
+    # one depth only: no shorter context to take the overhead from, so no verdict
+    one = summarize_depths({**raw, "kept": [1024]}, replace(plan, depths=(1024,), depth_ttft_targets=()))
+    assert "error" in one["memory"] and one["targets"][-1]["status"] == "n/a"
+    table = depth_table({"depth": d})
+    assert "| 1K | 0.600 | 1.100 | 0.55× | 23.00 | 19.00 | 1.21× |" in table
+    assert "TTFT @8K ≤ 1.0× llama.cpp bf16: 1.22× **MISS**" in table
+
+
+def test_the_depth_peer_is_llamacpp_bf16_or_the_fastest_4_bit_type():
+    q4 = FULL.for_quant("q4nx")
+    rates = {"llama.cpp q4_0": [30.0], "llama.cpp q4_1": [28.0], "llama.cpp q4_k_m": [33.0]}
+    raw = {name: _raw({128: [1.0]}, r, 1) for name, r in rates.items()}
+    assert depth_peer(q4, raw)[0] == "llama.cpp q4_k_m" and "fastest" in depth_peer(q4, raw)[1]
+    raw["llama.cpp q4_0"]["decode_turns_tok_s"] = [40.0]         # the turns' rate decides where there is one
+    assert depth_peer(q4, raw)[0] == "llama.cpp q4_0"
+    assert depth_peer(q4, {"llama.cpp q4_1": {"error": "boom"}})[0] == "llama.cpp q4_1"
+    assert depth_peer(FULL, {LLAMACPP_BF16: {}, "llama.cpp q8_0": {}})[0] == LLAMACPP_BF16
+    assert depth_peer(FULL, {OURS: {}, HF: {}}) == (None, "llama.cpp not measured")
+
+
+_DEPTH_SIDE = """
+from bench.protocol import child_main
+
+class Runner:
+    class R:
+        def __init__(self, t):
+            self.top1 = t
+    def __init__(self, n_ctx):
+        self.n_ctx, self.used = n_ctx, 0
+    def prefill(self, ids):
+        assert len(ids) <= self.n_ctx, (len(ids), self.n_ctx)
+        self.used = len(ids)
+        return self.R(1)
+    def decode_step(self, token, pos):
+        assert pos == self.used < self.n_ctx, (pos, self.used, self.n_ctx)
+        self.used += 1
+        return self.R(token)
+
+def make_runner(job):
+    return Runner(job["max_context"]), {"n_ctx": job["max_context"], "resident_bytes": {"static": 1000}}
+
+raise SystemExit(child_main(make_runner))
+"""
+
+
+def test_the_depth_sweep_takes_turns_depth_by_depth_and_sizes_each_context(tmp_path, monkeypatch):
+    """Stand-ins for both runtimes check that every prompt and decode step fits their context:
+    ours holds the deepest depth plus its steps in every child, llama.cpp each child's own."""
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "depth_side.py").write_text(_DEPTH_SIDE)
+    monkeypatch.setenv("PYTHONPATH", str(mods))
+    order = []
+    real_run_side = bench_run.run_side
+
+    def run_side(module, job, workdir, python, log, timeout_s=bench_run.SIDE_TIMEOUT_S):
+        prompt = job["prompts"].get(str(job.get(DEPTH)), [])
+        order.append((workdir.parent.name, job.get(DEPTH), job["max_context"], len(prompt), bool(job.get(PREPARE))))
+        return real_run_side(module, job, workdir, python, log, timeout_s)
+
+    lc = f"{LLAMACPP} bf16"
+    sides = [(OURS, "depth_side", {"model": "m"}, sys.executable), (HF, "bench.side_hf", {}, sys.executable),
+             (lc, "depth_side", {"gguf": "g"}, sys.executable)]
+    monkeypatch.setattr(bench_run, "_sides", lambda *a: sides)
+    monkeypatch.setattr(bench_run, "run_side", run_side)
+    notes: list[str] = []
+    raw = bench_run.bench_depths(EMBEDDED, QUICK, "sim", None, tmp_path / "w", notes, lambda _: None,
+                                 {lc: _raw({32: [0.1]}, [5.0], 1)})
+    n = QUICK.depth_decode
+    assert order[0] == (OURS, None, 256 + n, 0, True)                  # the untimed build for the sweep, first
+    assert order[1:] == [(name, d, 256 + n if name == OURS else d + n, d, False)
+                         for _ in range(QUICK.depth_rounds) for d in (64, 256) for name in (OURS, "llama.cpp-bf16")]
+    assert raw["peer"] == lc and raw["kept"] == [64, 256] and raw["max_context"][OURS] == 256 + n
+    assert set(raw["runs"]) == {OURS, lc}                               # HF is not in the sweep
+    for side in raw["runs"].values():
+        for runs in side.values():
+            assert "error" not in runs and len(runs["ttft_s"]) == len(runs["decode_tok_s"]) == QUICK.depth_rounds
+    d = summarize_depths(raw, QUICK)
+    assert all(r["ratios"]["decode"] > 0 for r in d["by_depth"].values())
+    assert [t["status"] != "n/a" for t in d["targets"]] == [True, True, True, True]
+
+
+def test_the_depth_plot_is_a_png_with_a_line_per_runtime(tmp_path):
+    lc = f"{LLAMACPP} bf16"
+    by_depth = {str(k): {"runtimes": {OURS: {"decode_tok_s": r}, lc: {"decode_tok_s": r / 1.3}}, "ratios": {}}
+                for k, r in ((1024, 24.0), (4096, 21.0), (32768, 12.0))}
+    m = {"model": "llama1b-shape", "quant": "bf16", "depth": {"kept": [1024, 4096, 32768], "by_depth": by_depth,
+                                                              "n_decode": 64}}
+    machine = {"cpu": "AMD EPYC", "core": "Zen 5 (family 26, model 2)", "cores": 2}
+    path = plot_depths([m, {"model": "no sweep", "runtimes": {}}], tmp_path / "depth.png", machine)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    from PIL import Image
+
+    with Image.open(path) as im:
+        im.verify()
+        assert im.format == "PNG" and im.size[0] >= 400
+    assert plot_depths([{"model": "x", "depth": {"kept": [], "by_depth": {}}}], tmp_path / "none.png", machine) is None
+    assert not (tmp_path / "none.png").exists()

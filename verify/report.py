@@ -27,16 +27,30 @@ def token_label(tokenizer, token: int) -> str:
     return f"{tokenizer.decode([token])!r} ({token})"
 
 
-def write_report(kind: str, data: dict, markdown: str) -> tuple[Path, Path]:
-    """Write `<kind>-<UTC time>.json` and `.md` under `reports_dir()`; returns both paths."""
+def report_paths(kind: str) -> tuple[Path, Path]:
+    """New `<kind>-<UTC time>.json` and `.md` paths under `reports_dir()`, the JSON created
+    empty so that no other run takes the same name; files that go with the report (a plot)
+    can then be named after it before it is written."""
     folder = reports_dir()
     folder.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     base, n = f"{kind}-{stamp}", 1
-    while (folder / f"{base}.json").exists() or (folder / f"{base}.md").exists():
+    while True:
+        jpath, mpath = folder / f"{base}.json", folder / f"{base}.md"
+        if not mpath.exists():
+            try:
+                jpath.open("x").close()
+                return jpath, mpath
+            except FileExistsError:
+                pass
         n += 1
         base = f"{kind}-{stamp}-{n}"
-    jpath, mpath = folder / f"{base}.json", folder / f"{base}.md"
+
+
+def write_report(kind: str, data: dict, markdown: str, paths: tuple[Path, Path] | None = None) -> tuple[Path, Path]:
+    """Write `<kind>-<UTC time>.json` and `.md` under `reports_dir()` (or at `paths`, from
+    `report_paths`); returns both paths."""
+    jpath, mpath = paths or report_paths(kind)
     jpath.write_text(json.dumps(data, indent=2) + "\n")
     mpath.write_text(markdown.rstrip() + "\n")
     return jpath, mpath
