@@ -14,7 +14,7 @@ from kernel_builder.fused_groups import SMALLEST_WINDOW, decode_windows, fused_d
 from llama_base.config import LlamaConfig
 from llama_base.group_contract import Role
 from multi_launch_builder.compile import compile_group_mlir
-from npu_runtime.cost import fused_fit
+from npu_runtime.cost import fused_fit, fused_report
 from npu_runtime.cost.fused import (ATTENTION_OP, fused_counts, fused_decode_estimate, fused_group,
                                     kv_bytes_per_position, with_attention_herd)
 from npu_runtime.cost.hardware import FITTED, FITTED_FUSED
@@ -131,15 +131,15 @@ def test_our_fused_decode_against_its_targets_and_the_bytes_bound():
     """Llama-3.2-1B Q4NX at the five depths: never above the bytes bound, above the layers design
     wherever the KV is small, slower as the context grows; a target it misses is one the bound
     itself is below."""
-    rows = fused_fit.our_rows(FITTED_FUSED)
-    assert [r.depth for r in rows] == list(fused_fit.DEPTHS)
+    rows = fused_report.our_rows(FITTED_FUSED)
+    assert [r.depth for r in rows] == list(fused_report.DEPTHS)
     for r in rows:
         assert r.tokens_per_s < r.bound_tok_s and r.window == r.depth
         assert r.met is not False or r.bound_blocks, r
     assert all(a.tokens_per_s > b.tokens_per_s for a, b in zip(rows, rows[1:]))
     assert rows[0].tokens_per_s > 2 * rows[0].card_tok_s
     assert rows[0].met
-    text = fused_fit.our_report(FITTED_FUSED)
+    text = fused_report.our_report(FITTED_FUSED)
     assert "68.22" in text and "13.6" in text
 
 
@@ -147,3 +147,4 @@ def test_windows_cover_the_capacity_they_are_priced_over():
     assert decode_windows(CAPACITY)[-1] == CAPACITY
     with pytest.raises(ValueError, match="live context"):
         fused_group(SMALL, 600, "bf16", window=512)
+

@@ -197,13 +197,14 @@ def card_decode_seconds(cfg: LlamaConfig, cal: Calibration, quant: str = "q4nx",
 
 
 _LAYER = re.compile(r"^L\d+_")
+_PARTITION = re.compile(r"_p\d+_")
 
 
 def format_fused(est: FusedEstimate) -> str:
     """The token's launches summed by kind over the layers: what `make profile` prints of it."""
     by: dict[str, list] = {}
     for l in est.group.launches:
-        kind = _LAYER.sub("", l.name)
+        kind = _PARTITION.sub("_p*_", _LAYER.sub("", l.name))
         row = by.setdefault(kind, [0.0, 0, {}])
         row[0] += l.seconds
         row[1] += 1

@@ -31,9 +31,7 @@ from functools import lru_cache
 import numpy as np
 
 from llama_base.config import LlamaConfig
-from npu_runtime.cost.fused import (ATTENTION_OP, OUR_CONTEXT, bytes_bound_tokens_per_s, card_decode_seconds,
-                                    fused_counts, fused_decode_estimate, fused_group, kv_bytes_per_position,
-                                    resident_ttft)
+from npu_runtime.cost.fused import ATTENTION_OP, fused_counts, fused_decode_estimate, fused_group, weight_bytes
 from npu_runtime.cost.hardware import (BF16_MACS_PER_CYCLE, CHANNEL_BYTES_PER_CYCLE, CLOCK_HZ, CORE_CHANNELS,
                                        DMA_TRANSFER_CYCLES, FITTED, MEMTILE_CHANNELS, SHIM_CHANNELS_PER_COLUMN,
                                        VECTOR_LANES, Calibration)
@@ -62,12 +60,6 @@ FIT_BANDWIDTH_AT = 1 * K
 FIT_ATTENTION_AT = 32 * K
 VALIDATED = (1 * K, 2 * K, 8 * K, 32 * K, 128 * K)     # the points the model must meet within TOLERANCE
 TOLERANCE = 0.15
-
-# Our design's targets, reported beside its estimate (not gated: a bytes bound may stand in the way)
-DECODE_TARGETS = {1 * K: 65.0, 32 * K: 35.0, 128 * K: 13.0}
-TTFT_TARGET_S = 0.93
-TTFT_PROMPT = 2048
-DEPTHS = (1 * K, 2 * K, 8 * K, 32 * K, 128 * K)
 
 
 def upstream_form(context: int, cal: Calibration, cfg: LlamaConfig = LLAMA_1B):
@@ -103,7 +95,7 @@ def _seconds(t: dict[str, np.ndarray], bandwidth: float, gemm: float, attention:
     return float(call + np.maximum(np.maximum(compute, l3), t["fixed"]).sum())
 
 
-def _solve(f, target: float, lo: float, hi: float) -> float:
+def solve_decreasing(f, target: float, lo: float, hi: float) -> float:
     """x in [lo, hi] with f(x) = target, f decreasing (bisection on log x)."""
     if not f(hi) <= target <= f(lo):
         raise ValueError(f"the model cannot reach {target * 1e3:.2f} ms in [{lo:g}, {hi:g}]: "
@@ -124,8 +116,8 @@ def fit(base: Calibration = FITTED) -> Calibration:
     g, call = base.gemm_efficiency, base.call_overhead_s
     bw, att = base.l3_bandwidth, base.gemm_efficiency
     for _ in range(100):
-        new_bw = _solve(lambda x: _seconds(tb, x, g, att, call), want_b, 1e9, 1e12)
-        new_att = _solve(lambda x: _seconds(ta, new_bw, g, x, call), want_a, 1e-4, 1.0)
+        new_bw = solve_decreasing(lambda x: _seconds(tb, x, g, att, call), want_b, 1e9, 1e12)
+        new_att = solve_decreasing(lambda x: _seconds(ta, new_bw, g, x, call), want_a, 1e-4, 1.0)
         done = abs(new_bw / bw - 1) < 1e-9 and abs(new_att / att - 1) < 1e-9
         bw, att = new_bw, new_att
         if done:
@@ -156,13 +148,13 @@ def errors(cal: Calibration) -> list[PointError]:
             for n, ms in UPSTREAM_MS.items()]
 
 
-def _ctx(n: int) -> str:
-    return f"{n // K}K"
+def ctx_label(n: int) -> str:
+    return f"{n // K}K" if n % K == 0 else str(n)
 
 
 def calibration_line(cal: Calibration) -> str:
-    return (f"calibration (fitted to {UPSTREAM_SOURCE}): DDR {cal.l3_bandwidth / 1e9:.1f} GB/s (at {_ctx(FIT_BANDWIDTH_AT)}), "
-            f"decode attention at {cal.attention_efficiency:.4f} of the bf16 peak (at {_ctx(FIT_ATTENTION_AT)}); "
+    return (f"calibration (fitted to {UPSTREAM_SOURCE}): DDR {cal.l3_bandwidth / 1e9:.1f} GB/s (at {ctx_label(FIT_BANDWIDTH_AT)}), "
+            f"decode attention at {cal.attention_efficiency:.4f} of the bf16 peak (at {ctx_label(FIT_ATTENTION_AT)}); "
             f"GEMMs {cal.gemm_efficiency:.2f} and {cal.call_overhead_s * 1e3:.3f} ms a call kept from the card fit")
 
 
@@ -174,9 +166,12 @@ def validation_report(cal: Calibration) -> str:
              f"{'context':>8}{'published':>12}{'model':>12}{'error':>9}  "]
     for e in errors(cal):
         check = "" if not e.validated else ("  within ±15 %" if abs(e.error) <= TOLERANCE else "  MISSES ±15 %")
-        lines.append(f"{_ctx(e.context):>8}{e.published_s * 1e3:>9.2f} ms{e.model_s * 1e3:>9.2f} ms"
+        lines.append(f"{ctx_label(e.context):>8}{e.published_s * 1e3:>9.2f} ms{e.model_s * 1e3:>9.2f} ms"
                      f"{e.error:>+9.1%}  {e.role}{check}")
     lines.append(attention_line(cal))
+    g = fused_group(LLAMA_1B, FIT_BANDWIDTH_AT, QUANT, window=FIT_BANDWIDTH_AT)
+    lines.append(f"weights a token: {weight_bytes(g) / 1e6:.1f} MB in our Q4NX (upstream's: "
+                 f"{UPSTREAM_WEIGHT_BYTES / 1e6:.1f} MB), priced as ours in the validation module")
     return "\n".join(lines)
 
 
@@ -187,103 +182,8 @@ def attention_line(cal: Calibration, context: int = FIT_ATTENTION_AT) -> str:
                        ("ours (32 cores)", fused_decode_estimate(LLAMA_1B, cal, context, QUANT))):
         a = est.attention
         parts.append(f"{label} {a['seconds'] * 1e3:.1f} ms, compute {a['compute'] * 1e3:.1f} / DDR {a['l3'] * 1e3:.1f} ms")
-    return f"decode attention at {_ctx(context)}, a token's 16 layers: " + "; ".join(parts)
-
-
-@dataclass(frozen=True)
-class OurRow:
-    depth: int
-    window: int
-    tokens_per_s: float
-    l3_read: int
-    bound_tok_s: float          # the weights and live K/V once a token at the fitted DDR bandwidth
-    card_tok_s: float           # the layers design's NPU calls (its host attention not priced)
-    card_with_kv_tok_s: float   # and its host reading the live K/V at that bandwidth
-    target: float | None
-
-    @property
-    def met(self) -> bool | None:
-        return None if self.target is None else self.tokens_per_s >= self.target
-
-    @property
-    def bound_blocks(self) -> bool:
-        """The target is above what the bytes allow at this bandwidth, whatever the design."""
-        return self.target is not None and self.bound_tok_s < self.target
-
-
-def our_rows(cal: Calibration, cfg: LlamaConfig = LLAMA_1B, quant: str = QUANT, depths=DEPTHS,
-             layer_wide=None, capacity: int | None = None) -> list[OurRow]:
-    card = card_decode_seconds(cfg, cal, quant, layer_wide)
-    out = []
-    for d in depths:
-        e = fused_decode_estimate(cfg, cal, d, quant, capacity=capacity, layer_wide=layer_wide)
-        host_kv = d * kv_bytes_per_position(cfg) / cal.l3_bandwidth
-        out.append(OurRow(d, e.window, e.tokens_per_s, e.l3_read, bytes_bound_tokens_per_s(cfg, cal, d, quant),
-                          1 / card, 1 / (card + host_kv), DECODE_TARGETS.get(d)))
-    return out
-
-
-def our_report(cal: Calibration, cfg: LlamaConfig = LLAMA_1B, quant: str = QUANT, depths=DEPTHS,
-               layer_wide=None, capacity: int | None = None, anchors: bool = True) -> str:
-    """Our fused decode at each depth beside the layers design and, for Llama-3.2-1B Q4NX, the
-    published anchors; the targets and, where one is out of the bytes' reach, that bound."""
-    rows = our_rows(cal, cfg, quant, depths, layer_wide, capacity)
-    head = f"{'depth':>6}{'window':>8}{'fused':>9}{'bound':>8}{'layers':>8}{'+host KV':>9}"
-    if anchors:
-        head += f"{'upstream':>10}{'FFLM':>7}"
-    lines = [f"decode tok/s (estimates on NPU2 at {cal.l3_bandwidth / 1e9:.1f} GB/s; bound = weights + live K/V "
-             f"once a token; layers = the card design's NPU calls, + host KV its host attention's bytes)",
-             head + "  target"]
-    for r in rows:
-        line = (f"{_ctx(r.depth):>6}{_ctx(r.window):>8}{r.tokens_per_s:>9.1f}{r.bound_tok_s:>8.1f}"
-                f"{r.card_tok_s:>8.1f}{r.card_with_kv_tok_s:>9.1f}")
-        if anchors:
-            line += f"{UPSTREAM_TOK_S.get(r.depth, float('nan')):>10.2f}{FASTFLOWLM_TOK_S.get(r.depth, float('nan')):>7.1f}"
-        if r.target is not None:
-            verdict = "met" if r.met else ("missed: the bytes bound is below it" if r.bound_blocks else "missed")
-            line += f"  >= {r.target:g}: {verdict}"
-        lines.append(line)
-    if anchors:
-        lines.append(f"upstream: {UPSTREAM_SOURCE} (whole-window builds); FFLM: {FASTFLOWLM_SOURCE}")
-    return "\n".join(lines)
-
-
-def gemm_efficiency_for_ttft(cal: Calibration, target_s: float = TTFT_TARGET_S, cfg: LlamaConfig = LLAMA_1B,
-                             quant: str = QUANT, prompt: int = TTFT_PROMPT) -> float | None:
-    """The GEMM efficiency at which the resident prefill's TTFT would be `target_s` (the one
-    constant it moves with: its products are compute-bound), None if no efficiency up to the
-    peak reaches it."""
-    def ttft(e: float) -> float:
-        return resident_ttft(cfg, replace(cal, gemm_efficiency=e), prompt, quant).seconds
-    try:
-        return _solve(ttft, target_s, 0.01, 1.0)
-    except ValueError:
-        return None
-
-
-def ttft_report(cal: Calibration, cfg: LlamaConfig = LLAMA_1B, quant: str = QUANT, prompt: int = TTFT_PROMPT,
-                anchors: bool = True, capacity: int | None = None) -> str:
-    t = resident_ttft(cfg, cal, prompt, quant, capacity)
-    parts = ", ".join(f"{k} {e.seconds * 1e3:.1f} ms" for k, e in t.per_layer.items())
-    line = (f"TTFT at {t.prompt} (bucket {t.bucket}): {t.seconds:.3f} s estimated "
-            f"({cfg.num_hidden_layers} layers of {parts}; LM head {t.head.seconds * 1e3:.1f} ms)")
-    if anchors:
-        line += (f"\n  upstream {UPSTREAM_TTFT_S:.3f} s (its prefill on bf16 copies of the weights), FFLM "
-                 f"{prompt / FASTFLOWLM_PREFILL_TOK_S.get(prompt, float('nan')):.3f} s; target <= {TTFT_TARGET_S} s: ")
-        if t.seconds <= TTFT_TARGET_S:
-            line += "met"
-        else:
-            need = gemm_efficiency_for_ttft(cal, TTFT_TARGET_S, cfg, quant, prompt)
-            line += (f"missed: no bytes bound, the prefill's products are compute-bound at the card fit's GEMM "
-                     f"efficiency {cal.gemm_efficiency:.2f}"
-                     + (f"; it would be met from {need:.2f}" if need else ""))
-    return line
-
-
-def report(cal: Calibration | None = None) -> str:
-    cal = cal or fit()
-    return "\n\n".join([validation_report(cal), our_report(cal), ttft_report(cal)])
+    return f"decode attention at {ctx_label(context)}, a token's 16 layers: " + "; ".join(parts)
 
 
 if __name__ == "__main__":
-    print(report())
+    print(validation_report(fit()))
