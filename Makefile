@@ -121,7 +121,7 @@ perplexity: install
 	$(PY) -m verify.perplexity --model "$(MODEL)" --device "$(DEVICE)"
 
 bench: install
-	$(PY) -m bench --device "$(DEVICE)" --quant "$(QUANT)" $(if $(CPU_CLASS),--cpu-class "$(CPU_CLASS)")
+	$(PY) -m bench --device "$(DEVICE)" --quant "$(QUANT)" --decode "$(DECODE)" $(if $(CPU_CLASS),--cpu-class "$(CPU_CLASS)")
 
 clean:
 	$(PY) -c "import shutil; from llama_base.paths import cache_root; shutil.rmtree(cache_root(), ignore_errors=True)" 2>/dev/null || true

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 
 from bench.machine import CLASS_ENV, CPU_CLASSES
 from bench.plan import FULL, QUICK
@@ -25,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     add_model_options(ap, devices=("auto", "npu", "sim"), device_help="our runtime's device",
                       quant_help="our weight format: bf16 (against HF and llama.cpp bf16/q8_0) or q4nx (against "
                                  "llama.cpp q4_0/q4_1/q4_k_m and our own bf16)",
-                      without=("model",))         # a bench measures a list of models, `--models`
+                      decode=True, without=("model",))   # a bench measures a list of models, `--models`
     ap.add_argument("--models", default=DEFAULT_MODELS,
                     help=f"comma-separated models (names or checkpoint folders); default {DEFAULT_MODELS}")
     ap.add_argument("--quick", action="store_true", help="a short smoke run of every path (not a result)")
@@ -39,8 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     if not models:
         ap.error("--models names no model")
     try:
-        _, md, (jpath, mpath) = run_bench(models, (QUICK if args.quick else FULL).for_quant(args.quant), args.device,
-                                          args.skip_llamacpp, args.rebuild_llamacpp, cpu_class=args.cpu_class)
+        plan = replace((QUICK if args.quick else FULL).for_quant(args.quant), decode=args.decode)
+        _, md, (jpath, mpath) = run_bench(models, plan, args.device, args.skip_llamacpp, args.rebuild_llamacpp,
+                                          cpu_class=args.cpu_class)
     except UserError as e:
         print(f"[bench] ERROR: {e}", file=sys.stderr)
         return 2

@@ -67,6 +67,7 @@ class Plan:
     max_context: int = DEFAULT_MAX_CONTEXT   # our KV cache and llama.cpp's n_ctx: the same positions
     bandwidth_bytes: int = GIB
     quant: str = "bf16"               # our weight format (GGUF_TYPES names llama.cpp's peers for it)
+    decode: str = "auto"              # our decode (`DeviceModel`'s DECODE: auto, layers or fused)
     gguf_types: tuple[str, ...] = GGUF_TYPES["bf16"]
     perplexity_chunks: int = N_CHUNKS  # 0: no perplexity
     perplexity_len: int = CHUNK_LEN

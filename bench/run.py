@@ -110,7 +110,7 @@ def _sides(plan: Plan, folder: Path, cfg: LlamaConfig, device: str, llamacpp, mo
            log) -> list[tuple[str, str, dict, str]]:
     """(name, module, job extras, interpreter) of every runtime measured against our `plan.quant` weights:
     HF and llama.cpp's bf16/q8_0 for bf16; our own bf16 and llama.cpp's 4-bit types for q4nx."""
-    ours = {"model": str(folder), "device": device}
+    ours = {"model": str(folder), "device": device, "decode": plan.decode}
     sides = [(OURS, OURS_MODULE, {**ours, "quant": plan.quant}, sys.executable)]
     if plan.quant == "bf16":
         sides.append((HF, "bench.side_hf", {"folder": str(folder)}, sys.executable))

@@ -13,11 +13,12 @@ def make_runner(job: dict):
     from verify.our_runner import OurRunner
 
     session = build_session(job["model"], device=job["device"], max_context=job["max_context"], log=lambda _: None,
-                            quant=job.get("quant", "bf16"))
+                            quant=job.get("quant", "bf16"), decode=job.get("decode", "auto"))
     info = {"device": session.device.name, "buckets": list(session.model.buckets),
             "max_context": session.model.max_context, "kv_cache_bytes": session.model.kv.nbytes,
             "resident_bytes": session.kc.resident_bytes(), "build_s": session.build_s,
-            "quant": job.get("quant", "bf16"), "kernels_compiled": session.kc.stats.compiled}
+            "quant": job.get("quant", "bf16"), "kernels_compiled": session.kc.stats.compiled,
+            "decode": session.model.decode}
     return OurRunner(session), info
 
 

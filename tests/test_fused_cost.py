@@ -148,3 +148,18 @@ def test_windows_cover_the_capacity_they_are_priced_over():
     with pytest.raises(ValueError, match="live context"):
         fused_group(SMALL, 600, "bf16", window=512)
 
+
+def test_the_interp_profile_of_a_fused_session_prints_the_fused_estimate():
+    from types import SimpleNamespace
+
+    from llama_runtime.cli.profile_report import npu_estimate
+    from npu_runtime.cost.fused import our_capacity
+
+    cfg = conftest.TINY
+    model = SimpleNamespace(quant="bf16", layer_wide=None, resident=True, capacity=our_capacity(cfg))
+    session = SimpleNamespace(config=cfg, model=model, profiler=SimpleNamespace(groups={}))
+    text = npu_estimate(session, SimpleNamespace(prompt_tokens=40, tokens=[1] * 8))
+    assert text.startswith("== NPU2 estimate (cost model, not a measurement) ==")
+    assert "fused_decode_c" in text and "at depth 48" in text and "attn_launch" in text
+    assert "decode tok/s" in text and "FFLM" not in text        # not the anchors' model
+    assert "estimated on NPU2: TTFT" in text and "window 256" in text
