@@ -241,7 +241,9 @@ def markdown(data: dict) -> str:
                          f"{1.5 * (m['weight_bytes'] + m['kv_cache_bytes']) / GIB:.2f} GiB.")
         lines += ["", model_table(m)]
         est = m.get("npu_estimate")
-        if est and not est.get("error"):
+        if est and not est.get("error") and est.get("decode") == "fused":
+            lines += ["", fused_estimate(est)]
+        elif est and not est.get("error"):
             ttft = ", ".join(f"TTFT@{n} {v * 1e3:.0f} ms" for n, v in est["ttft_s"].items())
             lines.append(f"\nNPU estimate (cost model, not a measurement): {ttft}, decode "
                          f"{est['decode_tok_s']:.1f} tok/s on NPU2 ({est['calibration']}; docs/profile.md gives its error).")
@@ -252,3 +254,32 @@ def markdown(data: dict) -> str:
     if data.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {n}" for n in data["notes"]]
     return "\n".join(lines)
+
+
+def fused_estimate(est: dict) -> str:
+    """The NPU estimate of a fused decode (`fused_report.bench_estimate`): its TTFT, and its decode
+    at each context beside the bytes bound, the layers design and the published anchors."""
+    ttft = ", ".join(f"TTFT@{n} {v * 1e3:.0f} ms" for n, v in est["ttft_s"].items())
+    anchors = est.get("anchors") is not None
+    targets = any(d["target"] is not None for d in est["depths"])
+    cols = (["context", "fused (tok/s)", "bytes bound", "layers design"] + (["upstream", "FastFlowLM"] if anchors else [])
+            + (["target"] if targets else []))
+    rows = [f"NPU estimate of the fused decode (cost model, not a measurement): {ttft}; {est['calibration']}.", "",
+            "| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
+    for d in est["depths"]:
+        cells = [str(d["depth"]), f"{d['tok_s']:.1f}", f"{d['bound_tok_s']:.1f}", f"{d['layers_tok_s']:.1f}"]
+        if anchors:
+            cells += [f"{d['upstream_tok_s']:.2f}" if d.get("upstream_tok_s") else "",
+                      f"{d['fastflowlm_tok_s']:.1f}" if d.get("fastflowlm_tok_s") else ""]
+        if not targets:
+            pass
+        elif d["target"] is None:
+            cells.append("")
+        else:
+            met = d["tok_s"] >= d["target"]
+            cells.append(f"≥ {d['target']:g}: " + ("met" if met else "missed" + (" (the bytes bound is below it)"
+                                                                                  if d["bound_blocks"] else "")))
+        rows.append("| " + " | ".join(cells) + " |")
+    if anchors:
+        rows += ["", est["anchors"]]
+    return "\n".join(rows)

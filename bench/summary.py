@@ -252,17 +252,25 @@ def summarize_model(name: str, cfg: LlamaConfig, embedded: bool, lengths: tuple[
         "runtimes": sides,
         "ratios": rat,
         "targets": [t.to_dict() for t in tg],
-        "npu_estimate": npu_estimate(cfg, lengths, quant),
+        "npu_estimate": npu_estimate(cfg, lengths, quant, sides.get(OURS, {}).get("info", {}).get("decode", "layers")),
     }
 
 
-def npu_estimate(cfg: LlamaConfig, lengths: tuple[int, ...], quant: str = "bf16") -> dict:
+def npu_estimate(cfg: LlamaConfig, lengths: tuple[int, ...], quant: str = "bf16", decode: str = "layers") -> dict:
     """The cost model's NPU2 figures for this shape and weight format (an estimate from the
-    modules, never run)."""
+    modules, never run); for a fused decode (`decode` "fused"), the fused design's: its TTFT
+    and its decode from 1K to 128K of context beside the published fused decodes."""
     from npu_runtime.cost.calibrate import CALIBRATION_NOTE
     from npu_runtime.cost.hardware import FITTED
     from npu_runtime.cost.model import estimate_phases
 
+    if decode == "fused":
+        from npu_runtime.cost.fused_report import bench_estimate
+
+        try:
+            return bench_estimate(cfg, lengths, quant)
+        except (ValueError, KeyError, IndexError) as e:      # a shape the builders cannot tile
+            return {"error": str(e)}
     try:
         phases = {n: estimate_phases(cfg, FITTED, n, quant) for n in lengths}
     except (ValueError, KeyError) as e:      # a shape the builders cannot tile

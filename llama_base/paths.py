@@ -27,6 +27,7 @@ CACHE_FOLDERS = {
     "host_kernels": "host builds of the NPU C++ kernels, which the MLIR-AIR interpreter calls",
     "kernel_objects": "Peano builds of the NPU C++ kernels (.o), shared by every ELF; only where Peano exists",
     "bench": "make bench: llama.cpp's build venv and the GGUF files converted for it",
+    "cost": "the cost model's counts of stitched modules, per declaration and source version",
 }
 
 

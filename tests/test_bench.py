@@ -864,3 +864,35 @@ def test_the_depth_plot_is_a_png_with_a_line_per_runtime(tmp_path):
         assert im.format == "PNG" and im.size[0] >= 400
     assert plot_depths([{"model": "x", "depth": {"kept": [], "by_depth": {}}}], tmp_path / "none.png", machine) is None
     assert not (tmp_path / "none.png").exists()
+
+def test_a_fused_session_s_npu_estimate_is_the_fused_table():
+    """Ours decoding fused (its info says so): the estimate is the fused design's, per context,
+    beside the layers design; the anchors only for the model they were measured on."""
+    import conftest
+    from bench.render import fused_estimate
+
+    gib = 1 << 30
+    raw = {OURS: _raw({32: [0.1]}, [50.0], gib, info={"kv_cache_bytes": gib // 8, "decode": "fused"}),
+           HF: _raw({32: [0.2]}, [40.0], gib)}
+    m = summarize_model("tiny", conftest.TINY, False, (32,), 512, raw, 30e9)
+    est = m["npu_estimate"]
+    assert est["decode"] == "fused" and est["anchors"] is None and est["ttft_s"]["32"] > 0
+    (row,) = est["depths"]
+    assert row["depth"] == 1024 and 0 < row["tok_s"] < row["bound_tok_s"] and row["target"] is None
+    text = fused_estimate(est)
+    assert "NPU estimate of the fused decode (cost model, not a measurement)" in text and "FastFlowLM" not in text
+    assert "target" not in text
+    raw[OURS]["info"]["decode"] = "layers"
+    assert "depths" not in summarize_model("tiny", conftest.TINY, False, (32,), 512, raw, 30e9)["npu_estimate"]
+
+
+@pytest.mark.slow
+def test_the_fused_estimate_of_llama_1b_q4nx_sits_beside_the_published_anchors():
+    from bench.render import fused_estimate
+    from bench.summary import npu_estimate
+
+    est = npu_estimate(LLAMA_1B, (128, 2048), "q4nx", "fused")
+    assert [d["depth"] for d in est["depths"]] == [1024, 2048, 8192, 32768, 131072]
+    assert est["depths"][0]["upstream_tok_s"] == 68.22 and est["depths"][-1]["fastflowlm_tok_s"] == 13.6
+    text = fused_estimate(est)
+    assert "| 131072 |" in text and "the bytes bound is below it" in text and "FastFlowLM" in text

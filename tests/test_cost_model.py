@@ -210,3 +210,36 @@ def test_the_interp_profile_ends_with_the_estimate_of_the_groups_it_called():
     assert text.startswith("== NPU2 estimate (cost model, not a measurement) ==")
     assert "o_ffn_s64:" in text and "o_gemv_ffn:" in text and "flash_attn" not in text
     assert "estimated on NPU2: TTFT" in text
+
+
+@pytest.mark.parametrize("kind,pos", [("fused", 0), ("fused", 63), ("fused", 64), ("fused", 300), ("fused", 511),
+                                      ("flash_attn", 0), ("flash_attn", 96)])
+def test_the_branch_classes_count_what_the_walk_of_every_iteration_counts(kind, pos):
+    """A loop whose iterations differ only in their `scf.if`s (decode attention's live, masked and
+    dead chunks; prefill attention's causal tiles) is counted by classes of iterations; the count
+    is the walk of every iteration's, launch by launch, field by field."""
+    from kernel_builder.fused_groups import fused_decode
+
+    g = fused_decode(TINY, 512) if kind == "fused" else groups.build_group("flash_attn", TINY, 32, 128)
+    i32 = next(i for i, s in enumerate(g.slots) if s.dtype == "i32")
+    text = compile_group_mlir(g)
+    assert count_module(text, {i32: pos}) == count_module(text, {i32: pos}, shortcut=False)
+
+
+def test_counts_are_kept_on_disk_per_declaration_and_scalar(tmp_path, monkeypatch):
+    from npu_runtime.cost import count_cache
+
+    monkeypatch.setenv("LLAMA_NPU_CACHE", str(tmp_path))
+    count_cache._cached.cache_clear()
+    g = groups.build_group("flash_attn", TINY, 32, 128)
+    i32 = next(i for i, s in enumerate(g.slots) if s.dtype == "i32")
+    near, far = count_cache.cached_counts(g, {i32: 0}), count_cache.cached_counts(g, {i32: 96})
+    assert list(near) == count_module(compile_group_mlir(g), {i32: 0}) and near != far
+    entries = sorted((tmp_path / "cost").rglob("*.json"))
+    assert len(entries) == 2
+    # a damaged entry is counted again, never trusted
+    for e in entries:
+        e.write_text("{")
+    count_cache._cached.cache_clear()
+    assert count_cache.cached_counts(g, {i32: 96}) == far
+    count_cache._cached.cache_clear()

@@ -59,10 +59,19 @@ def report(session, result) -> str:
 
 def npu_estimate(session, result) -> str:
     """The cost model's NPU2 time for every group this run called (the interpreter runs the modules
-    the NPU would get, so this is where their estimate belongs), and for the whole generation."""
+    the NPU would get, so this is where their estimate belongs), and for the whole generation.
+    A fused session gets the fused decode's: its last token, and the design from 1K to 128K of
+    context beside the published fused decodes (`npu_runtime.cost.fused_report`)."""
     from npu_runtime.cost.hardware import FITTED
     from npu_runtime.cost.model import estimate_phases, format_group
 
+    m = session.model
+    if getattr(m, "resident", False):
+        from npu_runtime.cost.fused_report import session_report
+
+        text = session_report(session.config, m.quant, m.layer_wide, m.capacity, result.prompt_tokens,
+                              result.prompt_tokens + len(result.tokens))
+        return "== NPU2 estimate (cost model, not a measurement) ==\n" + text
     est = estimate_phases(session.config, FITTED, result.prompt_tokens, session.model.quant, session.model.layer_wide)
     lines = ["== NPU2 estimate (cost model, not a measurement) =="]
     lines += [format_group(e) for kind, e in est.groups.items() if kind in session.profiler.groups]

@@ -5,8 +5,12 @@ but no data moves and nothing is computed: each DMA adds its bytes to the level 
 crosses, each `linalg.generic` and external call adds its work. A loop, launch grid or herd
 whose body does the same work in every iteration is walked once and multiplied; the walk
 iterates only where an induction variable or core index reaches a loop bound, an `scf.if`
-condition or a DMA size (attention's causal tile ranges, its round-robin items). So the count
-is exact and costs about as much as the module has ops, even for a 2048-row prefill.
+condition or a DMA size (attention's causal tile ranges, its round-robin items). A loop whose
+iterations differ only in which way their `scf.if`s go (decode attention's live and masked
+chunks among a window's) is split into the classes of iterations that take the same branches,
+found by evaluating the conditions' integer arithmetic for every iteration at once, and each
+class is walked once and multiplied. So the count is exact and costs about as much as the
+module has ops, even for a 2048-row prefill or a 131072-position window.
 
 The only data the walk reads is i32 scalars (attention's `q_start`), which the caller passes.
 """
@@ -109,11 +113,95 @@ def _variant(block: Block, seeds: set[int]) -> bool:
     return visit(block)
 
 
+def _branch_conditions(block: Block, seeds: set[int]) -> list[int] | None:
+    """The `scf.if` conditions of `block` that values derived from `seeds` reach, when that is the
+    only way those values make its iterations differ (none reaches a loop bound, a DMA size, a
+    hierarchy size, or a condition inside a nested loop or hierarchy); None when another is."""
+    tainted = set(seeds)
+    conds: list[int] = []
+
+    def visit(b: Block) -> bool:
+        for op in b.ops:
+            hit = any(o in tainted for o in op.operands)
+            if op.name == "scf.for":
+                if any(o in tainted for o in op.operands[:3]) or (hit and _variant(op.regions[0], tainted)):
+                    return False
+            elif op.name in ("air.launch", "air.segment", "air.herd"):
+                _, sizes, operands = op.segments()
+                body = op.regions[0]
+                inner = tainted | {a for a, o in zip(body.args[2 * len(sizes):], operands) if o in tainted}
+                if any(o in tainted for o in sizes) or (hit and _variant(body, inner)):
+                    return False
+            else:
+                if op.name == "scf.if" and hit:
+                    conds.append(op.operands[0])
+                if op.name == "air.dma_memcpy_nd":
+                    segs = op.segments()
+                    if any(o in tainted for s in (segs[3], segs[7]) for o in s):
+                        return False
+                if any(not visit(r) for r in op.regions):
+                    return False
+            if hit:
+                tainted.update(op.results)
+        return True
+
+    return conds if visit(block) else None
+
+
+# `_INT_OPS` over arrays of every iteration's values
+_VECTOR_INT_OPS = {"arith.addi": np.add, "arith.muli": np.multiply, "arith.divui": np.floor_divide,
+                   "arith.remui": np.remainder, "arith.minui": np.minimum}
+
+
+def _branch_classes(body: Block, conds: list[int], env: dict, ivs: np.ndarray) -> list[tuple[int, int]] | None:
+    """(a representative induction value, how many iterations) for each set of branches the
+    iterations `ivs` of `body` take; None when a condition needs a value the walk cannot know
+    without walking (anything but integer arithmetic on the induction variable and known values)."""
+    local: dict[int, object] = {body.args[0]: ivs}
+    unknown = object()
+
+    def value(v):
+        return local[v] if v in local else env.get(v)
+
+    def visit(b: Block) -> None:
+        for op in b.ops:
+            args = [value(o) for o in op.operands]
+            known = all(a is not None and a is not unknown for a in args)
+            if op.name == "arith.constant":
+                v = op.attrs["value"]
+                local[op.results[0]] = int(v) if op.types[0] in ("index", "i32", "i64") else unknown
+            elif op.name in _VECTOR_INT_OPS and known:
+                local[op.results[0]] = _VECTOR_INT_OPS[op.name](*args)
+            elif op.name == "arith.index_cast" and known:
+                local[op.results[0]] = args[0]
+            elif op.name == "arith.cmpi" and known:
+                local[op.results[0]] = _CMP[op.attrs["predicate"]](*args)
+            elif op.name == "scf.if":
+                for r in op.regions:
+                    visit(r)
+            else:       # values of any other op (or of unknown operands) are not followed
+                for r in op.results:
+                    local[r] = unknown
+
+    visit(body)
+    outcomes = [value(c) for c in conds]
+    if any(o is None or o is unknown for o in outcomes):
+        return None
+    table = np.stack([np.broadcast_to(np.asarray(o, bool), ivs.shape) for o in outcomes], axis=1)
+    _, first, counts = np.unique(table, axis=0, return_index=True, return_counts=True)
+    return [(int(ivs[i]), int(n)) for i, n in zip(first, counts)]
+
+
 class Counter:
-    def __init__(self, program: Program, scalars: dict[int, int] | None = None):
+    """`shortcut=False` walks every iteration of a loop whose iterations differ only in their
+    branches (the slow walk the classes are held to)."""
+
+    def __init__(self, program: Program, scalars: dict[int, int] | None = None, shortcut: bool = True):
         self.p = program
         self.scalars = scalars or {}
+        self.shortcut = shortcut
         self._variant: dict[int, bool] = {}
+        self._conds: dict[int, list[int] | None] = {}
 
     def run(self) -> list[LaunchCounts]:
         env: dict[int, object] = {}
@@ -189,6 +277,20 @@ class Counter:
             self.block(body, env, sub)
             w.add(sub, trips)
             return
+        if self.shortcut:
+            key = id(op)
+            if key not in self._conds:
+                self._conds[key] = _branch_conditions(body, {body.args[0]})
+            conds = self._conds[key]
+            classes = (_branch_classes(body, conds, env, np.arange(lb, ub, step, dtype=np.int64))
+                       if conds is not None else None)
+            if classes is not None:
+                for iv, n in classes:
+                    env[body.args[0]] = iv
+                    sub = Work()
+                    self.block(body, env, sub)
+                    w.add(sub, n)
+                return
         for iv in range(lb, ub, step):
             env[body.args[0]] = iv
             self.block(body, env, w)
@@ -292,10 +394,11 @@ _CMP = {0: lambda a, b: a == b, 1: lambda a, b: a != b, 2: lambda a, b: a < b, 3
         8: lambda a, b: a > b, 9: lambda a, b: a >= b}
 
 
-def count_module(text: str, scalars: dict[int, int] | None = None) -> list[LaunchCounts]:
+def count_module(text: str, scalars: dict[int, int] | None = None, shortcut: bool = True) -> list[LaunchCounts]:
     """Per top-level launch of a stitched module: its `Work`. `scalars` gives the value of i32
-    function arguments by index (attention's `q_start`; 0 if not given)."""
-    return Counter(load_program(text), scalars).run()
+    function arguments by index (attention's `q_start`, decode's `pos`; 0 if not given).
+    `shortcut=False`: every iteration of a loop that differs only in its branches walked (`Counter`)."""
+    return Counter(load_program(text), scalars, shortcut).run()
 
 
 __all__ = ["ACCUMULATING", "CONTRACTIONS", "Counter", "LaunchCounts", "Work", "count_module"]

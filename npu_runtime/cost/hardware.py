@@ -50,11 +50,24 @@ class Calibration:
     gemm_efficiency: float     # fraction of the bf16 peak the cores reach in contractions
     l3_bandwidth: float        # bytes/s the NPU's DMAs get from DDR, all shim channels together
     call_overhead_s: float     # per group call: XRT dispatch, BO syncs and the host work between calls
+    # Fraction of the bf16 peak a decode-attention core reaches (one token's few query rows of a
+    # KV head against its cached positions); None: the contractions' `gemm_efficiency`.
+    decode_attention_efficiency: float | None = None
+
+    @property
+    def attention_efficiency(self) -> float:
+        return self.gemm_efficiency if self.decode_attention_efficiency is None else self.decode_attention_efficiency
 
 
 # The fit of `calibrate.fit()`, kept here so an estimate needs no fit (the fit walks three
 # models' modules); `tests/test_cost_model.py` re-fits and fails if these drift from it.
 FITTED = Calibration(gemm_efficiency=0.20, l3_bandwidth=38.9e9, call_overhead_s=0.575e-3)
 
-__all__ = ["FITTED", "BF16_MACS_PER_CYCLE", "CHANNEL_BYTES_PER_CYCLE", "CLOCK_HZ", "CORE_CHANNELS", "Calibration",
+# The fused decode's calibration (`fused_fit.fit()`): FITTED's GEMM efficiency and call overhead,
+# the DDR bandwidth and the decode-attention efficiency fitted to upstream's fused decode on a
+# Krackan laptop (2x DDR5-5600); the same drift test holds these to the fit.
+FITTED_FUSED = Calibration(gemm_efficiency=0.20, l3_bandwidth=63.5e9, call_overhead_s=0.575e-3,
+                           decode_attention_efficiency=0.0172)
+
+__all__ = ["FITTED", "FITTED_FUSED", "BF16_MACS_PER_CYCLE", "CHANNEL_BYTES_PER_CYCLE", "CLOCK_HZ", "CORE_CHANNELS", "Calibration",
            "DMA_TRANSFER_CYCLES", "MEMTILE_CHANNELS", "SHIM_CHANNELS_PER_COLUMN", "VECTOR_LANES"]

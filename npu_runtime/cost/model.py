@@ -14,15 +14,13 @@ inside the per-call overhead: the model estimates the NPU path, it measures noth
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
-
 from kernel_builder import groups
 
 from llama_base import group_contract
 from llama_base.group_contract import KernelGroup
 from llama_base.config import LlamaConfig
-from multi_launch_builder.compile import compile_group_mlir
-from npu_runtime.cost.counts import LaunchCounts, Work, count_module
+from npu_runtime.cost.count_cache import cached_counts
+from npu_runtime.cost.counts import LaunchCounts, Work
 from npu_runtime.cost.hardware import (BF16_MACS_PER_CYCLE, CHANNEL_BYTES_PER_CYCLE, CLOCK_HZ, CORE_CHANNELS,
                                        DMA_TRANSFER_CYCLES, MEMTILE_CHANNELS, SHIM_CHANNELS_PER_COLUMN,
                                        VECTOR_LANES, Calibration)
@@ -74,11 +72,10 @@ def estimate_counts(name: str, counts: list[LaunchCounts], cal: Calibration) -> 
                          cal.call_overhead_s)
 
 
-@lru_cache(maxsize=256)
 def group_counts(group: KernelGroup, q_start: int = 0) -> tuple[LaunchCounts, ...]:
-    """The counts of a group's stitched module (cached: attention's walk takes seconds at 2048)."""
-    scalars = {i: q_start for i, s in enumerate(group.slots) if s.dtype == "i32"}
-    return tuple(count_module(compile_group_mlir(group), scalars))
+    """The counts of a group's stitched module with every i32 scalar at `q_start` (cached in
+    memory and on disk, `count_cache`: a module takes up to seconds to build)."""
+    return cached_counts(group, {i: q_start for i, s in enumerate(group.slots) if s.dtype == "i32"})
 
 
 def estimate_group(group: KernelGroup, cal: Calibration, q_start: int = 0) -> GroupEstimate:
