@@ -21,7 +21,7 @@ How the live length reaches the hardware, in two parts:
 - the *position*: the i32 input `pos`, which the cores read (a scalar the host writes each
   token). They compute only the live chunks, 0..pos, and mask the positions past `pos` in the
   last one, so compute follows the live context exactly and bytes follow it to within the
-  staircase's factor of two. The window of the whole capacity is upstream's form (its
+  staircase's step (at most 1.5). The window of the whole capacity is upstream's form (its
   fused decode reads its whole compiled window each token), which the cost model's
   validation prices against upstream's published figures.
 """
@@ -43,11 +43,14 @@ SMALLEST_WINDOW = 256
 
 
 def decode_windows(capacity: int, smallest: int = SMALLEST_WINDOW) -> tuple[int, ...]:
-    """The staircase of windows over a cache of `capacity` positions: doubling from `smallest`,
-    the last the capacity itself."""
+    """The staircase of windows over a cache of `capacity` positions: from `smallest`, each
+    power of two and the point halfway up to the next (w, 1.5 w, 2 w, ...), the last the
+    capacity itself. A token reads at most 1.5 times its live positions (1.33 times on the
+    steps from 1.5 w), where doubling alone would read up to twice them; each step is one more
+    module to compile."""
     out, w = [], smallest
     while w < capacity:
-        out.append(w)
+        out += [x for x in (w, w * 3 // 2) if x < capacity]
         w *= 2
     return tuple(out) + (capacity,)
 

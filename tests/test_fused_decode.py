@@ -69,7 +69,7 @@ def test_prefill_and_decode_share_one_resident_cache_buffer_per_layer(sessions):
 def test_a_token_runs_in_the_smallest_window_that_holds_it(sessions):
     m = sessions["fused"].model
     windows = decode_windows(m.capacity)
-    assert windows[-1] == m.capacity and all(b == 2 * a for a, b in zip(windows, windows[1:-1]))
+    assert windows[-1] == m.capacity and all(a < b <= 1.5 * a for a, b in zip(windows, windows[1:-1]))
     for pos, w in ((0, windows[0]), (windows[0] - 1, windows[0]), (windows[0], windows[1])):
         assert m.fused_group(pos).ctx_len == w
 

@@ -11,7 +11,7 @@ Two forms of the same module:
 - the *whole window*, upstream's build: capacity = window = the context, every position live,
   so each token moves all of it (`fused_decode_estimate(..., window=context)`);
 - *ours*: a cache for `OUR_CONTEXT` positions and the staircase's window of the live depth
-  (`fused_groups.window_for`), so its bytes follow the live context within a factor of two.
+  (`fused_groups.window_for`), so its bytes follow the live context within the staircase's step (at most 1.5 times).
 
 `fused_fit.py` fits the calibration to upstream's published fused decode and validates it.
 """
