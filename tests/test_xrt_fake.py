@@ -315,3 +315,27 @@ def test_layers_of_two_group_variants_decode_without_reopening_a_context(fake, t
     assert sum(1 for c in fake.calls if c[0] == "hw_context") == opened
     # The NPU declares that it records nothing: its tokens ran call by call, no recording tried.
     assert npu.kc.device.recorder() is None and npu.recorded_decode is None
+
+
+def test_the_fused_decode_through_xrt_equals_the_simulator(fake, tmp_path):
+    """One XRT run a token, its position written to its input BO, the KV cache BOs never synced
+    by the host, and a token past the first window running the next window's kernel over the
+    same buffers."""
+    from kernel_builder.fused_groups import decode_windows
+    from llama_runtime.generation.session import build_session
+
+    kw = dict(max_context=512, buckets=(128,), log=lambda s: None, decode="fused")
+    tokens = {}
+    for device in ("sim", "npu"):
+        s = build_session("embedded", device, cache_dir=tmp_path / "kernels", **kw)
+        first = decode_windows(s.model.capacity)[0]
+        ids = s.tokenizer.encode_prompt("The capital of France is " * 40, chat=False)[: first - 4]
+        if device == "npu":
+            states = {id(bo._bo) for bo in s.kc._states.values()}
+            calls_before = len(fake.calls)
+        tokens[device] = s.generate(ids, n_tokens=8, chat=False).tokens
+    assert tokens["npu"] == tokens["sim"] and len(tokens["npu"]) == 8
+    fused = [c[1] for c in fake.calls[calls_before:] if c[0] == "run" and "fused_decode" in c[1]]
+    assert len(fused) == 7                      # one run a decode token (the first came from the prefill)
+    assert len(set(fused)) == 2                 # the tokens from `first` on ran the next window's kernel
+    assert not any(c[0] == "sync" and c[1] in states for c in fake.calls[calls_before:])
