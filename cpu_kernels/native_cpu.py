@@ -132,6 +132,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.flash_attention_bf16_cpu.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64]
     lib.flash_attention_bf16_cpu_max_head_dim.restype = i64
     lib.flash_max_head_dim = lib.flash_attention_bf16_cpu_max_head_dim()
+    lib.resident_kv_bf16_cpu_max_head_dim.restype = i64
+    lib.resident_max_head_dim = lib.resident_kv_bf16_cpu_max_head_dim()
     lib.tiles_dot_bf16_cpu.argtypes = [ptr, ptr, ptr]
     lib.read_rows_cpu.argtypes = [ctypes.c_int, i64, i64, i64, ptr, i64, ptr]
     lib.read_rows_cpu.restype = i64
@@ -422,6 +424,30 @@ def _bound(fn: Callable, tensors, *args) -> NativeCall:
     return call
 
 
+class CheckedCall(NativeCall):
+    """A bound native call whose kernel may refuse what it reads when it runs (a position outside
+    the cache, read through a pointer the call holds): it then reads and writes nothing and sets
+    its status word, which each call checks, raising `refused()`. A native program replaying the
+    call checks after its run (`NativeProgram.bound`)."""
+
+    def __call__(self, *args, **kwargs) -> None:
+        super().__call__(*args, **kwargs)
+        self.check()
+
+    def check(self) -> None:
+        """Raise `refused()` if the last run refused its operands."""
+        if self.status[0]:
+            raise self.refused()
+
+
+def _checked(fn: Callable, tensors, refused: Callable[[], Exception], *args) -> CheckedCall:
+    """`fn` bound to `args` and a status word of its own (its last argument), as `_bound`."""
+    status = (ctypes.c_int32 * 1)()
+    call = CheckedCall(fn, *args, status)
+    call.tensors, call.status, call.refused = tuple(tensors), status, refused
+    return call
+
+
 def _batch_call(symbol: str, holds: Callable, jobs) -> Callable[[], None] | None:
     """One native dispatch of GEMVs (W, x, y), each 5 int64 slots (w, x, y, rows, k), bound, when
     every W `holds` its [y, x] matrix in the kernel's format."""
@@ -504,22 +530,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, 
     return True
 
 
-def attention_at_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                      out: torch.Tensor) -> Callable[[], None] | None:
-    """`decode_attention` bound, over positions 0..*pos of a resident cache [kv_heads, capacity,
-    d]: the kernel reads the position from `pos` (one int32) when it runs, as the NPU's cores
-    read theirs, so one bound call serves every token. None if unavailable."""
-    lib = usable(q, k, v, out)
-    if lib is None or getattr(lib, "attention_at_bf16_cpu", None) is None or pos.dtype != torch.int32:
-        return None
-    kvh, stride, d = k.shape
-    if d > lib.max_head_dim or v.shape != k.shape or q.numel() % d or (q.numel() // d) % kvh \
-            or out.numel() != q.numel():
-        return None
-    return _bound(lib.attention_at_bf16_cpu, (q, k, v, pos, out), q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                  out.data_ptr(), q.numel() // d, kvh, d, pos.data_ptr(), stride)
-
-
 def decode_step_calls(q: torch.Tensor, k_row: torch.Tensor, v_row: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       out: torch.Tensor) -> tuple[Callable, Callable] | None:
     """The native KV row store and single-query attention (`kv_store_row`, `decode_attention`)
@@ -568,3 +578,96 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
     lib.flash_attention_bf16_cpu(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), s, c, heads, kvh, d,
                                  start, k.stride(0) // d)
     return True
+
+
+def _position_word(t: torch.Tensor) -> bool:
+    """t is an i32 whose first element a kernel can read through its address."""
+    return t.dtype == torch.int32 and t.numel() >= 1 and t.is_contiguous()
+
+
+def _f32(*ts: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.is_contiguous() for t in ts)
+
+
+def _refused() -> Exception:
+    return IndexError("a position outside the cache")
+
+
+
+def attention_at_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, out: torch.Tensor,
+                      refused: Callable[[], Exception] = _refused) -> CheckedCall | None:
+    """`decode_attention` bound, over positions 0..pos[0] of a resident cache [kv_heads,
+    capacity, d]: the kernel reads the position through pos's address when it runs, as the
+    NPU's cores read theirs, so one bound call serves every token; one outside the cache reads
+    and writes nothing and raises `refused()`. None if unavailable."""
+    lib = usable(q, k, v, out)
+    if lib is None or k.dim() != 3 or not _position_word(pos):
+        return None
+    kvh, stride, d = k.shape
+    if d > lib.max_head_dim or v.shape != k.shape or q.numel() % d or (q.numel() // d) % kvh \
+            or out.numel() != q.numel():
+        return None
+    shape = (ctypes.c_int64 * 4)(q.numel() // d, kvh, d, stride)
+    return _checked(lib.attention_at_bf16_cpu, (q, k, v, pos, out), refused, q.data_ptr(), k.data_ptr(),
+                    v.data_ptr(), out.data_ptr(), pos.data_ptr(), shape)
+
+
+def kv_append_call(k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, rows: int,
+                   refused: Callable[[], Exception] = _refused) -> CheckedCall | None:
+    """`rows` token-major K/V rows [rows, kv_heads, d] into the head-major caches [kv_heads,
+    capacity, d] at positions start[0].., bound; None if the native path cannot take them.
+
+    The position is read when the call runs, through start's address: bound once, the call
+    follows every new value written there. One whose rows do not fit writes nothing and raises
+    `refused()` (`CheckedCall`)."""
+    lib = usable(k, v, k_cache, v_cache)
+    if lib is None or k_cache.dim() != 3 or v_cache.shape != k_cache.shape or not _position_word(start) or rows < 1:
+        return None
+    kvh, cap, d = k_cache.shape
+    if k.numel() != rows * kvh * d or v.numel() != rows * kvh * d:
+        return None
+    shape = (ctypes.c_int64 * 4)(rows, kvh, d, cap)
+    return _checked(lib.kv_append_bf16_cpu, (k, v, start, k_cache, v_cache), refused, k.data_ptr(), v.data_ptr(),
+                    start.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), shape)
+
+
+def decode_attn_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                     acc: torch.Tensor, stats: torch.Tensor, chunk: int, splits: int,
+                     refused: Callable[[], Exception] = _refused) -> CheckedCall | None:
+    """One token's split-K attention over positions 0..pos[0] of one layer's resident cache
+    (`ops.decode_attn`'s contract), bound; None if the native path cannot take the operands.
+
+    q: [kv_heads · group · d] bf16; k_cache, v_cache: [kv_heads, capacity, d] bf16; acc:
+    [kv_heads, splits, group, d] f32 and stats [kv_heads, splits, group, 2] f32, each split's
+    unnormalised sums and its (max, total). The position is read when the call runs, through
+    pos's address; one outside the cache reads and writes nothing and raises `refused()`. The
+    (KV head, split) items are shared by the OpenMP team; the bits do not depend on its size."""
+    lib = usable(q, k_cache, v_cache)
+    if (lib is None or k_cache.dim() != 3 or v_cache.shape != k_cache.shape or not _position_word(pos)
+            or not _f32(acc, stats) or chunk < 1 or splits < 1):
+        return None
+    kvh, cap, d = k_cache.shape
+    if d > lib.resident_max_head_dim or q.numel() % (kvh * d):
+        return None
+    group = q.numel() // (kvh * d)
+    if group < 1 or acc.numel() != kvh * splits * group * d or stats.numel() != kvh * splits * group * 2:
+        return None
+    shape = (ctypes.c_int64 * 6)(kvh, group, d, cap, chunk, splits)
+    return _checked(lib.decode_attn_bf16_cpu, (q, k_cache, v_cache, pos, acc, stats), refused, q.data_ptr(),
+                    k_cache.data_ptr(), v_cache.data_ptr(), pos.data_ptr(), acc.data_ptr(), stats.data_ptr(), shape)
+
+
+def attn_merge_call(acc: torch.Tensor, stats: torch.Tensor, out: torch.Tensor, kv_heads: int, splits: int,
+                    d: int) -> Callable[[], None] | None:
+    """`decode_attn_call`'s splits combined into each query head's row of out [q_heads · d]
+    bf16 (`ops.attn_merge`'s contract), bound; None if the native path cannot take them."""
+    lib = usable(out)
+    if lib is None or not _f32(acc, stats) or min(kv_heads, splits, d) < 1 or d > lib.resident_max_head_dim \
+            or out.numel() % (kv_heads * d):
+        return None
+    group = out.numel() // (kv_heads * d)
+    if group < 1 or acc.numel() != kv_heads * splits * group * d or stats.numel() != kv_heads * splits * group * 2:
+        return None
+    return _bound(lib.attn_merge_bf16_cpu, (acc, stats, out), acc.data_ptr(), stats.data_ptr(), out.data_ptr(),
+                  kv_heads, splits, group, d)

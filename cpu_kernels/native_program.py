@@ -5,7 +5,8 @@ The simulated device already runs each launch as a native call with its pointers
 run from caches the GEMVs have just flushed. A `NativeProgram` holds such calls and the byte
 copies between them (a buffer's sync, an activation handed to the next call) as one table,
 and `run(pos)` makes them all in one call. Arguments that follow the token's position (a KV
-row's address, a RoPE table row, an attention's length) are recorded with a step per position.
+row's address, a RoPE table row, an attention's length) are recorded with a step per position;
+the resident cache's kernels read the position through a pointer instead, and need none.
 
 Which functions it replays, and their argument kinds, are the library's table
 (`native_cpu.replayed_functions`, from the prototypes in native/replayed.h). A call outside it
@@ -53,6 +54,7 @@ class NativeProgram:
         self._ops: list[list[int]] = []
         self._labels: list[object] = []
         self._holds: list[object] = []
+        self._checks: list = []       # the status checks of the calls that may refuse (`bound`)
         self._counts: dict[int, list] = {}
         self._table = None
         self._label_ids: tuple[list, np.ndarray] | None = None    # made with the table
@@ -116,13 +118,17 @@ class NativeProgram:
 
     def bound(self, call) -> None:
         """A bound native call (`native_cpu.NativeCall`): its function and arguments, fixed.
-        `ReplayError` for anything else (a torch body the device bound instead), named."""
+        `ReplayError` for anything else (a torch body the device bound instead), named. A call
+        whose kernel may refuse what it reads when it runs (`native_cpu.CheckedCall`: a position
+        outside the cache) is checked after each run, which raises as the call would have."""
         if not isinstance(call, native_cpu.NativeCall) or call.keywords:
             body = call.func if isinstance(call, partial) else call
             raise ReplayError(f"{getattr(body, '__name__', type(body).__name__)}: not a native call, "
                               "which a native program cannot replay")
         self.call(call.func, call.args)
         self._holds.append(call)
+        if isinstance(call, native_cpu.CheckedCall):
+            self._checks.append(call.check)
 
     def hold(self, *objects: object) -> None:
         """Keep `objects` alive as long as the program: recorded addresses point into them."""
@@ -164,6 +170,8 @@ class NativeProgram:
                                               ctypes.addressof(ns) if timed else None)
         if failed >= 0:
             raise RuntimeError(f"native program: op {failed} has an unknown code")
+        for check in self._checks:
+            check()
         for counters, add in self._counts.values():
             for name, n in add.items():
                 setattr(counters, name, getattr(counters, name) + n)

@@ -2,6 +2,10 @@
 inputs come from a seed of their own, never from the global generator another test moved."""
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
+
 import torch
 
 from cpu_kernels import native_cpu
@@ -32,3 +36,17 @@ def run_gemvs(fmt: str, jobs, rows: list[int]) -> list[torch.Tensor]:
     batch = native_cpu.gemv_q4nx_batch_call if fmt == "q4nx" else native_cpu.gemv_batch_call
     batch([(w, x, y) for (w, x), y in zip(jobs, ys)])()
     return ys
+
+
+@contextlib.contextmanager
+def team(threads: int):
+    """Parallel regions started from this thread get `threads` threads: the native library
+    binds to the libgomp already loaded (torch's), which this handle reaches by its soname."""
+    gomp = ctypes.CDLL(ctypes.util.find_library("gomp") or "libgomp.so.1")
+    saved = gomp.omp_get_max_threads()
+    gomp.omp_set_num_threads(threads)
+    try:
+        assert gomp.omp_get_max_threads() == threads
+        yield
+    finally:
+        gomp.omp_set_num_threads(saved)

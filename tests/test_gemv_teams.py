@@ -6,9 +6,6 @@ order. The host attention: how a long context is cut into segments depends on th
 """
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import ctypes.util
 import os
 
 import pytest
@@ -16,7 +13,7 @@ import torch
 
 from cpu_kernels import native_cpu
 from llama_runtime.engine.kv_cache import KVCache, decode_attention_cpu
-from seeded import gemv_jobs, rand_bf16, run_gemvs
+from seeded import gemv_jobs, rand_bf16, run_gemvs, team
 
 pytestmark = [pytest.mark.skipif(native_cpu._library() is None, reason="no native library: the GEMVs are torch's"),
               pytest.mark.usefixtures("native_isa")]
@@ -25,20 +22,6 @@ pytestmark = [pytest.mark.skipif(native_cpu._library() is None, reason="no nativ
 # sizes), and a job as large as the rest together.
 SHAPES = [(32, 64), (96, 8192), (32, 2048), (608, 256), (1024, 2048)]
 TEAMS = (1, 3, 5)
-
-
-@contextlib.contextmanager
-def team(threads: int):
-    """Parallel regions started from this thread get `threads` threads: the native library
-    binds to the libgomp already loaded (torch's), which this handle reaches by its soname."""
-    gomp = ctypes.CDLL(ctypes.util.find_library("gomp") or "libgomp.so.1")
-    saved = gomp.omp_get_max_threads()
-    gomp.omp_set_num_threads(threads)
-    try:
-        assert gomp.omp_get_max_threads() == threads
-        yield
-    finally:
-        gomp.omp_set_num_threads(saved)
 
 
 @pytest.mark.parametrize("fmt", ["q4nx", "bf16"])

@@ -317,6 +317,14 @@ def _every_kernel() -> dict[str, torch.Tensor]:
     assert native_cpu.flash_attention(q, k, v, 20, out["flash"])
     out["decode_attention"] = torch.empty(4 * 64, dtype=torch.bfloat16)
     assert native_cpu.decode_attention(q[0].reshape(-1), k, v, 57, out["decode_attention"])
+    # The resident cache's split attention in both its forms (head dims 64 and 80), and its merge.
+    for d in (64, 80):
+        kc, vc = rand_bf16(2, 200, d, seed=13, scale=2), rand_bf16(2, 200, d, seed=14)
+        qd, pos = rand_bf16(6 * d, seed=15, scale=2), torch.tensor([170], dtype=torch.int32)
+        out[f"decode_attn_{d}"], stats = torch.empty(2, 3, 3, d), torch.empty(2, 3, 3, 2)
+        native_cpu.decode_attn_call(qd, kc, vc, pos, out[f"decode_attn_{d}"], stats, 64, 3)()
+        out[f"attn_stats_{d}"], out[f"attn_merge_{d}"] = stats, torch.empty(6 * d, dtype=torch.bfloat16)
+        native_cpu.attn_merge_call(out[f"decode_attn_{d}"], stats, out[f"attn_merge_{d}"], 2, 3, d)()
     return out
 
 

@@ -225,3 +225,17 @@ extern "C" void kv_store_row_bf16_cpu(const uint16_t *k_row, const uint16_t *v_r
     std::memcpy(v_at + g * stride * d, v_row + g * d, d * sizeof(uint16_t));
   }
 }
+
+// The same attention over positions 0..*pos of a resident cache (k, v: [kv_heads, stride, d];
+// shape: heads, kv_heads, d, stride), the position read when the call runs, so one bound call
+// serves every token; a position outside the cache reads and writes nothing and sets *status.
+extern "C" void attention_at_bf16_cpu(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
+                                      const int32_t *pos, const int64_t *shape, int32_t *status) {
+  const int64_t n = static_cast<int64_t>(*pos) + 1, stride = shape[3];
+  if (n < 1 || n > stride) {
+    *status = 1;
+    return;
+  }
+  *status = 0;
+  attention_bf16_cpu(q, k, v, out, shape[0], shape[1], shape[2], n, stride);
+}

@@ -97,6 +97,7 @@ const Replayed kReplayed[] = {
     REPLAYED(add_bf16_cpu),          REPLAYED(rope_bf16_cpu),         REPLAYED(gemv_packed_bf16_cpu_batch),
     REPLAYED(gemv_q4nx_cpu_batch),   REPLAYED(gemm_packed_bf16_cpu),  REPLAYED(gemm_q4nx_cpu),
     REPLAYED(gemm_q4nx_int_cpu),     REPLAYED(kv_store_row_bf16_cpu), REPLAYED(attention_bf16_cpu),
+    REPLAYED(attention_at_bf16_cpu), REPLAYED(kv_append_bf16_cpu),    REPLAYED(decode_attn_bf16_cpu),  REPLAYED(attn_merge_bf16_cpu),
 };
 constexpr int64_t kCodes = sizeof(kReplayed) / sizeof(kReplayed[0]);
 

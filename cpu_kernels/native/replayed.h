@@ -30,5 +30,17 @@ void kv_store_row_bf16_cpu(const uint16_t *k_row, const uint16_t *v_row, uint16_
                            int64_t kv_heads, int64_t d, int64_t stride);
 void attention_bf16_cpu(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, int64_t heads,
                         int64_t kv_heads, int64_t d, int64_t n, int64_t stride);
+// The host attention over a resident cache, its position read through `pos` (attention_bf16_cpu.cc).
+void attention_at_bf16_cpu(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, const int32_t *pos,
+                           const int64_t *shape, int32_t *status);
+// The resident KV cache's (resident_kv_bf16_cpu.cc): each reads its position through `start` /
+// `pos` when it runs, so a recorded call needs no step a position; `shape` and `status` are
+// words the bound call holds.
+void kv_append_bf16_cpu(const uint16_t *k, const uint16_t *v, const int32_t *start, uint16_t *k_cache,
+                        uint16_t *v_cache, const int64_t *shape, int32_t *status);
+void decode_attn_bf16_cpu(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int32_t *pos, float *acc,
+                          float *stats, const int64_t *shape, int32_t *status);
+void attn_merge_bf16_cpu(const float *acc, const float *stats, uint16_t *out, int64_t kv_heads, int64_t splits,
+                         int64_t group, int64_t d);
 
 }  // extern "C"

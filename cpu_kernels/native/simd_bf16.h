@@ -145,6 +145,17 @@ inline void store_bf16(uint16_t *p, F16 a, int64_t left = kWidth) {
   _mm256_mask_storeu_epi16(p, lanes_below(left).m, _mm512_cvtepi32_epi16(r));
 }
 
+// a rounded to bf16 (nearest even) and widened back, in registers: store_bf16 then load_bf16's
+// bits for every a that is not NaN (what exp_ps returns, say); a NaN may come out as another
+// value. No NaN test: in a loop of a few operations (the probabilities of an online softmax),
+// store_bf16's quieting took about 6 % of the attention on AVX2.
+inline F16 bf16_rounded(F16 a) {
+  const __m512i u = _mm512_castps_si512(a.v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return {_mm512_castsi512_ps(_mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
+                                               _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+}
+
 // 2^n a for integral n, one rounding.
 inline F16 scale2(F16 a, F16 n) { return {_mm512_scalef_ps(a.v, n.v)}; }
 
@@ -304,6 +315,15 @@ inline void store_bf16(uint16_t *p, F16 a, int64_t left = kWidth) {
   _mm_store_si128(reinterpret_cast<__m128i *>(t + 8), hi);
   if (left > 0) std::memcpy(p, t, left * sizeof(uint16_t));
 }
+
+// As the AVX-512 bf16_rounded: store_bf16 then load_bf16's bits where a is not NaN.
+inline __m256 bf16_rounded8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))),
+                                              _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline F16 bf16_rounded(F16 a) { return {bf16_rounded8(a.lo), bf16_rounded8(a.hi)}; }
 
 // 2^n a for integral n in [-300, 300], one rounding: two exact power-of-two factors, each
 // within the normal range, make the same result as vscalefps.

@@ -165,7 +165,10 @@ def flash_attn(l: Launch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_s
     if native_cpu.flash_attention(q.view(s, hq, d), k, v, start, out.view(s, hq, d)):
         return
     qh = q.view(s, hq, d).transpose(0, 1).unsqueeze(0)
-    kh, vh = k.unsqueeze(0), v.unsqueeze(0)
+    # Only the keys some query sees: a resident cache's capacity (or a longer context) past them
+    # would change which of torch's kernels runs, and with it the last bits.
+    c = min(c, start + s)
+    kh, vh = k[:, :c].unsqueeze(0), v[:, :c].unsqueeze(0)
     if start == 0 and c == s:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=hq != hk)
     else:
@@ -178,6 +181,32 @@ def flash_attn(l: Launch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_s
 MASK_FILL = -1.0e30
 
 
+def _rows_misfit(l: Launch, at: int) -> IndexError:
+    return IndexError(f"{l.name}: {l.p('rows')} rows at position {at} do not fit a {l.p('ctx')}-position cache")
+
+
+def _position_outside(l: Launch, pos: int) -> IndexError:
+    return IndexError(f"{l.name}: position {pos} is outside a {l.p('ctx')}-position cache")
+
+
+# The resident cache's native kernels read the position when they run, through the i32's
+# address (the bound call's pointers are fixed; the value changes every token), and refuse one
+# outside the cache before writing anything: their call then raises what the torch body does.
+def _kv_append_call(l: Launch, k, v, start, k_cache, v_cache) -> Callable[[], None] | None:
+    if k_cache.shape != (l.p("kv_heads"), l.p("ctx"), l.p("head_dim")):
+        return None
+    return native_cpu.kv_append_call(k, v, start, k_cache, v_cache, l.p("rows"),
+                                     refused=lambda: _rows_misfit(l, int(start[0])))
+
+
+def _decode_attn_call(l: Launch, q, k_cache, v_cache, pos, acc, stats) -> Callable[[], None] | None:
+    if k_cache.shape != (l.p("kv_heads"), l.p("ctx"), l.p("head_dim")) or q.numel() != l.p("q_heads") * l.p("head_dim"):
+        return None
+    return native_cpu.decode_attn_call(q, k_cache, v_cache, pos, acc, stats, l.p("chunk"), l.p("splits"),
+                                       refused=lambda: _position_outside(l, int(pos[0])))
+
+
+@_native(_kv_append_call)
 def kv_append(l: Launch, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, k_cache: torch.Tensor,
               v_cache: torch.Tensor) -> None:
     """The launch's `rows` token-major K/V rows into the resident head-major cache at positions
@@ -185,11 +214,12 @@ def kv_append(l: Launch, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, 
     rows, kvh, d = l.p("rows"), l.p("kv_heads"), l.p("head_dim")
     at = int(start[0])
     if not 0 <= at <= l.p("ctx") - rows:
-        raise IndexError(f"{l.name}: {rows} rows at position {at} do not fit a {l.p('ctx')}-position cache")
+        raise _rows_misfit(l, at)
     k_cache[:, at:at + rows].copy_(k.view(rows, kvh, d).transpose(0, 1))
     v_cache[:, at:at + rows].copy_(v.view(rows, kvh, d).transpose(0, 1))
 
 
+@_native(_decode_attn_call)
 def decode_attn(l: Launch, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                 acc: torch.Tensor, stats: torch.Tensor) -> None:
     """One token's partial attention over positions 0..pos of the resident cache, split-K.
@@ -228,6 +258,8 @@ def decode_attn(l: Launch, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         stats[:, s, :, 1].copy_(total)
 
 
+@_native(lambda l, acc, stats, out: native_cpu.attn_merge_call(acc, stats, out, l.p("kv_heads"), l.p("splits"),
+                                                              l.p("head_dim")))
 def attn_merge(l: Launch, acc: torch.Tensor, stats: torch.Tensor, out: torch.Tensor) -> None:
     """The splits of each KV head's query rows combined: every split's accumulator and sum
     rescaled to the largest running max, their quotient rounded once to bf16."""
@@ -267,7 +299,8 @@ def attend(step: AttendStep, q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 
 
 def _attend_native(step: AttendStep, q, k_cache, v_cache, pos, out) -> Callable[[], None] | None:
-    return native_cpu.attention_at_call(q, k_cache, v_cache, pos, out)
+    return native_cpu.attention_at_call(q, k_cache, v_cache, pos, out,
+                                        refused=lambda: _position_outside(step.attn, int(pos[0])))
 
 
 def _torch_gemvs(jobs) -> None:
