@@ -329,7 +329,8 @@ def test_the_fused_decode_through_xrt_equals_the_simulator(fake, tmp_path):
     for device in ("sim", "npu"):
         s = build_session("embedded", device, cache_dir=tmp_path / "kernels", **kw)
         first = decode_windows(s.model.capacity)[0]
-        ids = s.tokenizer.encode_prompt("The capital of France is " * 40, chat=False)[: first - 4]
+        ids = s.tokenizer.encode_prompt("The capital of France is " * 80, chat=False)[: first - 4]
+        assert len(ids) == first - 4
         if device == "npu":
             states = {id(bo._bo) for bo in s.kc._states.values()}
             calls_before = len(fake.calls)
