@@ -254,6 +254,13 @@ def test_greedy_tokens_match_the_simulated_device_on_the_tiny_model():
     assert ok, report
 
 
+def test_greedy_tokens_match_the_simulated_device_with_the_fused_decode():
+    """`DECODE=fused` on both devices: prefill attention appends to the resident cache and each
+    token is one call of the fused group, the interpreter executing their modules."""
+    ok, report = verify_mlir.generation(TINY, 6, "What is the capital of Japan?", decode="fused")
+    assert ok, report
+
+
 _LOOP_REDUCTION = """
 #id = affine_map<(d0, d1, d2) -> (d0, d1, d2)>
 #out = affine_map<(d0, d1, d2) -> (d1)>

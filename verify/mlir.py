@@ -26,6 +26,7 @@ not produce fails, down to 2^-10 (0.1 %).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 import tempfile
 from collections import OrderedDict
@@ -153,10 +154,10 @@ _texts: OrderedDict = OrderedDict()
 _random: OrderedDict = OrderedDict()
 
 
-def _kept(memo: OrderedDict, key, make):
+def _kept(memo: OrderedDict, key, make, size: int = _MEMO):
     if key not in memo:
         memo[key] = make()
-        if len(memo) > _MEMO:
+        if len(memo) > size:
             memo.popitem(last=False)
     memo.move_to_end(key)
     return memo[key]
@@ -184,6 +185,17 @@ def inputs(case: Case, seed: int = 0, weights=None) -> dict[str, torch.Tensor]:
     return {**drawn, **scalars}
 
 
+_quantizations: OrderedDict = OrderedDict()
+
+
+def _quantized(t: torch.Tensor) -> torch.Tensor:
+    """`quantize(t)` of a model's weight, kept by its contents: the fused decode's layers and LM
+    head are the per-layer groups' and the LM head group's tensors, quantized once (a second
+    or so a matrix)."""
+    key = (tuple(t.shape), hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest())
+    return _kept(_quantizations, key, lambda: quantize(t), 64)
+
+
 def _drawn(group: KernelGroup, seed: int, weights) -> dict[str, torch.Tensor]:
     """`inputs` but the i32 scalars."""
     g = torch.Generator().manual_seed(seed)
@@ -200,7 +212,7 @@ def _drawn(group: KernelGroup, seed: int, weights) -> dict[str, torch.Tensor]:
             t = real[s.name]
             if s.quantized and t.shape[0] < s.shape[0]:     # Q4NX LM-head partitions are padded further
                 t = torch.cat([t, t.new_zeros(s.shape[0] - t.shape[0], t.shape[1])])
-            out[s.name] = quantize(t) if s.quantized else t.to(s.torch_dtype)
+            out[s.name] = _quantized(t) if s.quantized else t.to(s.torch_dtype)
     for s in case.group.slots:
         if s.role not in (Role.INPUT, Role.STATIC, Role.STATE) or s.name in out or s.dtype == "i32":
             continue
@@ -291,16 +303,20 @@ def systematic_error(ref: np.ndarray, got: np.ndarray) -> float:
                abs(offset) / max(SYSTEMATIC_FLOOR, SYSTEMATIC_SIGMAS * se_offset))
 
 
-def generation(model: str | ResolvedModel, n_tokens: int, prompt: str, quant: str = "bf16") -> tuple[bool, str]:
+def generation(model: str | ResolvedModel, n_tokens: int, prompt: str, quant: str = "bf16",
+               decode: str = "auto") -> tuple[bool, str]:
     """Greedy tokens on both devices, the simulated one on the NPU's numbers as in `compare`.
     Where they part, both devices score the shared prefix again: it passes if the two
     candidates are within the tolerance of each other on both sides (a near-tie that rounding
-    may flip) and each is in the other side's top 5."""
+    may flip) and each is in the other side's top 5. `decode` "fused" runs both
+    sessions' decode as the fused group (the KV cache resident, prefill's attention appending
+    to it), executed as MLIR on the interpreter."""
     from llama32_1b_inference import build_session   # verify sits above the entry points
     from llama32_1b_prefill import prefill
 
     devices = {"sim": SimDevice(npu_numerics=True), "interp": "interp"}
-    sessions = {d: build_session(model, dev, log=lambda *_: None, quant=quant) for d, dev in devices.items()}
+    sessions = {d: build_session(model, dev, log=lambda *_: None, quant=quant, decode=decode)
+                for d, dev in devices.items()}
     ids = sessions["sim"].encode(prompt)
     a, b = (sessions[d].generate(ids, n_tokens).tokens for d in ("sim", "interp"))
     if a == b:
@@ -326,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     add_model_options(ap, model=TINY, model_help="model whose shapes (config.json) the groups take",
                       quant_help="weight format of the groups; quantized groups run on the model's own weights, "
                                  "quantized, and on synthetic ones, and generation runs on sessions of that format",
-                      without=("device",))        # the interpreter against the simulated device, always
+                      decode=True, without=("device",))   # the interpreter against the simulated device, always
     ap.add_argument("--max-seq", type=int, help="largest prefill bucket (default: the model's context)")
     ap.add_argument("--n-tokens", type=int, default=16, help="greedy tokens compared end to end (0: skip)")
     ap.add_argument("--prompt", default="What is the capital of Japan?")
@@ -346,7 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for c in cases(cfg, args.max_seq, args.quant, wide) + resident_cases(cfg, args.max_seq, args.quant, wide):
         rows.append(compare(c, weights=weights))
-        if weights is not None and c.group.quantized:
+        # The synthetic row is for the per-layer groups' FFN branches; the fused decode's
+        # layers are those modules, run on the model's weights here.
+        if weights is not None and c.group.quantized and c.group.kind != FUSED_KIND:
             rows.append(compare(c, label=f"{c.group.name} {SYNTHETIC}"))
     width = max(len(r.name) for r in rows)
     print(f"{'group':{width}}  {'max|diff|':>10}  {'elements':>9}  {'of allowed':>10}  {'systematic':>10}  result")
@@ -355,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r.name:{width}}  {r.max_abs_diff:10.4g}  {r.compared:9d}  {r.worst:10.3f}  {r.systematic:10.3f}  {result}")
     ok = all(r.passed for r in rows)
     if args.n_tokens:
-        gen_ok, text = generation(resolved, args.n_tokens, args.prompt, args.quant)
+        gen_ok, text = generation(resolved, args.n_tokens, args.prompt, args.quant, args.decode)
         print(f"[verify-mlir] generation: {text}")
         ok = ok and gen_ok
     print(f"[verify-mlir] {'PASS' if ok else 'FAIL'} (tolerance {TOLERANCE:g} x (|sim| + row max |sim|) per element; "
