@@ -109,7 +109,7 @@ verify-full: install
 
 # The interpreter is slow: it runs on the tiny model unless MODEL names another on the command line.
 verify-mlir: install
-	$(PY) -m verify.mlir --model "$(if $(filter command line,$(origin MODEL)),$(MODEL),tiny)" --n-tokens 16 $(if $(QUANT),--quant "$(QUANT)")
+	$(PY) -m verify.mlir --model "$(if $(filter command line,$(origin MODEL)),$(MODEL),tiny)" --n-tokens 16 $(if $(QUANT),--quant "$(QUANT)") --decode "$(DECODE)"
 
 # MUTANTS: mutants per operator and group (0: every site; the test suite runs 2, and 1 of the q4nx groups).
 mutants: install

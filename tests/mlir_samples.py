@@ -6,6 +6,7 @@ differs from a good one by exactly the fault under test.
 """
 from __future__ import annotations
 
+from kernel_builder.fused_groups import cache_capacity, decode_windows, fused_decode, resident_flash_attn, window_for
 from llama_base.config import LlamaConfig
 
 SMOLLM2 = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
@@ -13,6 +14,16 @@ SMOLLM2 = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads
                       rope_scaling=None, max_position_embeddings=8192, tie_word_embeddings=True)
 CONFIGS = {"llama32_1b": LlamaConfig(), "smollm2": SMOLLM2}
 BUCKET = 128
+
+
+def resident_groups(cfg: LlamaConfig, quant: str = "bf16", capacity: int | None = None,
+                    small_window: bool = False) -> list:
+    """The resident-KV groups of a model: prefill attention appending a bucket to the cache and
+    the fused decode over the whole cache (and, with `small_window`, in the staircase's
+    smallest window, a module that differs in its decode attention's transfers only)."""
+    cap = capacity or cache_capacity(cfg, 4 * BUCKET, BUCKET)
+    small = [fused_decode(cfg, cap, quant, window=decode_windows(cap)[0])] if small_window else []
+    return [resident_flash_attn(cfg, BUCKET, cap, window_for(BUCKET, cap)), fused_decode(cfg, cap, quant), *small]
 
 SEGS_DMA_WHOLE = "operandSegmentSizes = array<i32: 0, 1, 0, 0, 0, 1, 0, 0, 0>"
 L3 = "memref<64xbf16>"

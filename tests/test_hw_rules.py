@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 from conftest import TINY
-from mlir_samples import CONFIGS, SEGS_DMA_WHOLE
+from mlir_samples import CONFIGS, SEGS_DMA_WHOLE, resident_groups
 
 from kernel_builder import backend_presets as presets
 from kernel_builder import groups, hw_rules
@@ -173,4 +173,31 @@ def test_every_group_of_every_model_breaks_no_rule(name, quant):
     cfg = {**CONFIGS, "llama32_3b": LLAMA_3B}.get(name) or builtin.tiny_config(builtin.ensure_embedded_model())
     buckets = groups.prefill_buckets(cfg, 2048)
     for g in groups.all_groups(cfg, (buckets[0], buckets[-1]), quant=quant):
+        compile_group_mlir(g)
+    for g in resident_groups(cfg, quant):
+        compile_group_mlir(g)
+
+
+def test_a_unit_dimension_s_stride_is_never_applied_so_it_breaks_no_rule():
+    """A K/V tile of head h is [1, tile, d] at stride ctx·d: at 133120 positions of head size
+    64 that stride is 2^23 words, past every DMA's stride field, but a dimension of size 1 is
+    never stepped (mlir-aie encodes no stride for it). The same stride on a dimension of
+    size 2 is refused."""
+    ctx, d, t = 131072 + 2048, 64, 64
+    assert ctx * d * presets.BF16 // hw_rules.WORD > 1 << SHIM.stride_bits
+    assert not side(hw_rules.L3, 2, 3 * ctx * d * 2, [1, t, d], [ctx * d, d, 1], 8 * ctx * d * 2)
+    assert "steps" in " ".join(side(hw_rules.L3, 2, 0, [2, t, d], [ctx * d, d, 1], 8 * ctx * d * 2))
+
+
+@pytest.mark.parametrize("name", ["llama32_1b", "llama32_3b"])
+def test_the_resident_groups_keep_the_rules_at_the_whole_context(name):
+    """The 1B and 3B caches at their 131072 positions plus a 2048-row prefill chunk's room:
+    the decode attention's and the prefill attention's K/V DMAs, and the KV append's, at the
+    largest head offsets."""
+    cfg = {**CONFIGS, "llama32_3b": LLAMA_3B}[name]
+    from kernel_builder.fused_groups import cache_capacity
+
+    capacity = cache_capacity(cfg, 131072, 2048)
+    assert capacity >= 131072 + 2047
+    for g in resident_groups(cfg, capacity=capacity):
         compile_group_mlir(g)

@@ -3,14 +3,19 @@ says, `make verify-mlir` finds them in agreement with the simulated device, and 
 interpreter makes fires on the mistake it is there for."""
 from __future__ import annotations
 
+import dataclasses
 import re
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from kernel_builder import backend_presets as presets
 from kernel_builder import groups
-from llama_base.group_contract import Role
+from kernel_builder.fused_groups import decode_windows, fused_decode
+from llama_base.group_contract import FUSED_KIND, KernelGroup, Role
 from llama_base import q4nx
 from llama_runtime.checkpoints import builtin
 from verify import reference as ref
@@ -19,6 +24,8 @@ from multi_launch_builder.compile import compile_group_mlir
 from npu_runtime.interp.device import InterpDevice
 from npu_runtime.interp.machine import DTYPES, InterpError, Machine
 from npu_runtime.interp.program import load_program
+from npu_runtime.api import Sync
+from npu_runtime.sim.device import SimDevice
 from verify import mlir as verify_mlir
 
 BUCKET = 64
@@ -247,6 +254,13 @@ def test_greedy_tokens_match_the_simulated_device_on_the_tiny_model():
     assert ok, report
 
 
+def test_greedy_tokens_match_the_simulated_device_with_the_fused_decode():
+    """`DECODE=fused` on both devices: prefill attention appends to the resident cache and each
+    token is one call of the fused group, the interpreter executing their modules."""
+    ok, report = verify_mlir.generation(TINY, 6, "What is the capital of Japan?", decode="fused")
+    assert ok, report
+
+
 _LOOP_REDUCTION = """
 #id = affine_map<(d0, d1, d2) -> (d0, d1, d2)>
 #out = affine_map<(d0, d1, d2) -> (d1)>
@@ -395,3 +409,134 @@ def test_a_mask_from_the_key_position_fails_only_at_unaligned_starts(tiny, monke
     assert verify_mlir.compare(verify_mlir.Case(groups.build_group("flash_attn", tiny, seq))).passed
     assert rows[seq].passed
     assert not any(r.passed for s, r in rows.items() if s % seq)
+
+
+# ---- the resident-KV designs ------------------------------------------------------------------
+
+def test_verify_mlir_finds_the_resident_designs_in_agreement_with_the_simulated_device(tiny):
+    """The fused decode at the first position, around the first chunk boundary, mid-cache and
+    at the cache's last position, in a session's window and the whole capacity's; prefill
+    attention appending to the resident cache at verify's offsets. Outputs and the caches
+    (random before the run) agree."""
+    case_list = verify_mlir.resident_cases(tiny, BUCKET)
+    fused = [c for c in case_list if c.group.kind == FUSED_KIND]
+    capacity = fused[0].group.capacity
+    assert {c.q_start for c in fused} >= {0, 63, 64, 65, capacity - 1}
+    assert len({c.group.ctx_len for c in fused}) > 1                      # two windows
+    assert {c.q_start for c in case_list if c.group.kind == "flash_attn"} == {
+        s for s, _ in verify_mlir.attention_starts(groups.prefill_buckets(tiny, BUCKET)[0])}
+    rows = [verify_mlir.compare(c) for c in case_list]
+    assert not [(r.name, r.worst, r.systematic, r.error) for r in rows if not r.passed]
+    assert all(r.compared > 0 for r in rows)
+
+
+def _attention_group(cfg, capacity, window):
+    """A token's KV append, decode attention and merge (one layer of the fused decode) as a
+    group of their own: q, k, v and pos in, the caches resident, the partial sums in between."""
+    fused = fused_decode(cfg, capacity, window=window)
+    ops = ("kv_append", "decode_attn", "attn_merge")
+    launches = tuple(l for l in fused.launches if l.op in ops and l.name.startswith("L0_"))
+    used = {a for l in launches for a in l.args}
+    roles = {"L0_q": Role.INPUT, "L0_k": Role.INPUT, "L0_v": Role.INPUT, "L0_attn": Role.OUTPUT}
+    slots = tuple(dataclasses.replace(s, role=roles.get(s.name, s.role)) for s in fused.slots if s.name in used)
+    g = KernelGroup("decode_attention", 1, slots, launches, ctx_len=window)
+    g.validate()
+    return g
+
+
+def _interpret(group, data, partial=True):
+    """One interpreter run of `group`'s module: the slots the launches store, and the machine
+    (its L3 traffic)."""
+    device = InterpDevice()
+    text = compile_group_mlir(group)
+    with tempfile.TemporaryDirectory() as tmp:
+        device.compile(group, Path(tmp), text)
+        kernel = device.load(Path(tmp), group)
+    if not partial:
+        kernel.machine.partial_writes = frozenset()
+    bos = [device.bo(s.nbytes) for s in group.slots]
+    for s, bo in zip(group.slots, bos):
+        if s.name in data:
+            bo.write(data[s.name])
+            bo.sync(Sync.TO_DEVICE)
+    kernel.run(bos)
+    out = {}
+    for s, bo in zip(group.slots, bos):
+        if s.role is not Role.INPUT:
+            bo.sync(Sync.FROM_DEVICE)
+            out[s.name] = bo.read(s.nbytes).view(s.torch_dtype).float().reshape(s.shape)
+    return out, kernel.machine
+
+
+@pytest.fixture(scope="module")
+def decode_attention(tiny):
+    capacity = verify_mlir.resident_capacity(tiny)
+    chunk = presets.decode_attention_tiling(tiny.num_attention_heads, tiny.num_key_value_heads, tiny.head_dim,
+                                            capacity)["chunk"]
+    return capacity, chunk, {w: _attention_group(tiny, capacity, w) for w in decode_windows(capacity)[::2]}
+
+
+def test_decode_attention_at_every_length_class_is_the_simulated_device_s(tiny, decode_attention):
+    """Lengths 1, a whole chunk, one past it and two past, an unaligned mid-cache length and
+    the whole capacity: the partial sums, their stats, the merged rows and the appended cache
+    (random elsewhere, kept) against the simulated device's torch bodies, to f32 summation
+    order; a split that saw no chunk holds the fill, 0 and zeros exactly."""
+    capacity, chunk, by_window = decode_attention
+    group = by_window[capacity]
+    for pos in (0, chunk - 1, chunk, chunk + 1, capacity // 2 + 21, capacity - 1):
+        data = verify_mlir.inputs(verify_mlir.Case(group, pos))
+        got, _ = _interpret(group, data)
+        want = verify_mlir.run_group(SimDevice(npu_numerics=True), group, "", data,
+                                     (Role.OUTPUT, Role.INTERMEDIATE, Role.STATE))
+        for name, w in want.items():
+            w = torch.from_numpy(w)
+            tol = 2.0 ** -7 * (w.abs() + w.abs().amax(-1, keepdim=True)) + 1e-6
+            assert ((got[name] - w).abs() <= tol).all(), (pos, name, float((got[name] - w).abs().max()))
+        splits = group.slot("L0_attn_stats").shape[1]
+        idle = range((pos + chunk) // chunk, splits)         # splits past the live chunks
+        stats = got["L0_attn_stats"]
+        assert (stats[:, list(idle), :, 0] == ops_fill()).all() and (stats[:, list(idle), :, 1] == 0).all()
+        assert (got["L0_attn_acc"][:, list(idle)] == 0).all()
+        k_cache = got["L0_k_cache"]
+        assert torch.equal(k_cache[:, pos].bfloat16().reshape(-1), data["L0_k"])
+        others = torch.ones(capacity, dtype=torch.bool)
+        others[pos] = False
+        assert torch.equal(k_cache[:, others].bfloat16(), data["L0_k_cache"][:, others])
+
+
+def ops_fill() -> float:
+    from npu_runtime.sim.ops import MASK_FILL
+
+    return float(torch.tensor(MASK_FILL, dtype=torch.float32))
+
+
+def test_a_window_changes_the_bytes_read_not_the_numbers(decode_attention):
+    """The same token in the staircase's smallest window and in the whole capacity's: equal
+    outputs bit for bit, and K and V read for the window's positions only (upstream's form
+    moves every chunk of its window each token; the live length sets only what is computed)."""
+    capacity, chunk, by_window = decode_attention
+    small, whole = min(by_window), capacity
+    assert small < whole
+    pos = chunk + 1
+    runs = {}
+    for w in (small, whole):
+        group = by_window[w]
+        runs[w] = _interpret(group, verify_mlir.inputs(verify_mlir.Case(group, pos)))
+    (a, ma), (b, mb) = runs[small], runs[whole]
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    kvh, _, d = by_window[whole].slot("L0_k_cache").shape
+    assert mb.l3_read_bytes - ma.l3_read_bytes == 2 * kvh * (whole - small) * d * 2      # K and V, bf16
+    assert ma.l3_write_bytes == mb.l3_write_bytes
+
+
+def test_a_state_slot_may_be_written_in_part_and_only_a_state_slot(decode_attention):
+    """The KV append writes one position of each cache: the interpreter's coverage check lets a
+    launch leave the rest of a `STATE` slot as it was, because the declaration says state; with
+    the exemption withdrawn the same run is refused, as a partly written output is."""
+    capacity, chunk, by_window = decode_attention
+    group = by_window[capacity]
+    data = verify_mlir.inputs(verify_mlir.Case(group, 5))
+    _interpret(group, data)
+    with pytest.raises(InterpError, match=r"L0_kv_append_launch.*leaves \d+ of \d+ elements of L0_k_cache unwritten"):
+        _interpret(group, data, partial=False)

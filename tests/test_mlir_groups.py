@@ -10,7 +10,7 @@ import stat
 from pathlib import Path
 
 import pytest
-from mlir_samples import BUCKET, CONFIGS
+from mlir_samples import BUCKET, CONFIGS, resident_groups
 
 from kernel_builder import externs, groups
 from llama_runtime.cli import compile as compile_cli
@@ -24,8 +24,21 @@ WIDE = (frozenset(), frozenset({"wv", "w_down"}))
 
 def all_groups(cfg):
     """Every group at one bucket, in every weight format, the quantized ones with the variants
-    of a layer that keeps some weights in bf16."""
-    return groups.all_groups(cfg, (BUCKET,)) + groups.all_groups(cfg, (BUCKET,), "q4nx", WIDE)
+    of a layer that keeps some weights in bf16; and the resident-KV groups."""
+    return (groups.all_groups(cfg, (BUCKET,)) + groups.all_groups(cfg, (BUCKET,), "q4nx", WIDE)
+            + resident_groups(cfg) + resident_groups(cfg, "q4nx"))
+
+
+_TEXTS: dict = {}
+
+
+def compiled(g):
+    """`compile_group_mlir`, once per group in this module (a pure function of the declaration,
+    `test_group_text_is_a_pure_function_of_the_declaration`): the fused decode of a 30-layer
+    model is a module of some 500 launches."""
+    if g not in _TEXTS:
+        _TEXTS[g] = kc.compile_group_mlir(g)
+    return _TEXTS[g]
 
 
 def test_a_variant_changes_only_the_weights_it_keeps_in_bf16_and_their_launches():
@@ -46,7 +59,7 @@ def test_a_variant_changes_only_the_weights_it_keeps_in_bf16_and_their_launches(
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_every_group_module_validates_against_its_declaration(name):
     for g in all_groups(CONFIGS[name]):
-        text = kc.compile_group_mlir(g)
+        text = compiled(g)
         s = validate_group_module(text, g)           # parse, structure, cross-check
         assert [u.name for u in s.launches] == [f"{l.name}_launch" for l in g.launches]
         want = {k.symbol: k.link_object for l in g.launches for k in externs.externs_for_launch(l)}
@@ -75,7 +88,7 @@ def test_every_external_object_is_linked_by_the_herd_that_calls_it(name):
     one link_with of every herd calling that declaration's symbol."""
     herds_with_calls = 0
     for g in all_groups(CONFIGS[name]):
-        text = kc.compile_group_mlir(g)
+        text = compiled(g)
         declared = dict(re.findall(r'func\.func private @([\w.]+)\(.*link_with = "([^"]+)"', text))
         for link, callees in _herd_links(text):
             if not callees:

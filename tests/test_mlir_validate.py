@@ -146,3 +146,18 @@ def test_cross_check_compares_herds_with_the_declaration():
     wider = text.replace(size_const, size_const.replace("constant 1", "constant 2"))
     with pytest.raises(MlirValidationError, match=r"runs herds \[\(2, 2\)\]"):
         cross_check(validate_module(wider), g)
+
+
+def test_cross_check_holds_the_resident_state_to_its_declared_writers():
+    """The KV append is the only launch of resident prefill attention that writes the caches:
+    its V rows redirected into the K cache leave the V cache unwritten by the launch that
+    declares it, which the cross-check refuses."""
+    from kernel_builder.fused_groups import resident_flash_attn
+
+    g = resident_flash_attn(SMOLLM2, 64, 256)
+    text = assemble(g)
+    cross_check(validate_module(text), g)
+    into_k = text.replace('"air.dma_memcpy_nd"(%kv_append_v_cache_2,', '"air.dma_memcpy_nd"(%kv_append_k_cache_2,', 1)
+    assert into_k != text
+    with pytest.raises(MlirValidationError, match=r"kv_append_launch reads .* / writes \[\d+\], kv_append declares"):
+        cross_check(validate_module(into_k), g)

@@ -3,12 +3,15 @@ which verify-mlir's checks must catch unless a rule proves it equivalent or `exp
 gives the reason it gets through today."""
 from __future__ import annotations
 
+import pytest
+
 from kernel_builder import groups
 from llama_base.config import LlamaConfig
 from llama_runtime.checkpoints.resolve import TINY, resolve_checkpoint
 from multi_launch_builder.compile import compile_group_mlir
 from verify.mutants.operators import mutants
-from verify.mutants.run import Outcome, check, run, suite_cases, summary, well_formed
+from llama_base.group_contract import FUSED_KIND
+from verify.mutants.run import Outcome, check, check_all, run, suite_cases, summary, well_formed
 
 
 def _cfg() -> LlamaConfig:
@@ -16,7 +19,7 @@ def _cfg() -> LlamaConfig:
 
 
 def test_every_sampled_computation_changing_mutant_is_killed():
-    outcomes = run(_cfg(), per_operator=2, seed=0, log=lambda *_: None)
+    outcomes = run(_cfg(), per_operator=2, seed=0, log=lambda *_: None, resident=False)
     text, ok = summary(outcomes)
     assert ok, text
     killed = sum(o.verdict == "killed" for o in outcomes)
@@ -85,3 +88,32 @@ def test_a_constant_that_changes_no_value_is_told_from_one_that_does():
     pm = {m.site.split(":const.")[1].split("@")[0]: m for m in mutants(compile_group_mlir(p), p)
           if m.operator == "const_int_plus1" and m.site.startswith("down_proj:")}
     assert pm["%down_proj_c1280"].equivalent and not pm["%down_proj_c20480_1"].equivalent
+
+
+def test_decode_attention_one_position_off_is_killed():
+    """The fused decode's live length one position (or one chunk) off wherever the module
+    computes it from `pos` (the loaded scalar, its index, the chunk count), and its mask's
+    bound one off either way: each reads a position too many or too few at one of verify-mlir's
+    positions, and verify-mlir's checks on the fused decode kill it."""
+    cases = [c for c in suite_cases(_cfg()) if c.group.kind == FUSED_KIND]
+    assert [c.q_start for c in cases] == [0, 63, 64, 65, 533, 1023]
+    text = compile_group_mlir(cases[0].group)
+    ms = [m for m in mutants(text, cases[0].group) if m.site.startswith("L0_attn:")
+          and (m.operator.startswith("position_") or (m.operator.startswith("call_scalar_") and "attn_mask" in m.site))]
+    assert {m.operator for m in ms} == {"position_plus1", "position_minus1", "call_scalar_plus1", "call_scalar_minus1"}
+    assert len(ms) == 12
+    outcomes = [check_all(cases, m) for m in ms]
+    assert all(o.killed for o in outcomes), [(o.mutant.operator, o.mutant.site, o.detail) for o in outcomes if not o.killed]
+
+
+@pytest.mark.slow
+def test_every_sampled_mutant_of_the_resident_designs_is_killed():
+    """`make mutants`' sample of the resident-KV designs: the fused decode's own launches (its
+    first layer's KV append, decode attention and merge) at every position verify-mlir runs,
+    and prefill attention appending to the resident cache at its offsets."""
+    outcomes = [o for o in run(_cfg(), per_operator=2, seed=0, kinds=(FUSED_KIND, "flash_attn"), log=lambda *_: None)
+                if o.group.startswith(FUSED_KIND) or "resident" in o.group]
+    text, ok = summary(outcomes)
+    assert ok, text
+    assert {o.group.split("_c")[0] for o in outcomes} == {FUSED_KIND, "flash_attn_s32"}
+    assert sum(o.verdict == "killed" for o in outcomes) >= 0.8 * len(outcomes), text

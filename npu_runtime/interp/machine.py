@@ -90,6 +90,7 @@ class Machine:
         self._reset()
         self.ops = {
             "arith.constant": self._constant, "arith.addi": _binop(lambda a, b: a + b),
+            "arith.subi": _binop(lambda a, b: a - b),
             "arith.muli": _binop(lambda a, b: a * b), "arith.divui": _binop(lambda a, b: a // b),
             "arith.remui": _binop(lambda a, b: a % b), "arith.minui": _binop(min),
             "arith.index_cast": _unop(int), "arith.cmpi": self._cmpi,

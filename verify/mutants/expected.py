@@ -28,6 +28,18 @@ TILE_COUNT_CHAT = ("equivalent at the chat-turn case, though no rule proves it: 
 ITEM_COUNT_CHAT = ("equivalent at this shape, though no rule proves it: as in the c64 module, 4 heads x 1 query "
                    "tile are items 0-3 on cores (0,0)-(0,3) whether the count and stride read 4 or 5")
 
+DECODE_MASK_GUARD = ("equivalent, though no rule proves it: the decode attention masks the chunk k0..k0+63 when "
+                     "k0 + 64 > pos instead of k0 + 63 > pos, one chunk more only where pos is the chunk's last "
+                     "position, where the mask masks nothing (every position of the chunk is live)")
+
+EXTRA_KEY_TILE = ("equivalent in its outputs, though no rule proves it: one key tile more than the last query "
+                  "reaches (the tile count or its cap one up), read and masked whole (every key in the future of "
+                  "every query), adds weights of exp(fill - max) = 0 beside the real maximum; only the bytes it "
+                  "reads, which no numeric check sees, tell it apart")
+
+EXTRA_KEY_TILE_CHAT = ("equivalent at the chat-turn case, though no rule proves it: after 69 cached positions "
+                       "(69 + 30) / 32 and (69 + 31) / 32 are both 3, the tile count unchanged")
+
 SURVIVORS: dict[tuple[str, str, str], str] = {
     ("rms_gemms_rope_s32", "swap_generic_inputs", "rmsnorm:generic@52"): NORM_SWAP,
     ("o_ffn_s32", "swap_generic_inputs", "rmsnorm:generic@36"): NORM_SWAP,
@@ -41,7 +53,19 @@ SURVIVORS: dict[tuple[str, str, str], str] = {
     ("flash_attn_s32_c64", "const_int_plus1", "flash_attn:const.%flash_attn_c31@17"): TILE_COUNT,
     ("flash_attn_s32_c128", "const_int_plus1", "flash_attn:const.%flash_attn_c4_1@10"): ITEM_COUNT_CHAT,
     ("flash_attn_s32_c128", "const_int_plus1", "flash_attn:const.%flash_attn_c31@17"): TILE_COUNT_CHAT,
+    ("flash_attn_s32_c64", "position_plus1", "flash_attn:position.%flash_attn_i_8@46"): EXTRA_KEY_TILE,
+    ("flash_attn_s32_c128", "position_plus1", "flash_attn:position.%flash_attn_i_8@46"): EXTRA_KEY_TILE,
+    ("flash_attn_s32_c64", "position_plus1", "flash_attn:position.%flash_attn_i_6@44"): EXTRA_KEY_TILE,
+    ("flash_attn_s32_c64", "position_plus1", "flash_attn:position.%flash_attn_i_7@45"): EXTRA_KEY_TILE,
+    ("flash_attn_s32_c128", "position_plus1", "flash_attn:position.%flash_attn_i_6@44"): EXTRA_KEY_TILE,
+    ("flash_attn_s32_c128", "position_plus1", "flash_attn:position.%flash_attn_i_7@45"): EXTRA_KEY_TILE,
+    ("flash_attn_s32_c128", "position_minus1", "flash_attn:position.%flash_attn_i_6@44"): EXTRA_KEY_TILE_CHAT,
+    ("flash_attn_s32_c256_resident1024", "position_plus1", "flash_attn:position.%flash_attn_i_6@43"): EXTRA_KEY_TILE,
+    ("flash_attn_s32_c256_resident1024", "position_plus1", "flash_attn:position.%flash_attn_i_7@44"): EXTRA_KEY_TILE,
+    ("flash_attn_s32_c256_resident1024", "position_plus1", "flash_attn:position.%flash_attn_i_8@45"): EXTRA_KEY_TILE,
+    ("flash_attn_s32_c256_resident1024", "position_plus1", "flash_attn:position.%flash_attn_i_9@46"): EXTRA_KEY_TILE,
     ("rms_gemv_rope", "const_float_plus1", "rmsnorm:const.%rmsnorm_cst_1@15"): MEAN_DIVISOR,
+    ("fused_decode_c1024_w1024", "const_int_plus1", "L0_attn:const.%L0_attn_c63@15"): DECODE_MASK_GUARD,
     ("o_gemv_ffn", "const_float_plus1", "rmsnorm:const.%rmsnorm_cst_1@11"): MEAN_DIVISOR,
     # `make mutants QUANT=q4nx`: the same RMSNorm launches in the groups on packed weights
     ("rms_gemms_rope_s32_q4nx", "swap_generic_inputs", "rmsnorm:generic@52"): NORM_SWAP,

@@ -20,7 +20,7 @@ from llama_base.group_contract import KernelGroup
 NEW = "%mutant"       # the prefix of every value a mutant adds (no builder emits it)
 COMMUTATIVE = {"arith.addf", "arith.mulf", "arith.addi", "arith.muli", "arith.maximumf", "arith.minimumf",
                "arith.minui"}
-BINARY = COMMUTATIVE | {"arith.divf", "arith.divui", "arith.remui"}
+BINARY = COMMUTATIVE | {"arith.divf", "arith.divui", "arith.remui", "arith.subi"}
 # Launch ops whose two inputs are read with one access pattern and combined commutatively.
 COMMUTATIVE_LAUNCHES = {"add"}
 # Predicate widenings: the new predicate holds wherever the old one did.
@@ -38,6 +38,8 @@ _CALL = re.compile(r"^(\s*)func\.call @(\S+)\(([^)]*)\) : \((.*)\) -> \(\)$")
 _BIN = re.compile(r"^(\s*)(%\S+) = (arith\.\w+) (%\S+), (%\S+) : (\S+)$")
 _CMPI = re.compile(r"^(\s*)(%\S+) = arith\.cmpi (\w+), (%\S+), (%\S+) : (\S+)$")
 _CONST = re.compile(r"^(\s*)(%\S+) = arith\.constant (\S+) : (index|f32|bf16|i32)$")
+_LOAD = re.compile(r"^(\s*)(%\S+) = memref\.load (\S+)\[[^\]]*\] : memref<[^>]*xi32[^>]*>$")
+_CAST = re.compile(r"^(\s*)(%\S+) = arith\.index_cast (%\S+) : (\S+) to (\S+)$")
 _INS = re.compile(r"ins\((%[^,\s]+), (%[^,\s]+) : (.*)\) outs\(")
 _CLOSE_ATTRS = re.compile(r'sym_name = "([^"]+)"')
 
@@ -210,7 +212,8 @@ def herds(m: Module, idle: set[tuple[str, int, int]] | None = None):
 
 
 def calls(m: Module):
-    """External calls: deleted, two arguments of one type swapped, a scalar argument plus one."""
+    """External calls: deleted, two arguments of one type swapped, a scalar argument plus or
+    minus one (a mask bound one position off, a block's column offset one element off)."""
     for i, line in enumerate(m.lines):
         c = _CALL.match(line)
         if not c:
@@ -228,9 +231,10 @@ def calls(m: Module):
                         eq = "the kernel is symmetric in these two arguments (see its source)"
                     yield Mutant("call_swap_args", m.site(i, f"call.{c.group(2)}.{a}-{b}"), m.replace(i, new), eq)
             if types[a] in ("i32", "index"):
-                before = (f"{NEW}_c = arith.constant 1 : {types[a]}", f"{NEW}_v = arith.addi {names[a]}, {NEW}_c : {types[a]}")
-                new = _with_operand(line, c.start(3), c.end(3), names, a, f"{NEW}_v")
-                yield Mutant("call_scalar_plus1", m.site(i, f"call.{c.group(2)}.{a}"), m.replace(i, new, before))
+                for op, what in (("arith.addi", "plus1"), ("arith.subi", "minus1")):
+                    before = (f"{NEW}_c = arith.constant 1 : {types[a]}", f"{NEW}_v = {op} {names[a]}, {NEW}_c : {types[a]}")
+                    new = _with_operand(line, c.start(3), c.end(3), names, a, f"{NEW}_v")
+                    yield Mutant(f"call_scalar_{what}", m.site(i, f"call.{c.group(2)}.{a}"), m.replace(i, new, before))
 
 
 def deletions(m: Module):
@@ -319,7 +323,33 @@ def arg_maps(m: Module):
                 yield Mutant("argmap_swap", m.site(i, f"launch.{sa.name}-{sb.name}"), m.replace(i, new), eq)
 
 
-OPERATORS = (dma_patterns, loops, herds, calls, deletions, operands, predicates, constants, arg_maps)
+def positions(m: Module):
+    """Values computed from a position the module loads at run time (an i32 scalar: the token's
+    `pos`, a chunk's `start` or `q_start`), one up and one down: a live length, a chunk count,
+    a mask bound or an append position one off, which reads or writes one position (or one
+    chunk) too many or too few."""
+    tainted: dict[str, str] = {}                    # value -> its type
+    for i, line in enumerate(m.lines):
+        load, cast, b = _LOAD.match(line), _CAST.match(line), _BIN.match(line)
+        if load:
+            name, t = load.group(2), "i32"
+        elif cast and cast.group(3) in tainted:
+            name, t = cast.group(2), cast.group(5)
+        elif b and b.group(3) in ("arith.addi", "arith.muli", "arith.divui", "arith.remui", "arith.minui") \
+                and (b.group(4) in tainted or b.group(5) in tainted):
+            name, t = b.group(2), b.group(6)
+        else:
+            continue
+        tainted[name] = t
+        indent = re.match(r"^\s*", line).group(0)
+        rhs = line.split("=", 1)[1].strip()
+        for op, what in (("arith.addi", "plus1"), ("arith.subi", "minus1")):
+            text = "\n".join(m.lines[:i] + [f"{indent}{NEW}_o = {rhs}", f"{indent}{NEW}_c = arith.constant 1 : {t}",
+                                            f"{indent}{name} = {op} {NEW}_o, {NEW}_c : {t}"] + m.lines[i + 1:])
+            yield Mutant(f"position_{what}", m.site(i, f"position.{name}"), text)
+
+
+OPERATORS = (dma_patterns, loops, herds, calls, deletions, operands, predicates, constants, arg_maps, positions)
 
 
 def mutants(text: str, group: KernelGroup, idle: set[tuple[str, int, int]] | None = None) -> list[Mutant]:

@@ -27,6 +27,7 @@ from pathlib import Path
 from iree.compiler import ir
 
 from kernel_builder import groups
+from kernel_builder.fused_groups import fused_decode
 
 from llama_base import group_contract
 
@@ -70,12 +71,21 @@ class Outcome:
         return "expected survivor" if self.key in SURVIVORS else "SURVIVED"
 
 
-def suite_cases(cfg: LlamaConfig, quant: str = "bf16") -> list[verify_mlir.Case]:
+def suite_cases(cfg: LlamaConfig, quant: str = "bf16", resident: bool = True) -> list[verify_mlir.Case]:
     """One group of each kind at the smallest bucket, attention at an offset (masking and the K/V
-    tile range both move there), and the decode groups. In a quantized format, only the groups
-    it changes: the others are the bf16 suite's modules, byte for byte."""
+    tile range both move there), and the decode groups; with `resident`, the resident-KV
+    designs at verify-mlir's positions and offsets (`verify_mlir.resident_cases`: a mistake
+    in the live length shows at some only). In a quantized format, only the groups it
+    changes: the others are the bf16 suite's modules, byte for byte."""
     smallest = groups.prefill_buckets(cfg)[0]
     picked = []
+    if resident and quant == "bf16":
+        # The fused decode in its whole capacity's window at every position verify-mlir runs,
+        # so one module meets them all; prefill attention on the resident cache at its offsets.
+        capacity = verify_mlir.resident_capacity(cfg)
+        fused = fused_decode(cfg, capacity)
+        picked += [verify_mlir.Case(fused, pos) for pos in verify_mlir.decode_positions(cfg, capacity)]
+        picked += [c for c in verify_mlir.resident_cases(cfg) if c.group.kind != group_contract.FUSED_KIND]
     for c in verify_mlir.cases(cfg, quant=quant):
         g = c.group
         if quant != "bf16" and not g.quantized:
@@ -86,6 +96,19 @@ def suite_cases(cfg: LlamaConfig, quant: str = "bf16") -> list[verify_mlir.Case]
             continue
         picked.append(c)
     return picked
+
+
+# The launches of the fused decode that are its own: every other launch of it is a per-layer
+# decode group's module, mutated there. Its first layer's stand for the rest.
+FUSED_OWN_OPS = ("kv_append", "decode_attn", "attn_merge")
+
+
+def own_sites(group, ms: list[Mutant]) -> list[Mutant]:
+    """The mutants of a fused decode's own launches in its first layer (all of another group's)."""
+    if group.kind != group_contract.FUSED_KIND:
+        return ms
+    own = {l.name for l in group.launches if l.op in FUSED_OWN_OPS and group_contract.split_layer_slot(l.name)[0] == 0}
+    return [m for m in ms if m.site.split(":")[0] in own]
 
 
 def idle_cores(case: verify_mlir.Case, text: str) -> set[tuple[str, int, int]]:
@@ -178,15 +201,16 @@ def sample(ms: list[Mutant], per_operator: int | None, seed: int) -> list[Mutant
 
 
 def run(cfg: LlamaConfig, per_operator: int | None, seed: int = 0, kinds: tuple[str, ...] | None = None,
-        log=print, quant: str = "bf16") -> list[Outcome]:
+        log=print, quant: str = "bf16", resident: bool = True) -> list[Outcome]:
     outcomes = []
     by_module: dict[str, list[verify_mlir.Case]] = {}
-    for case in suite_cases(cfg, quant):
+    for case in suite_cases(cfg, quant, resident):
         if not kinds or case.group.kind in kinds:
             by_module.setdefault(case.group.name, []).append(case)
     for name, cases in by_module.items():
         text = compile_group_mlir(cases[0].group)
-        chosen = sample(mutants(text, cases[0].group, idle_cores(cases[0], text)), per_operator, seed)
+        chosen = sample(own_sites(cases[0].group, mutants(text, cases[0].group, idle_cores(cases[0], text))),
+                        per_operator, seed)
         for m in chosen:
             outcomes.append(check_all(cases, m))
         log(f"[mutants] {name} ({len(cases)} case{'s' * (len(cases) > 1)}): {len(chosen)} mutants, "
