@@ -107,6 +107,7 @@ def test_a_capture_hook_needs_the_layers_decode(sessions):
 
 
 def test_decode_choice():
-    assert choose_decode("fused", None) == "fused" and choose_decode("layers", None) == "layers"
+    assert choose_decode("auto") == "fused"
+    assert choose_decode("fused") == "fused" and choose_decode("layers") == "layers"
     with pytest.raises(ValueError, match="decode"):
-        choose_decode("both", None)
+        choose_decode("both")

@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         cfg, wide = _config(args)
-        decode = args.decode if args.decode == "both" else choose_decode(args.decode, args.device)
+        decode = args.decode if args.decode == "both" else choose_decode(args.decode)
         buckets = groups.prefill_buckets(cfg, args.max_seq)
         all_groups = groups.all_groups(cfg, buckets, args.quant, wide)
         if decode == "fused":      # the card's decode groups are not called

@@ -52,18 +52,17 @@ def bo_key(group: KernelGroup, layer: int | None) -> str:
 DECODE_MODES = ("layers", "fused")
 
 
-def choose_decode(asked: str, device) -> str:
-    """`asked`, or for "auto" the decode that is faster on `device`. On the NPU the cost model
-    prices the fused token at one call's overhead where the card's pays 33 (docs/profile.md,
-    "The fused decode"); on the simulated device both are one recorded native program of the
-    same kernels, and the fused one measures no slower (the bench's decode table)."""
-    if asked != "auto":
-        if asked not in DECODE_MODES:
-            raise ValueError(f"decode {asked!r}: expected auto or one of {', '.join(DECODE_MODES)}")
-        return asked
-    return "layers"
-# The share key of the LM head's buffers (and the fused group's other non-layer weights).
-HEAD_SHARE = "head"
+def choose_decode(asked: str) -> str:
+    """`asked`, or for "auto" the decode that is faster, which is the fused one on every device:
+    on the NPU the cost model prices its token at one call where the card's makes 33, with
+    attention on the array (docs/profile.md, "The fused decode"); on the simulated device both
+    are one recorded native program of the same kernels, and the fused one measures as fast at
+    short contexts (docs/profile.md) and reads the same positions at long ones."""
+    if asked == "auto":
+        return "fused"
+    if asked not in DECODE_MODES:
+        raise ValueError(f"decode {asked!r}: expected auto or one of {', '.join(DECODE_MODES)}")
+    return asked
 
 
 class _ResidentStatics(dict):

@@ -230,7 +230,7 @@ def build_session(model: str | ResolvedModel | None = None, device: str | Device
     tokenizer = Tokenizer(resolved.folder, cfg)
     prof = Profiler() if profile else NULL_PROFILER
     kc = KernelCache(dev, cache_dir, profiler=prof, allow_compile=allow_compile)
-    dm = DeviceModel(kc, weights, ctx, buckets=buckets, profiler=prof, decode=choose_decode(decode, dev))
+    dm = DeviceModel(kc, weights, ctx, buckets=buckets, profiler=prof, decode=choose_decode(decode))
     del weights
     use_chat = is_chat_model(cfg, tokenizer) if chat is None else chat
     s = Session(resolved, dm, tokenizer, dev, kc, prof, use_chat)
