@@ -38,7 +38,7 @@ native = pytest.mark.skipif(native_cpu._library() is None,
 
 @pytest.fixture(scope="module")
 def q4nx_session(tmp_path_factory):
-    return build_session("embedded", "sim", max_context=256, cache_dir=tmp_path_factory.mktemp("kernels"),
+    return build_session("embedded", "sim", max_context=256, cache_dir=tmp_path_factory.mktemp("kernels"), decode="layers",
                          buckets=(64,), log=lambda s: None, quant="q4nx")
 
 

@@ -236,7 +236,7 @@ def test_a_4_bit_files_wider_tensors_stay_bf16_in_the_layers_holding_them(source
     for short in ("wv", "w_down"):       # the file's values, as the bf16 import holds them
         assert torch.equal(getattr(w.layers[0], short), getattr(w.backing.layers[0], short)), short
 
-    session = build_session(str(path), "sim", max_context=256, cache_dir=tmp_path / "kernels", buckets=(32, 64),
+    session = build_session(str(path), "sim", max_context=256, cache_dir=tmp_path / "kernels", buckets=(32, 64), decode="layers",
                             log=lambda _: None, quant="q4nx")
     model = session.model
     assert model.decode_groups[0]["rms_gemv_rope"].name == "rms_gemv_rope_q4nx_bf16_wv"

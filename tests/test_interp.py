@@ -227,7 +227,7 @@ def test_each_check_catches_its_mistake(tiny, mutation):
 def embedded_pair():
     from llama_runtime.generation.session import build_session
 
-    return [build_session("embedded", d, max_context=64, log=lambda *_: None) for d in ("sim", "interp")]
+    return [build_session("embedded", d, max_context=64, log=lambda *_: None, decode="layers") for d in ("sim", "interp")]
 
 
 def test_one_decode_step_of_the_embedded_model_runs_through_the_interpreter(embedded_pair):

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from mlir_samples import BUCKET, CONFIGS, resident_groups
 
-from kernel_builder import externs, groups
+from kernel_builder import externs, fused_groups, groups
+from llama_runtime.engine.kv_cache import DEFAULT_MAX_CONTEXT
 from llama_runtime.cli import compile as compile_cli
 from multi_launch_builder import compile as kc
 from multi_launch_builder.mlir_validate import validate_group_module
@@ -208,7 +209,8 @@ def test_cli_writes_every_group_module_and_says_what_it_skipped(monkeypatch, tmp
     args = ["--model-config", str(cfg_path), "--max-seq", str(BUCKET), "--out", str(out), "--device", "sim"]
     assert compile_cli.main(args) == 0
     smol = CONFIGS["smollm2"]
-    want = {g.name for g in groups.all_groups(smol, groups.prefill_buckets(smol, BUCKET))}
+    buckets = groups.prefill_buckets(smol, BUCKET)
+    want = {g.name for g in groups.all_groups(smol, buckets) + fused_groups.resident_groups(smol, buckets, DEFAULT_MAX_CONTEXT)}
     assert {p.stem for p in out.glob("*.mlir")} == want
     printed = capsys.readouterr().out
     assert "ELFs skipped: missing aircc, aiecc, Peano" in printed

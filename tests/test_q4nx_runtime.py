@@ -21,7 +21,7 @@ from llama_runtime.generation.session import build_session
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
-    return build_session("embedded", "sim", max_context=1024, cache_dir=tmp_path_factory.mktemp("kernels"),
+    return build_session("embedded", "sim", max_context=1024, cache_dir=tmp_path_factory.mktemp("kernels"), decode="layers",
                          buckets=(64, 256), log=lambda s: None, quant="q4nx")
 
 

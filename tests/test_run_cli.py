@@ -37,7 +37,7 @@ def cli(session, monkeypatch, capsys):
 def _answer(out: str) -> tuple[str, str]:
     """A single prompt's answer (between the [kernels] line and the [stats] one) and its stats."""
     answer, _, stats = out.partition("\n[stats] ")
-    return answer.partition("\n")[2], stats
+    return answer.partition("[kernels] ")[2].partition("\n")[2], stats
 
 
 def test_a_stop_string_cuts_the_answer_and_is_named_as_the_reason(cli):

@@ -15,8 +15,10 @@ from llama_runtime.generation.session import build_session
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
+    """The design card's decode (2 calls a layer, host attention), whose calls these tests count;
+    the fused decode's are `test_fused_decode`'s."""
     return build_session("embedded", "sim", max_context=2560, cache_dir=tmp_path_factory.mktemp("kernels"),
-                         buckets=(128, 256, 2048), log=lambda s: None)
+                         buckets=(128, 256, 2048), log=lambda s: None, decode="layers")
 
 
 def _calls(session):

@@ -65,6 +65,10 @@ def choose_decode(asked: str) -> str:
     return asked
 
 
+# The share key of the LM head's buffers (and the fused group's other non-layer weights).
+HEAD_SHARE = "head"
+
+
 class _ResidentStatics(dict):
     """A fused group's static tensors: its final norm; every other weight it names is already
     resident in a layer's or the head's set, and one that is not is a bug, not an upload."""

@@ -186,7 +186,9 @@ def _rows_misfit(l: Launch, at: int) -> IndexError:
 
 
 def _position_outside(l: Launch, pos: int) -> IndexError:
-    return IndexError(f"{l.name}: position {pos} is outside a {l.p('ctx')}-position cache")
+    """What a read at `pos` outside the positions `l` may read raises: its window's (the cache's
+    whole capacity for a launch without one)."""
+    return IndexError(f"{l.name}: position {pos} is outside a {l.param_dict.get('window', l.p('ctx'))}-position window")
 
 
 # The resident cache's native kernels read the position when they run, through the i32's
@@ -234,7 +236,7 @@ def decode_attn(l: Launch, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = l.p("q_heads") // kvh
     n_pos = int(pos[0]) + 1
     if not 1 <= n_pos <= l.p("window"):
-        raise IndexError(f"{l.name}: position {n_pos - 1} is outside a {l.p('window')}-position window")
+        raise _position_outside(l, n_pos - 1)
     chunks = -(-n_pos // chunk)
     qh = q.view(kvh, group, d).float()
     scale = 1.0 / d ** 0.5
@@ -292,7 +294,7 @@ def attend(step: AttendStep, q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     kvh, d = l.p("kv_heads"), l.p("head_dim")
     n_pos = int(pos[0]) + 1
     if not 1 <= n_pos <= l.p("window"):
-        raise IndexError(f"{l.name}: position {n_pos - 1} is outside a {l.p('window')}-position window")
+        raise _position_outside(l, n_pos - 1)
     qh = q.view(kvh, l.p("q_heads") // kvh, d).float()
     scores = torch.matmul(qh, k_cache[:, :n_pos].float().transpose(1, 2)).mul_(1.0 / d ** 0.5)
     out.copy_(torch.matmul(torch.softmax(scores, -1), v_cache[:, :n_pos].float()).reshape(-1))
