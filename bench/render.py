@@ -271,11 +271,9 @@ def fused_estimate(est: dict) -> str:
         if anchors:
             cells += [f"{d['upstream_tok_s']:.2f}" if d.get("upstream_tok_s") else "",
                       f"{d['fastflowlm_tok_s']:.1f}" if d.get("fastflowlm_tok_s") else ""]
-        if not targets:
-            pass
-        elif d["target"] is None:
+        if targets and d["target"] is None:
             cells.append("")
-        else:
+        elif targets:
             met = d["tok_s"] >= d["target"]
             cells.append(f"≥ {d['target']:g}: " + ("met" if met else "missed" + (" (the bytes bound is below it)"
                                                                                   if d["bound_blocks"] else "")))

@@ -584,11 +584,12 @@ def test_quick_bench_on_the_embedded_model_writes_both_reports(reports, capsys):
     assert ours["load_s"] > 0 and "| load: process start to ready (s) |" in md
     assert any("--skip-llamacpp" in n for n in data["notes"])
     assert "| metric | ours | HF transformers | ours/HF transformers | target |" in md
-    assert "NPU estimate (cost model, not a measurement)" in md and m["npu_estimate"]["decode_tok_s"] > 0
-    assert data["plan"]["decode"] == "auto" and "our decode `auto` → `layers`" in md    # as asked, as chosen
+    assert "NPU estimate of the fused decode (cost model, not a measurement)" in md
+    assert all(d["tok_s"] > 0 for d in m["npu_estimate"]["depths"])
+    assert data["plan"]["decode"] == "auto" and "our decode `auto` → `fused`" in md    # as asked, as chosen
     dep = m["depth"]                     # the quick plan's depth sweep: ours alone, llama.cpp skipped
     assert dep["kept"] == list(QUICK.depths) and dep["skipped"] == {} and dep["peer"] is None
-    assert dep["max_context"] == {OURS: QUICK.depths[-1] + QUICK.depth_decode} and dep["decode"] == "layers"
+    assert dep["max_context"] == {OURS: QUICK.depths[-1] + QUICK.depth_decode} and dep["decode"] == "fused"
     for d in QUICK.depths:
         s = dep["by_depth"][str(d)]["runtimes"][OURS]
         assert "error" not in s and s["ttft_s"] > 0 and s["decode_tok_s"] > 0 and s["peak_rss_bytes"] > 0
