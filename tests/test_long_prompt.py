@@ -14,7 +14,7 @@ PROMPT_TOKENS = 3000
 
 @pytest.mark.slow
 def test_3000_token_prompt_matches_hf_within_the_gate():
-    s = build_session("embedded", "sim", max_context=4096, log=lambda m: None)
+    s = build_session("embedded", "sim", max_context=4096, log=lambda m: None, decode="layers")
     text = ("The lighthouse keeper wrote in his log every night: the wind, the ships, the lamp. " * 200)
     ids = s.tokenizer.encode_prompt(text, chat=False)[:PROMPT_TOKENS]
     assert len(ids) == PROMPT_TOKENS > s.model.buckets[-1]
