@@ -28,12 +28,17 @@ from llama_base.errors import PromptError
 from llama_runtime.engine.device_model import Capture, DeviceModel, bo_key
 
 
+def _qkv(model: DeviceModel, layer: int, x: torch.Tensor, start: int, n: int, bucket: int) -> dict[str, torch.Tensor]:
+    """`rms_gemms_rope` on rows [0, n) at positions start..: their Q/K/V."""
+    g = model.prefill_groups[bucket][layer].rms_gemms_rope
+    return model.kc.load_and_run(g.name, {"x": x, "rope_lut": model.rope_lut[start:start + n]}, bo_key(g, layer),
+                                 rows=n)
+
+
 def qkv_to_cache(model: DeviceModel, layer: int, x: torch.Tensor, start: int, n: int,
                  bucket: int) -> dict[str, torch.Tensor]:
     """`rms_gemms_rope` on rows [0, n), their K/V written to the cache at start..; returns Q/K/V."""
-    g = model.prefill_groups[bucket][layer].rms_gemms_rope
-    lut = model.rope_lut[start:start + n]
-    qkv = model.kc.load_and_run(g.name, {"x": x, "rope_lut": lut}, bo_key(g, layer), rows=n)
+    qkv = _qkv(model, layer, x, start, n, bucket)
     with model.profiler.host_op("kv_write"):
         model.kv.write(layer, start, qkv["k"], qkv["v"])
     return qkv
@@ -43,11 +48,9 @@ def _attend_resident(model: DeviceModel, layer: int, x: torch.Tensor, start: int
                      bucket: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """`rms_gemms_rope`, then the resident attention group: its K/V rows appended to the
     device's cache at `start` and the chunk's attention over it, with no host copy between."""
-    kc, g = model.kc, model.prefill_groups[bucket][layer]
-    qkv = kc.load_and_run(g.rms_gemms_rope.name, {"x": x, "rope_lut": model.rope_lut[start:start + n]},
-                          bo_key(g.rms_gemms_rope, layer), rows=n)
+    qkv = _qkv(model, layer, x, start, n, bucket)
     ga = model.attention_group(bucket, start, n)
-    att = kc.load_and_run(ga.name, {"q": qkv["q"], "k": qkv["k"], "v": qkv["v"],
+    att = model.kc.load_and_run(ga.name, {"q": qkv["q"], "k": qkv["k"], "v": qkv["v"],
                                     "q_start": torch.tensor([start], dtype=torch.int32)}, bo_key(ga, layer), rows=n)
     return qkv, att
 
