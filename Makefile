@@ -50,7 +50,8 @@ help:
 	@echo "make perplexity   perplexity of bf16 and q4nx weights on 4096 tokens of English news text"
 	@echo "make profile      run PROMPT with a per-call breakdown table"
 	@echo "make bench        time this runtime vs HF transformers and llama.cpp (QUANT=q4nx: vs llama.cpp 4-bit),"
-	@echo "                  then decode at depth vs llama.cpp (DEPTHS=1024,4096,...; none skips it)"
+	@echo "                  then decode at depth vs llama.cpp (DEPTHS=1024,4096,...; none skips it; DEPTH_ONLY=1: that alone);"
+	@echo "                  MODELS=llama1b-shape,embedded (the default) names the models it measures"
 	@echo "make test         the test suite"
 	@echo "make test-fast    the suite without its slow, QEMU and browser tests"
 	@echo "make clean        remove caches, reports and build files"
@@ -124,7 +125,8 @@ perplexity: install
 
 bench: install
 	$(PY) -m bench --device "$(DEVICE)" --quant "$(QUANT)" --decode "$(DECODE)" $(if $(CPU_CLASS),--cpu-class "$(CPU_CLASS)") \
-		$(if $(DEPTHS),--depths "$(DEPTHS)")
+		$(if $(MODELS),--models "$(MODELS)") \
+		$(if $(DEPTHS),--depths "$(DEPTHS)") $(if $(DEPTH_ONLY),--depth-only)
 
 clean:
 	$(PY) -c "import shutil; from llama_base.paths import cache_root; shutil.rmtree(cache_root(), ignore_errors=True)" 2>/dev/null || true

@@ -13,7 +13,7 @@ import sys
 from dataclasses import replace
 
 from bench.machine import CLASS_ENV, CPU_CLASSES
-from bench.plan import FULL, QUICK, with_depths
+from bench.plan import FULL, QUICK, only_depth, with_depths
 from bench.run import run_bench
 from llama_base.errors import UserError
 from llama_runtime.checkpoints.resolve import EMBEDDED, LLAMA1B_SHAPE
@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depths", type=_depths, metavar="N,N,...",
                     help=f"context depths of the decode-at-depth section, comma-separated, or none "
                          f"(default {','.join(map(str, FULL.depths))}; --quick {','.join(map(str, QUICK.depths))})")
+    ap.add_argument("--depth-only", action="store_true",
+                    help="only decode at depth (no rounds, turns or perplexity; the 4-bit peer is then llama.cpp's q4_0)")
     ap.add_argument("--skip-llamacpp", action="store_true", help="do not build or run llama.cpp")
     ap.add_argument("--rebuild-llamacpp", action="store_true", help="retry a llama.cpp build that failed before")
     ap.add_argument("--cpu-class", default="native", choices=tuple(CPU_CLASSES),
@@ -58,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     plan = replace((QUICK if args.quick else FULL).for_quant(args.quant), decode=args.decode)
     if args.depths is not None:
         plan = with_depths(plan, args.depths)
+    if args.depth_only:
+        if not plan.depths:
+            ap.error("--depth-only needs at least one depth (--depths none leaves nothing to run)")
+        plan = only_depth(plan)
     try:
         _, md, (jpath, mpath) = run_bench(models, plan, args.device, args.skip_llamacpp, args.rebuild_llamacpp,
                                           cpu_class=args.cpu_class)

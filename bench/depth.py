@@ -28,12 +28,15 @@ MEMORY_TARGET = 1.2     # our peak at the deepest depth ÷ (weights + KV written
 def depth_peer(plan: Plan, raw: dict[str, dict]) -> tuple[str | None, str]:
     """The llama.cpp side the sweep measures ours against, and why that one: llama.cpp bf16
     against our bf16; against our 4-bit weights whichever of the bench's 4-bit types decoded
-    fastest in this run's rounds and turns (the first measured one where none has a rate). None
-    where llama.cpp was not measured."""
+    fastest in this run's rounds and turns (the first measured one where none has a rate, the
+    one converted in a depth-only run). None where llama.cpp was not measured."""
     if plan.quant == "bf16":
         name = f"{LLAMACPP} bf16"
-        return (name, "the same weights class, bf16") if name in raw else (None, "llama.cpp not measured")
+        return (name, "the same weights class, bf16") if name in raw or plan.depth_only else (None, "llama.cpp not measured")
     four_bit = [f"{LLAMACPP} {t}" for t in plan.gguf_types if t in GGUF_TYPES["q4nx"]]
+    if plan.depth_only:
+        return (four_bit[0], f"a depth-only run times no rounds to rank the 4-bit types by: "
+                             f"{four_bit[0].split()[-1]}, the one it converts") if four_bit else (None, "no 4-bit type")
     present = [n for n in four_bit if n in raw]
     if not present:
         return None, "llama.cpp not measured"

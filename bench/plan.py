@@ -37,7 +37,7 @@ and `depth_warmup_steps` decode steps, since a whole second prefill of 32K posit
 double the sweep. Our KV cache holds the deepest depth plus its decode steps in every child
 (its pages are committed only as they are written), llama.cpp's n_ctx each child's own depth
 plus its steps. Depths past a model's `max_position_embeddings` are skipped with the reason.
-The TTFT targets are read at `depth_ttft_targets`.
+The TTFT targets are read at `depth_ttft_targets`. `only_depth` keeps the sweep alone.
 """
 from __future__ import annotations
 
@@ -89,6 +89,7 @@ class Plan:
     depth_warmup_tokens: int = 128    # each depth child's untimed warm-up: a prompt this long ...
     depth_warmup_steps: int = 8       # ... and this many decode steps after it
     depth_ttft_targets: tuple[int, ...] = (8192, 32768)   # the depths whose TTFT has a target
+    depth_only: bool = False          # the depth sweep alone: no rounds, turns or perplexity (`only_depth`)
     quick: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -109,6 +110,8 @@ class Plan:
             raise ValueError("a depth child's warm-up steps must be among the positions its decode times")
         if not set(self.depth_ttft_targets) <= set(self.depths):
             raise ValueError("a TTFT target's depth must be one of the depths")
+        if self.depth_only and not self.depths:
+            raise ValueError("a depth-only run needs at least one depth")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -135,6 +138,15 @@ def with_depths(plan: Plan, depths: tuple[int, ...]) -> Plan:
     """`plan` sweeping `depths` instead (sorted, each once), its TTFT targets kept where still measured."""
     depths = tuple(sorted(set(depths)))
     return replace(plan, depths=depths, depth_ttft_targets=tuple(d for d in plan.depth_ttft_targets if d in depths))
+
+
+def only_depth(plan: Plan) -> Plan:
+    """`plan` reduced to its decode-at-depth sweep, for a run of minutes where the whole bench
+    takes an hour: no rounds, turns or perplexity, so nothing measures which of llama.cpp's
+    types of the weights class decodes fastest, and the sweep's peer is the class's first
+    (bf16 for bf16; for 4-bit, Q4_0, whose weights llama.cpp repacks for its x86 kernels), the
+    only one converted."""
+    return replace(plan, depth_only=True, gguf_types=GGUF_TYPES[plan.quant][:1])
 
 
 def depth_label(depth: int) -> str:

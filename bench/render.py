@@ -92,8 +92,9 @@ def _machine(mc: dict) -> str:
 def _decode_mode(data: dict) -> str:
     """Our decode as asked and, where a model's runs report it, as chosen (`auto` picks one)."""
     asked = data["plan"].get("decode", "auto")
-    chosen = {s.get("info", {}).get("decode") for m in data["models"] for k, s in m["runtimes"].items()
-              if k.startswith(OURS)} - {None}
+    chosen = {s.get("info", {}).get("decode") for m in data["models"] for k, s in m.get("runtimes", {}).items()
+              if k.startswith(OURS)} | {(m.get("depth") or {}).get("decode") for m in data["models"]}
+    chosen -= {None}
     if not chosen or chosen == {asked}:
         return f"`{asked}`"
     return f"`{asked}` → " + ", ".join(f"`{c}`" for c in sorted(chosen))
@@ -181,14 +182,19 @@ def markdown(data: dict) -> str:
     bw = data.get("bandwidth")
     lines = [f"# Bench {data['created']}", ""]
     mc = data["machine"]
-    lines.append(f"Machine: {_machine(mc)}; "
-                 f"device `{data['device']}`; our weights `{data['plan'].get('quant', 'bf16')}`; our decode "
-                 f"{_decode_mode(data)}; plan: TTFT at {', '.join(map(str, data['plan']['prompt_lengths']))} tokens, "
-                 f"{data['plan']['n_decode']} decode tokens after the {data['plan']['decode_length']}-token prompt, "
-                 f"median of {data['plan']['rounds'] * data['plan']['runs']} timed runs: {data['plan']['rounds']} rounds "
-                 f"in which the runtimes take turns, each starting afresh and running every measurement "
-                 f"{data['plan']['runs']}× after {data['plan']['warmup']} warm-up{_short_runs(data['plan'])}."
-                 f"{_turns(data['plan'])}")
+    if data["plan"].get("depth_only"):
+        lines.append(f"Machine: {_machine(mc)}; device `{data['device']}`; our weights "
+                     f"`{data['plan'].get('quant', 'bf16')}`; our decode {_decode_mode(data)}; plan: decode at depth "
+                     "only (`--depth-only`: no rounds, turns or perplexity).")
+    else:
+        lines.append(f"Machine: {_machine(mc)}; "
+                     f"device `{data['device']}`; our weights `{data['plan'].get('quant', 'bf16')}`; our decode "
+                     f"{_decode_mode(data)}; plan: TTFT at {', '.join(map(str, data['plan']['prompt_lengths']))} "
+                     f"tokens, {data['plan']['n_decode']} decode tokens after the {data['plan']['decode_length']}-token "
+                     f"prompt, median of {data['plan']['rounds'] * data['plan']['runs']} timed runs: "
+                     f"{data['plan']['rounds']} rounds in which the runtimes take turns, each starting afresh and "
+                     f"running every measurement {data['plan']['runs']}× after {data['plan']['warmup']} "
+                     f"warm-up{_short_runs(data['plan'])}.{_turns(data['plan'])}")
     if mc.get("cpu_class", "native") != "native":
         env = ", ".join(f"{k}={v}" for k, v in mc["class_env"].items())
         lines.append(f"**Run as CPU class `{mc['cpu_class']}`** on this machine: every runtime kept off the "
@@ -205,6 +211,8 @@ def markdown(data: dict) -> str:
     else:
         lines.append("Memory bandwidth: not measured.")
     for m in data["models"]:
+        if m.get("depth_only"):
+            continue
         lines += ["", f"## {m['model']}", ""]
         per_token = m["decode_bytes_per_token"]
         if m["decode_bound_tok_s"]:

@@ -320,10 +320,17 @@ def run_bench(models: list[str], plan: Plan, device: str = "auto", skip_llamacpp
     measured = []
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         for model in models:
+            if plan.depth_only:
+                depth = bench_depths(model, plan, device, llamacpp, Path(tmp), notes, log, {})
+                data["models"].append({"model": model, "quant": plan.quant, "depth_only": True,
+                                       "depth": summarize_depths(depth, plan)})
+                continue
             cfg, raw, folder, turn_bandwidth = bench_model(model, plan, device, llamacpp, Path(tmp), notes,
                                                            sample_bandwidth, log)
             depth = bench_depths(model, plan, device, llamacpp, Path(tmp), notes, log, raw) if plan.depths else None
             measured.append((model, cfg, raw, folder, turn_bandwidth, depth))
+        if plan.depth_only:
+            sample_bandwidth("the depth sweep")
     bw = data["bandwidth"] = summarize_bandwidth(samples)
     if bw["max_bytes_per_s"] > BANDWIDTH_SPREAD * bw["min_bytes_per_s"]:
         notes.append(f"memory bandwidth varied from {bw['min_bytes_per_s'] / 1e9:.1f} to {bw['max_bytes_per_s'] / 1e9:.1f} "

@@ -26,7 +26,7 @@ from bench.bound import decode_bound_tokens_per_s, decode_bytes_per_token, kv_ca
 from bench.gguf_convert import trim_tokenizer_files
 from bench.llamacpp_build import AMX_SWITCHES, cmake_args
 from bench.depth import depth_peer, merge_depth_rounds, plot_depths, summarize_depths
-from bench.plan import FULL, QUICK, depth_label, prompt_ids, split_depths, with_depths
+from bench.plan import FULL, QUICK, depth_label, only_depth, prompt_ids, split_depths, with_depths
 from bench.protocol import (DECODE_SPLIT, DEPTH, JOB_FILE, PREPARE, PROJECT_ROOT, RESULT_FILE, child_main, measure,
                             measure_depth, serve_turns)
 from bench.render import depth_table
@@ -784,6 +784,29 @@ def test_the_depth_peer_is_llamacpp_bf16_or_the_fastest_4_bit_type():
     assert depth_peer(q4, {"llama.cpp q4_1": {"error": "boom"}})[0] == "llama.cpp q4_1"
     assert depth_peer(FULL, {LLAMACPP_BF16: {}, "llama.cpp q8_0": {}})[0] == LLAMACPP_BF16
     assert depth_peer(FULL, {OURS: {}, HF: {}}) == (None, "llama.cpp not measured")
+    # A depth-only run ranks nothing: its peer is the one type it converts, named before any run.
+    assert only_depth(q4).gguf_types == ("q4_0",) and only_depth(FULL).gguf_types == ("bf16",)
+    assert depth_peer(only_depth(q4), {})[0] == "llama.cpp q4_0" and "depth-only" in depth_peer(only_depth(q4), {})[1]
+    assert depth_peer(only_depth(FULL), {})[0] == LLAMACPP_BF16
+    with pytest.raises(ValueError, match="depth-only"):
+        only_depth(with_depths(FULL, ()))
+
+
+def test_a_depth_only_bench_runs_the_sweep_alone(reports, capsys):
+    rc = bench_cli.main(["--quick", "--depth-only", "--depths", "64", "--models", EMBEDDED, "--skip-llamacpp",
+                         "--device", "sim"])
+    assert rc == 0
+    (jpath,) = reports.glob("bench-*.json")
+    data = json.loads(jpath.read_text())
+    (m,) = data["models"]
+    assert data["plan"]["depth_only"] and m["depth_only"] and set(m) == {"model", "quant", "depth_only", "depth"}
+    s = m["depth"]["by_depth"]["64"]["runtimes"][OURS]
+    assert s["decode_tok_s"] > 0 and len(s["runs"]["ttft_s"]) == QUICK.depth_rounds
+    md = jpath.with_suffix(".md").read_text()
+    assert "decode at depth only" in md and "## Decode at depth" in md and "| metric |" not in md
+    with pytest.raises(SystemExit) as refused:                 # nothing left to run: argparse's exit 2
+        bench_cli.main(["--quick", "--depth-only", "--depths", "none", "--skip-llamacpp"])
+    assert refused.value.code == 2 and "--depth-only needs at least one depth" in capsys.readouterr().err
 
 
 _DEPTH_SIDE = """
