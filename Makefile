@@ -44,7 +44,7 @@ help:
 	@echo "make compile      build, stitch and validate every kernel group's MLIR-AIR (ELFs where aircc exists)"
 	@echo "make verify       2 prompts x 32 greedy tokens vs HF transformers bf16 (top-5 gate)"
 	@echo "make verify-full  8 prompts, same gate"
-	@echo "make verify-mlir  execute every group's MLIR-AIR (interpreter) vs the simulated device, MODEL=tiny [QUANT=q4nx]"
+	@echo "make verify-mlir  execute every group's MLIR-AIR (interpreter) vs the simulated device, MODEL=tiny|tiny-hd128 [QUANT=q4nx]"
 	@echo "make mutants      mutate the tiny model's stitched modules; every mutant must be caught by verify-mlir's checks (QUANT=q4nx: the 4-bit groups)"
 	@echo "make diagnosis    per-layer cosine / max-abs difference vs HF on one prompt"
 	@echo "make perplexity   perplexity of bf16 and q4nx weights on 4096 tokens of English news text"
@@ -55,7 +55,8 @@ help:
 	@echo "make test         the test suite"
 	@echo "make test-fast    the suite without its slow, QEMU and browser tests"
 	@echo "make clean        remove caches, reports and build files"
-	@echo "variables: PROMPT MODEL=instruct|base|embedded|llama1b-shape|tiny|<folder>|<file.gguf> N_TOKENS DEVICE=auto|npu|sim|interp"
+	@echo "variables: PROMPT MODEL=instruct|base|embedded|llama1b-shape|llama3b-shape|llama8b-shape|tiny|tiny-hd128|<folder>|<file.gguf>|<HF repo id>"
+	@echo "           N_TOKENS DEVICE=auto|npu|sim|interp"
 	@echo "           QUANT=bf16|q4nx (4-bit weights) MAX_CONTEXT TEMPERATURE TOP_K TOP_P REPETITION_PENALTY SEED"
 	@echo "           STOP (end the answer at this text) JSON_SCHEMA (a schema file or JSON the answer must follow)"
 	@echo "           DECODE=auto|layers|fused (2 device calls a layer + host attention, or 1 call a token with"
@@ -114,7 +115,8 @@ verify-mlir: install
 
 # MUTANTS: mutants per operator and group (0: every site; the test suite runs 2, and 1 of the q4nx groups).
 mutants: install
-	$(PY) -m verify.mutants --per-operator "$(or $(MUTANTS),12)" $(if $(QUANT),--quant "$(QUANT)")
+	$(PY) -m verify.mutants --model "$(if $(filter command line,$(origin MODEL)),$(MODEL),tiny)" --per-operator "$(or $(MUTANTS),12)" \
+		$(if $(QUANT),--quant "$(QUANT)")
 
 diagnosis: install
 	$(PY) -m verify.diagnosis --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)"

@@ -32,7 +32,7 @@ from bench.render import markdown
 from bench.summary import HF, OURS, OURS_BF16, summarize_model
 from bench.turns import BANDWIDTH, decode_turns
 from llama_base.config import LlamaConfig
-from llama_runtime.checkpoints.resolve import EMBEDDED, LLAMA1B_SHAPE, TINY, resolve_checkpoint
+from llama_runtime.checkpoints.resolve import EMBEDDED, SHAPES, TINIES, resolve_checkpoint
 from llama_runtime.engine.kv_cache import kv_cache_bytes
 from npu_runtime.xrt import device as xrt_device
 from verify.report import report_paths, write_report
@@ -42,7 +42,7 @@ BANDWIDTH_SPREAD = 1.15   # max/min of the bandwidth samples above which the rep
 CALL_PASSES = 4       # the cut bandwidth pass: the fastest of this many, alternated with as many whole ones
 SIDE_TIMEOUT_S = 3600   # a runtime that has not finished by then is hung, not slow
 DEPTH_TIMEOUT_DEPTH = 8192   # ... a depth child gets that long per this many positions of its prompt
-RANDOM_WEIGHT_MODELS = (LLAMA1B_SHAPE, TINY)
+RANDOM_WEIGHT_MODELS = SHAPES + TINIES
 OURS_MODULE = "bench.side_ours"
 
 

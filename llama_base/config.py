@@ -155,3 +155,13 @@ def layer_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         "attn_norm": (h,), "wq": (cfg.q_dim, h), "wk": (cfg.kv_dim, h), "wv": (cfg.kv_dim, h),
         "wo": (h, cfg.q_dim), "ffn_norm": (h,), "w_gate": (f, h), "w_up": (f, h), "w_down": (h, f),
     }
+
+
+# The family's published configurations (their config.json files), for the shape checkpoints,
+# the hardware-rule tests and the cost model; one spelling of each.
+LLAMA_3_2_1B = LlamaConfig()
+LLAMA_3_2_3B = LlamaConfig(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
+                           head_dim=128, intermediate_size=8192)
+LLAMA_3_1_8B = LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                           head_dim=128, intermediate_size=14336, tie_word_embeddings=False,
+                           rope_scaling=RopeScaling(factor=8.0))

@@ -10,7 +10,7 @@ from kernel_builder import groups
 from llama_base import group_contract
 from llama_base.group_contract import Launch, Role, Slot
 from kernel_builder.mlir.common import KernelShapeError
-from llama_base.config import LlamaConfig
+from llama_base.config import LLAMA_3_2_3B, LlamaConfig
 from multi_launch_builder.compile import compile_group_mlir
 from multi_launch_builder.mlir_validate import MlirValidationError
 from npu_runtime.cost import calibrate
@@ -148,15 +148,13 @@ def test_the_down_projection_needs_a_k_split_and_the_builder_picks_a_legal_one_n
     assert 0 <= gemv_margin(tiling)[0] < MARGIN
 
 
-LLAMA_3B = LlamaConfig(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
-                       head_dim=128, intermediate_size=8192)
 
 
 @pytest.mark.parametrize("name", ["llama32_1b", "llama32_3b", "smollm2", "tiny", "tiny_tests"])
 def test_every_decode_gemv_the_builder_declares_is_the_models_best_within_its_margin(name):
     """`backend_presets.gemv_tiling` cannot ask the model (the builder sits below the runtime),
     so its rule is held here to the model's ranking of every bf16 GEMV the models declare."""
-    cfg = {**CONFIGS, "llama32_3b": LLAMA_3B, "tiny": TINY, "tiny_tests": conftest.TINY}[name]
+    cfg = {**CONFIGS, "llama32_3b": LLAMA_3_2_3B, "tiny": TINY, "tiny_tests": conftest.TINY}[name]
     for kind in ("rms_gemv_rope", "o_gemv_ffn", "lm_head_gemv"):
         for launch in groups.build_group(kind, cfg).launches:
             if launch.op != "gemv":

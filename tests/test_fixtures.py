@@ -37,7 +37,7 @@ def hf_gguf_model():
 
 @pytest.fixture(scope="session")
 def llama1b_dir():
-    return builtin.ensure_llama1b_shape_checkpoint()
+    return builtin.ensure_shape_checkpoint("llama1b-shape")
 
 
 # ---- RoPE row layout -------------------------------------------------------------------------

@@ -13,13 +13,11 @@ from kernel_builder import backend_presets as presets
 from kernel_builder import groups, hw_rules
 from kernel_builder.hw_rules import CORE, L2, MEMTILE, SHIM
 from kernel_builder.mlir.emit import Value, _fit_wraps
-from llama_base.config import LlamaConfig
+from llama_base.config import LLAMA_3_2_3B, LlamaConfig
 from llama_runtime.checkpoints import builtin
 from multi_launch_builder.compile import assemble, compile_group_mlir
 from multi_launch_builder.mlir_validate import MlirValidationError, validate_group_module, validate_module
 
-LLAMA_3B = LlamaConfig(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
-                       head_dim=128, intermediate_size=8192)
 
 
 def side(space, item, offset, sizes, strides, nbytes=1 << 16):
@@ -150,7 +148,7 @@ def test_one_output_row_per_core_is_refused_without_running_anything():
 
 @pytest.mark.parametrize("name", ["llama32_1b", "llama32_3b", "smollm2", "tiny_tests"])
 def test_every_gemv_moves_whole_words_and_fits_l1(name):
-    cfg = {**CONFIGS, "llama32_3b": LLAMA_3B, "tiny_tests": TINY}[name]
+    cfg = {**CONFIGS, "llama32_3b": LLAMA_3_2_3B, "tiny_tests": TINY}[name]
     for kind in ("rms_gemv_rope", "o_gemv_ffn", "lm_head_gemv"):
         for l in groups.build_group(kind, cfg).launches:
             if l.op != "gemv":
@@ -170,7 +168,7 @@ def test_every_gemv_moves_whole_words_and_fits_l1(name):
 def test_every_group_of_every_model_breaks_no_rule(name, quant):
     """The validation `make compile` runs includes the rules: every group at the smallest and
     largest bucket, both weight formats."""
-    cfg = {**CONFIGS, "llama32_3b": LLAMA_3B}.get(name) or builtin.tiny_config(builtin.ensure_embedded_model())
+    cfg = {**CONFIGS, "llama32_3b": LLAMA_3_2_3B}.get(name) or builtin.tiny_config(builtin.ensure_embedded_model())
     buckets = groups.prefill_buckets(cfg, 2048)
     for g in groups.all_groups(cfg, (buckets[0], buckets[-1]), quant=quant):
         compile_group_mlir(g)
@@ -194,7 +192,7 @@ def test_the_resident_groups_keep_the_rules_at_the_whole_context(name):
     """The 1B and 3B caches at their 131072 positions plus a 2048-row prefill chunk's room:
     the decode attention's and the prefill attention's K/V DMAs, and the KV append's, at the
     largest head offsets."""
-    cfg = {**CONFIGS, "llama32_3b": LLAMA_3B}[name]
+    cfg = {**CONFIGS, "llama32_3b": LLAMA_3_2_3B}[name]
     from kernel_builder.fused_groups import cache_capacity
 
     capacity = cache_capacity(cfg, 131072, 2048)

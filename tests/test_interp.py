@@ -430,6 +430,38 @@ def test_verify_mlir_finds_the_resident_designs_in_agreement_with_the_simulated_
     assert all(r.compared > 0 for r in rows)
 
 
+# ---- head_dim 128 and an untied head (Llama-3.2-3B's and Llama-3.1-8B's attention) -----------
+
+@pytest.fixture(scope="module")
+def tiny_hd128():
+    return builtin.tiny_config(builtin.ensure_embedded_model(), builtin.TINY_HD128_SHAPE)
+
+
+def test_head_dim_128_groups_agree_with_the_simulated_device(tiny_hd128):
+    """Every group kind, prefill attention at verify's offsets and the fused decode around its
+    first chunk boundary, at head_dim 128: the attention tilings the larger models take."""
+    assert tiny_hd128.head_dim == 128 and not tiny_hd128.tie_word_embeddings
+    case_list = verify_mlir.cases(tiny_hd128, BUCKET) + [
+        c for c in verify_mlir.resident_cases(tiny_hd128, BUCKET) if c.q_start in (0, 63, 64)]
+    assert {c.group.kind for c in case_list} >= {"rms_gemms_rope", "flash_attn", "o_ffn", "rms_gemv_rope",
+                                                 "o_gemv_ffn", "lm_head_gemv", FUSED_KIND}
+    rows = [verify_mlir.compare(c) for c in case_list]
+    assert not [(r.name, r.worst, r.systematic, r.error) for r in rows if not r.passed]
+    assert all(r.compared > 0 for r in rows)
+
+
+def test_head_dim_128_q4nx_groups_on_an_untied_head_match_the_reference(tiny_hd128):
+    """The Q4NX groups on the model's own weights, its LM head quantized from a head of its own
+    rather than from the embedding table."""
+    from llama_runtime.checkpoints.loader import load_weights
+
+    weights = load_weights(builtin.ensure_tiny_checkpoint(builtin.TINY_HD128))
+    assert not torch.equal(weights.lm_head, weights.embed)
+    case_list = [c for c in verify_mlir.cases(tiny_hd128, BUCKET, q4nx.NAME) if c.group.seq_len in (1, BUCKET)]
+    assert set(_interpreted(tiny_hd128, case_list, weights)) == {
+        "rms_gemms_rope", "flash_attn", "o_ffn", "rms_gemv_rope", "o_gemv_ffn", "lm_head_gemv"}
+
+
 def _attention_group(cfg, capacity, window):
     """A token's KV append, decode attention and merge (one layer of the fused decode) as a
     group of their own: q, k, v and pos in, the caches resident, the partial sums in between."""

@@ -7,7 +7,7 @@ import pytest
 
 from kernel_builder import groups
 from llama_base.config import LlamaConfig
-from llama_runtime.checkpoints.resolve import TINY, resolve_checkpoint
+from llama_runtime.checkpoints.resolve import TINY, TINY_HD128, resolve_checkpoint
 from multi_launch_builder.compile import compile_group_mlir
 from verify.mutants.operators import mutants
 from llama_base.group_contract import FUSED_KIND
@@ -90,13 +90,16 @@ def test_a_constant_that_changes_no_value_is_told_from_one_that_does():
     assert pm["%down_proj_c1280"].equivalent and not pm["%down_proj_c20480_1"].equivalent
 
 
-def test_decode_attention_one_position_off_is_killed():
+@pytest.mark.parametrize("model", [TINY, TINY_HD128])
+def test_decode_attention_one_position_off_is_killed(model):
     """The fused decode's live length one position (or one chunk) off wherever the module
     computes it from `pos` (the loaded scalar, its index, the chunk count), and its mask's
     bound one off either way: each reads a position too many or too few at one of verify-mlir's
-    positions, and verify-mlir's checks on the fused decode kill it."""
-    cases = [c for c in suite_cases(_cfg()) if c.group.kind == FUSED_KIND]
-    assert [c.q_start for c in cases] == [0, 63, 64, 65, 533, 1023]
+    positions, and verify-mlir's checks on the fused decode kill it; at head_dim 64 and 128."""
+    cfg = resolve_checkpoint(model).config
+    cases = [c for c in suite_cases(cfg) if c.group.kind == FUSED_KIND]
+    chunk = {64: 64, 128: 32}[cfg.head_dim]               # a chunk's K and V fill the same L1 either way
+    assert [c.q_start for c in cases] == [0, chunk - 1, chunk, chunk + 1, 512 + chunk // 3, 1023]
     text = compile_group_mlir(cases[0].group)
     ms = [m for m in mutants(text, cases[0].group) if m.site.startswith("L0_attn:")
           and (m.operator.startswith("position_") or (m.operator.startswith("call_scalar_") and "attn_mask" in m.site))]

@@ -20,7 +20,7 @@ import time
 from llama_base.weight_formats import QUANTS
 from llama32_1b_inference import build_session
 from llama_base.errors import UserError
-from llama_runtime.checkpoints.resolve import LLAMA1B_SHAPE, TINY, resolve_model
+from llama_runtime.checkpoints.resolve import SHAPES, TINIES, resolve_model
 from llama_runtime.cli.options import add_model_options
 from llama_runtime.text.tokenizer import Tokenizer
 from verify import VerifyError
@@ -28,7 +28,7 @@ from verify.eval_text import CHUNK_LEN, N_CHUNKS, SOURCE, eval_chunks
 from verify.report import md_table, write_report
 from verify.scoring import agreement, perplexity, score_chunks
 
-RANDOM_WEIGHTS = (LLAMA1B_SHAPE, TINY)
+RANDOM_WEIGHTS = SHAPES + TINIES
 HF_LABEL = "HF transformers bf16"
 
 

