@@ -56,6 +56,7 @@ PUBLISHED = (
     Published("SmolLM2-1.7B TTFT @2048", "smollm2-1.7b", "ttft", 2.02, False),
     Published("SmolLM2-1.7B decode (8.0 tok/s)", "smollm2-1.7b", "decode", 1 / 8.0, False),
     Published("Llama-3.2-3B TTFT @2048 (head_dim 128)", "llama-3.2-3b", "ttft", 3.70, False),
+    Published("Llama-3.2-3B decode (4.7 tok/s)", "llama-3.2-3b", "decode", 1 / 4.7, False),
 )
 CONFIGS = {"llama-3.2-1b": LLAMA_1B, "smollm2-1.7b": SMOLLM2_1_7B, "llama-3.2-3b": LLAMA_3_2_3B}
 
