@@ -12,9 +12,8 @@ counted at their Q4NX size (the head's rows padded as stored), the embedding row
 from __future__ import annotations
 
 from kernel_builder.backend_presets import BF16
-from llama_base import q4nx
 from llama_base.config import LlamaConfig, layer_shapes
-from llama_runtime.checkpoints.q4nx_weights import lm_head_rows
+from llama_runtime.checkpoints.loader import device_weight_bytes
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -22,10 +21,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def layer_linear_params(cfg: LlamaConfig) -> int:
-    return sum(_numel(s) for s in layer_shapes(cfg).values() if len(s) == 2)
 
 
 def weight_bytes(cfg: LlamaConfig) -> int:
@@ -39,12 +34,7 @@ def weight_bytes(cfg: LlamaConfig) -> int:
 def decode_bytes_per_token(cfg: LlamaConfig, quant: str = "bf16") -> int:
     """Bytes one decode step reads in weight format `quant`: all linear weights, the LM head, one
     embedding row."""
-    if quant == q4nx.NAME:
-        linear = sum(q4nx.nbytes(*s) for s in layer_shapes(cfg).values() if len(s) == 2)
-        head = q4nx.nbytes(lm_head_rows(cfg), cfg.hidden_size)
-        return cfg.num_hidden_layers * linear + head + cfg.hidden_size * BF16
-    linear = cfg.num_hidden_layers * layer_linear_params(cfg)
-    return (linear + cfg.vocab_size * cfg.hidden_size + cfg.hidden_size) * BF16
+    return device_weight_bytes(cfg, quant) + cfg.hidden_size * BF16
 
 
 def decode_call_bytes(cfg: LlamaConfig, quant: str = "bf16") -> list[int]:

@@ -74,3 +74,33 @@ def test_a_device_model_built_directly_makes_the_same_check(tiny_weights, tmp_pa
     with pytest.raises(ContextError, match=f"past this model's limit of {limit} positions"):
         DeviceModel(KernelCache(SimDevice(), tmp_path), tiny_weights, limit + 1)
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("quant", ["bf16", "q4nx"])
+def test_the_weights_check_prices_what_the_format_holds(quant):
+    """`device_weight_bytes` is the bytes of the linear weights and the head as loaded."""
+    from llama_runtime.checkpoints.loader import device_weight_bytes, load_weights
+
+    w = load_weights("tiny", quant, lambda s: None)
+    held = [t for lw in w.layers for n, t in lw.by_name().items() if not n.endswith("norm")] + [w.lm_head]
+    assert device_weight_bytes(w.config, quant) == sum(t.nbytes for t in held)
+    assert device_weight_bytes(LLAMA_1B, "q4nx") < device_weight_bytes(LLAMA_1B) / 3
+
+
+def test_a_model_whose_weights_cannot_fit_is_refused_in_one_line_before_loading(monkeypatch, capsys):
+    """A machine with room for the KV cache but one byte short of the weights."""
+    from llama_runtime.checkpoints.loader import device_weight_bytes
+
+    memory = namedtuple("memory", "available")
+    cfg = session_module.resolve_model("tiny", lambda s: None, "bf16").config
+    need = device_weight_bytes(cfg)
+    assert kv_cache_bytes(cfg, cfg.max_position_embeddings) < need
+    monkeypatch.setattr(kv_cache.psutil, "virtual_memory", lambda: memory(need - 1))
+
+    def no_load(*a, **k):
+        raise AssertionError("weights were loaded")
+    monkeypatch.setattr(session_module, "load_weights", no_load)
+    code = run.run_cli(["--model", "tiny", "--device", "sim", "--prompt", "hi"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "its weights in bf16 need" in err[0] and "GiB are available" in err[0]
+    assert "QUANT=q4nx" in err[0]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from llama_base.errors import PromptError
-from llama_runtime.checkpoints.loader import load_weights
+from llama_runtime.checkpoints.loader import check_fits, load_weights
 from llama_runtime.engine.device_model import DeviceModel, choose_decode
 from llama_runtime.engine.kv_cache import context_positions
 from llama_runtime.generation.logprobs import TokenLogprob, score
@@ -223,6 +223,7 @@ def build_session(model: str | ResolvedModel | None = None, device: str | Device
         if resolved.fallback_note:
             log(f"[model] {resolved.fallback_note}")   # the reason says how to get the weights
     ctx = context_positions(resolved.config, max_context)   # before any weight loads
+    check_fits(resolved, quant)
     weights = load_weights(resolved, quant, log)
     cfg = weights.config
     log(f"[model] {resolved.name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
