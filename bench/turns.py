@@ -109,6 +109,33 @@ class TurnChild:
             self.proc.wait()
 
 
+def fitting_sides(model: str, sides: list, peaks: dict[str, int], extra: int, have: int | None,
+                  notes: list[str]) -> list:
+    """The sides that can be loaded together: all of them where their peaks (and `extra`) fit
+    the available memory with headroom; else the first side (ours) and as many of the others,
+    smallest peak first, as fit beside it (a larger model's bf16 peers are what an 8B cannot
+    hold at once), the others named in a note; none where ours and one peer do not fit."""
+    def need(names) -> int:
+        return int((sum(peaks.get(n, 0) for n in names) + extra) * MEMORY_HEADROOM)
+
+    names = [name for name, *_ in sides]
+    if have is None or need(names) <= have:
+        return sides
+    kept = names[:1]
+    for name in sorted(names[1:], key=lambda n: peaks.get(n, 0)):
+        if need(kept + [name]) <= have:
+            kept.append(name)
+    if len(kept) < 2:
+        notes.append(f"{model}: decode turns skipped: the runtimes' peaks need {need(names) / 2**30:.1f} GiB "
+                     f"together, {have / 2**30:.1f} GiB is available; decode is from the rounds alone.")
+        return []
+    left = [n for n in names if n not in kept]
+    notes.append(f"{model}: {', '.join(left)} left out of the decode turns: all the runtimes' peaks need "
+                 f"{need(names) / 2**30:.1f} GiB together and {have / 2**30:.1f} GiB is available; "
+                 "their decode is from the rounds alone.")
+    return [s for s in sides if s[0] in kept]
+
+
 def decode_turns(model: str, sides: list[tuple[str, str, dict, str]], turns: int, steps: int, workdir: Path,
                  env: dict, cwd: Path, notes: list[str], log: Callable[[str], None] = print,
                  peaks: dict[str, int] | None = None,
@@ -122,14 +149,11 @@ def decode_turns(model: str, sides: list[tuple[str, str, dict, str]], turns: int
     matrix of that size (`bench.bandwidth`), whose rate in each turn, under `BANDWIDTH`, bounds
     the bursts of the same turn.
     """
+    sides = fitting_sides(model, sides, peaks or {}, bandwidth_bytes or 0, meminfo_bytes("MemAvailable"), notes)
+    if not sides:
+        return {}
     if bandwidth_bytes:
         sides = [*sides, (BANDWIDTH, "bench.bandwidth", {"matrix_bytes": bandwidth_bytes}, sys.executable)]
-    need = int((sum((peaks or {}).values()) + (bandwidth_bytes or 0)) * MEMORY_HEADROOM)
-    have = meminfo_bytes("MemAvailable")
-    if have is not None and need > have:
-        notes.append(f"{model}: decode turns skipped: the runtimes' peaks need {need / 2**30:.1f} GiB together, "
-                     f"{have / 2**30:.1f} GiB is available; decode is from the rounds alone.")
-        return {}
     children: dict[str, TurnChild] = {}
     rates: dict[str, list[float | None]] = {}
     try:

@@ -342,6 +342,23 @@ def test_turns_are_skipped_when_the_runtimes_do_not_fit_in_memory_together(tmp_p
     assert rates == {} and "decode turns skipped" in notes[0] and not (tmp_path / "x").exists()
 
 
+def test_the_largest_peers_are_left_out_of_the_turns_until_the_rest_fit():
+    """An 8B's bf16 runtimes cannot be loaded beside its 4-bit ones: they are left out, ours
+    never is, and nothing is left out where everything fits."""
+    from bench.turns import MEMORY_HEADROOM, fitting_sides
+
+    gib = 1 << 30
+    sides = [(name, "m", {}, "py") for name in (OURS, OURS_BF16, "llama.cpp q4_0", "llama.cpp q4_1")]
+    peaks = {OURS: 5 * gib, OURS_BF16: 13 * gib, "llama.cpp q4_0": 5 * gib, "llama.cpp q4_1": 6 * gib}
+    notes: list[str] = []
+    have = int(17 * gib * MEMORY_HEADROOM)
+    kept = fitting_sides("8b", sides, peaks, gib, have, notes)
+    assert [s[0] for s in kept] == [OURS, "llama.cpp q4_0", "llama.cpp q4_1"]
+    assert OURS_BF16 in notes[0] and "left out of the decode turns" in notes[0]
+    assert fitting_sides("8b", sides, peaks, gib, 40 * gib, notes) == sides and len(notes) == 1
+    assert fitting_sides("8b", sides, peaks, gib, 10 * gib, notes) == [] and "skipped" in notes[1]
+
+
 def _raw(ttft: dict[int, list[float]], decode: list[float], peak: int, **extra) -> dict:
     return {"ttft_s": {str(k): v for k, v in ttft.items()}, "decode_tok_s": decode, "peak_rss_bytes": peak, **extra}
 
