@@ -20,7 +20,7 @@ ENV_REPORTS = "LLAMA_NPU_REPORTS"
 
 # Every folder under `cache_root()`, with what it holds (the README lists the same table).
 CACHE_FOLDERS = {
-    "models": "imported and generated checkpoints (the embedded model, GGUF files given as MODEL, llama1b-shape and the other shapes, tiny) and Q4NX weights",
+    "models": "imported and generated checkpoints (the embedded model, GGUF files given as MODEL, the llama*-shape models, the tinies) and Q4NX weights",
     "kernels": "KernelCache entries, one folder per target kind (stitched MLIR, launch programs, ELFs)",
     "native": "the native CPU library, one build per ISA class and source digest (the least recently used removed beyond a few), "
               "and which of two rival classes this CPU ran faster",
