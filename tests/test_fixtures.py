@@ -210,6 +210,34 @@ def test_llama1b_shape_has_the_real_llama_tokenizer(llama1b_dir):
     assert tok.encode_prompt("Hello", chat=False)[0] == LlamaConfig().bos_token_id
 
 
+def test_a_shape_checkpoint_is_written_a_tensor_at_a_time_untied_and_sharded(tmp_path, monkeypatch):
+    """The 8B's build at a small scale: an untied head in a file of its own, four shards the
+    loader reads back, each tensor drawn from a generator of its own in blocks of rows (the
+    same bytes whatever came before it, and whatever the block size)."""
+    from dataclasses import replace
+
+    from llama_base.config import LLAMA_3_1_8B
+
+    cfg = replace(LLAMA_3_1_8B, hidden_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=64, intermediate_size=512, vocab_size=1000)
+    model = builtin.ShapeModel("small-8b", cfg, 4)
+    monkeypatch.setattr(builtin, "_DRAW_ROWS", 96)                # several blocks a matrix
+    (a := tmp_path / "a").mkdir()
+    builtin._build_shape(a, model, seed=5)
+    index = json.loads((a / INDEX_FILE).read_text())
+    assert len(set(index["weight_map"].values())) == 4 and LM_HEAD in index["weight_map"]
+    assert LlamaConfig.from_json(a) == cfg and not cfg.tie_word_embeddings
+    w = load_weights(a)
+    assert w.lm_head.data_ptr() != w.embed.data_ptr() and not torch.equal(w.lm_head, w.embed)
+    assert w.nbytes() == index["metadata"]["total_size"]
+    assert 0.015 < w.embed.float().std().item() < 0.025 and 0.8 < w.final_norm.float().mean().item() < 1.2
+    monkeypatch.setattr(builtin, "_DRAW_ROWS", 1 << 20)           # one block: the same values
+    (b := tmp_path / "b").mkdir()
+    builtin._build_shape(b, builtin.ShapeModel("small-8b", cfg, 2), seed=5)
+    w2 = load_weights(b)
+    assert torch.equal(w2.lm_head, w.lm_head) and torch.equal(w2.layers[2].w_down, w.layers[2].w_down)
+
+
 # ---- build once, rebuild when stale ------------------------------------------------------------
 
 def test_fixtures_live_in_the_cache_and_once_built_are_only_checked(embedded_dir, monkeypatch):
@@ -309,11 +337,11 @@ def test_cache_concurrent_callers_share_one_build(private_cache):
 
 
 def test_balanced_shards_keep_order_and_split_bytes_evenly():
-    tensors = {f"t{i}": torch.zeros(n, dtype=torch.bfloat16) for i, n in enumerate([50, 10, 10, 10, 10, 10])}
-    shards = balanced_shards(tensors, 2)
-    assert [n for s in shards for n in s] == list(tensors)
+    sizes = {f"t{i}": n for i, n in enumerate([100, 20, 20, 20, 20, 20])}
+    shards = balanced_shards(sizes, 2)
+    assert [n for s in shards for n in s] == list(sizes)
     assert shards == [["t0"], ["t1", "t2", "t3", "t4", "t5"]]
-    assert balanced_shards({"only": torch.zeros(4)}, 2) == [["only"]]
+    assert balanced_shards({"only": 8}, 2) == [["only"]]
 
 
 def test_missing_source_packages_give_install_hints(monkeypatch):

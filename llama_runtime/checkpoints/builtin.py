@@ -203,27 +203,10 @@ def _shape_tensor(shape: tuple[int, ...], seed: int, index: int) -> "torch.Tenso
 
 def _build_shape(folder: Path, model: ShapeModel, seed: int) -> None:
     """The folder, one tensor in memory at a time: the 8B's 16 GB of bf16 never are at once."""
-    import json
-
-    import torch
-
-    from llama_runtime.checkpoints.writer import INDEX_FILE, write_configs, write_streaming
+    from llama_runtime.checkpoints.writer import write_configs, write_sharded_streaming
 
     specs = _shape_specs(model.config)
-    nbytes = [torch.Size(shape).numel() * dtype.itemsize for _, dtype, shape in specs]
-    total, running, shards = sum(nbytes), 0, [[] for _ in range(model.shards)]
-    for i, n in enumerate(nbytes):          # a tensor goes to the shard its first byte falls in
-        shards[min(running * model.shards // total, model.shards - 1)].append(i)
-        running += n
-    shards = [s for s in shards if s]
-    weight_map = {}
-    for k, shard in enumerate(shards, start=1):
-        fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        write_streaming(folder / fname, [specs[i] for i in shard],
-                        ((specs[i][0], _shape_tensor(specs[i][2], seed, i)) for i in shard), {"format": "pt"})
-        weight_map.update({specs[i][0]: fname for i in shard})
-    (folder / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                indent=2) + "\n")
+    write_sharded_streaming(folder, specs, lambda i: _shape_tensor(specs[i][2], seed, i), model.shards)
     write_configs(folder, model.config)
     src = llama_tokenizer_dir()
     for name in TOKENIZER_FILES:

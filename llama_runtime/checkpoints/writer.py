@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -28,15 +28,16 @@ def write_configs(folder: Path, cfg: LlamaConfig, pad_token_id: int | None = Non
     (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
 
-def balanced_shards(tensors: Mapping[str, torch.Tensor], n_shards: int) -> list[list[str]]:
-    """Split tensor names, in their order, into `n_shards` runs of roughly equal byte size."""
-    total = sum(t.nbytes for t in tensors.values())
+def balanced_shards(nbytes: Mapping[str, int], n_shards: int) -> list[list[str]]:
+    """Split tensor names, in their order, into `n_shards` runs of roughly equal byte size
+    (`nbytes`: each tensor's size)."""
+    total = sum(nbytes.values())
     shards: list[list[str]] = [[] for _ in range(n_shards)]
     running = 0
-    for name, t in tensors.items():
+    for name, n in nbytes.items():
         # A tensor goes to the shard its first byte falls in.
         shards[min(running * n_shards // max(total, 1), n_shards - 1)].append(name)
-        running += t.nbytes
+        running += n
     return [s for s in shards if s]
 
 
@@ -61,6 +62,23 @@ def write_sharded(folder: Path, tensors: Mapping[str, torch.Tensor], shards: Seq
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return paths
+
+
+def write_sharded_streaming(folder: Path, specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
+                            make: Callable[[int], torch.Tensor], n_shards: int) -> None:
+    """`specs` (name, dtype, shape) in `n_shards` files with a weight-map index, tensor `i`
+    made by `make(i)` as its file is written: one tensor in memory at a time."""
+    sizes = {name: torch.Size(shape).numel() * dtype.itemsize for name, dtype, shape in specs}
+    index = {name: i for i, (name, *_) in enumerate(specs)}
+    shards = balanced_shards(sizes, n_shards)
+    weight_map = {}
+    for k, shard in enumerate(shards, start=1):
+        fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        write_streaming(folder / fname, [specs[index[n]] for n in shard],
+                        ((n, make(index[n])) for n in shard), {"format": "pt"})
+        weight_map.update({n: fname for n in shard})
+    (folder / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": sum(sizes.values())},
+                                                 "weight_map": weight_map}, indent=2) + "\n")
 
 
 _SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.uint8: "U8"}
