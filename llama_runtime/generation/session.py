@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from llama_base.errors import PromptError
+from llama_base.errors import CheckpointError, PromptError
 from llama_runtime.checkpoints.loader import check_fits, load_weights
+from multi_launch_builder.shape_check import check_tiles
 from llama_runtime.engine.device_model import DeviceModel, choose_decode
 from llama_runtime.engine.kv_cache import context_positions
 from llama_runtime.generation.logprobs import TokenLogprob, score
@@ -223,6 +224,9 @@ def build_session(model: str | ResolvedModel | None = None, device: str | Device
         if resolved.fallback_note:
             log(f"[model] {resolved.fallback_note}")   # the reason says how to get the weights
     ctx = context_positions(resolved.config, max_context)   # before any weight loads
+    problem = check_tiles(resolved.config, quant)
+    if problem:
+        raise CheckpointError(f"{resolved.name}: its shapes do not tile onto the NPU's groups: {problem}")
     check_fits(resolved, quant)
     weights = load_weights(resolved, quant, log)
     cfg = weights.config
