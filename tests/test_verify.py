@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from llama_base.config import LlamaConfig
-from llama_runtime.checkpoints.resolve import EMBEDDED, LLAMA1B_SHAPE
+from llama_runtime.checkpoints.resolve import EMBEDDED, LLAMA1B_SHAPE, TINY_HD128
 from npu_runtime.cache import KernelCache
 from npu_runtime.sim import ops as sim_ops
 from verify import __main__ as verify_cli
@@ -160,3 +160,12 @@ def test_llama1b_shape_every_layer_matches_hf(reports):
     assert [i for i, d in enumerate(run.layers) if d.cosine < COSINE_FLOOR] == []
     assert run.first_low_layer is None      # no row of any layer under the floor either
     assert run.our_top1 == run.hf_top1 or run.hf_top1_rank_in_ours <= TOP_K
+
+
+def test_head_dim_128_and_an_untied_head_match_hf_layer_by_layer_and_token_by_token(reports, capsys):
+    """The 3B's and 8B's attention and head at the tiny scale (`tiny-hd128`): every layer's
+    prefill against HF's, then the verification gate on generated tokens."""
+    run = run_diagnosis(TINY_HD128, "sim", log=lambda _: None)
+    assert run.first_low_layer is None and not [d for d in run.layers if d.cosine < COSINE_FLOOR]
+    rc = verify_cli.main(["--model", TINY_HD128, "--device", "sim", "--prompts", "1", "--n-tokens", "12"])
+    assert rc == 0 and "[verify] PASS" in capsys.readouterr().out.splitlines()
