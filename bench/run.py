@@ -258,6 +258,22 @@ def bench_depths(model: str, plan: Plan, device: str, llamacpp, work: Path, note
     if prep.get("error"):
         notes.append(f"{model}: {OURS}'s untimed build for the depth sweep failed: {prep['error'].splitlines()[0]}")
     rounds: dict[str, dict[int, list[dict]]] = {name: {d: [] for d in kept} for name, *_ in chosen}
+    try:
+        _depth_rounds(model, plan, kept, chosen, ids, base, ours_ctx, rounds, work, notes, log)
+    except KeyboardInterrupt:       # an hour's sweep: what finished is kept and reported
+        done = min(len(v) for by_depth in rounds.values() for v in by_depth.values())
+        notes.append(f"{model}: the depth sweep was interrupted (Ctrl-C) after {done} whole round(s) of "
+                     f"{plan.depth_rounds}: its figures are the medians of the runs that finished.")
+        out["interrupted"] = True
+    out["runs"] = {name: {str(d): merge_depth_rounds(results) for d, results in by_depth.items() if results}
+                   for name, by_depth in rounds.items()}
+    return out
+
+
+def _depth_rounds(model: str, plan: Plan, kept, chosen, ids, base: dict, ours_ctx: int,
+                  rounds: dict[str, dict[int, list[dict]]], work: Path, notes: list[str], log) -> None:
+    """The sweep's children, round by round, depth by depth, the runtimes in turn: each result
+    into `rounds` as it comes, so an interrupted sweep keeps what finished."""
     for r in range(plan.depth_rounds):
         for d in kept:
             for name, module, extra, python in chosen:
@@ -274,9 +290,6 @@ def bench_depths(model: str, plan: Plan, device: str, llamacpp, work: Path, note
                 if busy is not None and busy > BUSY_CORES:
                     notes.append(f"{model}: while {name} ran at depth {depth_label(d)} (round {r + 1}), other "
                                  f"processes used {busy:.2f} cores on average: its times may be slow.")
-    out["runs"] = {name: {str(d): merge_depth_rounds(results) for d, results in by_depth.items()}
-                   for name, by_depth in rounds.items()}
-    return out
 
 
 def decode_calls(measured: list, plan: Plan, device: str, log: Callable[[str], None]) -> dict[str, dict]:
@@ -324,11 +337,16 @@ def run_bench(models: list[str], plan: Plan, device: str = "auto", skip_llamacpp
                 depth = bench_depths(model, plan, device, llamacpp, Path(tmp), notes, log, {})
                 data["models"].append({"model": model, "quant": plan.quant, "depth_only": True,
                                        "depth": summarize_depths(depth, plan)})
-                continue
-            cfg, raw, folder, turn_bandwidth = bench_model(model, plan, device, llamacpp, Path(tmp), notes,
-                                                           sample_bandwidth, log)
-            depth = bench_depths(model, plan, device, llamacpp, Path(tmp), notes, log, raw) if plan.depths else None
-            measured.append((model, cfg, raw, folder, turn_bandwidth, depth))
+            else:
+                cfg, raw, folder, turn_bandwidth = bench_model(model, plan, device, llamacpp, Path(tmp), notes,
+                                                               sample_bandwidth, log)
+                depth = bench_depths(model, plan, device, llamacpp, Path(tmp), notes, log, raw) if plan.depths else None
+                measured.append((model, cfg, raw, folder, turn_bandwidth, depth))
+            if depth is not None and depth.get("interrupted"):
+                left = models[models.index(model) + 1:]
+                if left:
+                    notes.append(f"not measured after the interruption: {', '.join(left)}.")
+                break
         if plan.depth_only:
             sample_bandwidth("the depth sweep")
     bw = data["bandwidth"] = summarize_bandwidth(samples)

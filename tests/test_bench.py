@@ -888,6 +888,33 @@ def test_the_depth_sweep_takes_turns_depth_by_depth_and_sizes_each_context(tmp_p
     assert [t["status"] != "n/a" for t in d["targets"]] == [True, True, True, True]
 
 
+def test_an_interrupted_depth_sweep_keeps_and_reports_what_finished(tmp_path, monkeypatch):
+    """Ctrl-C in the second round's second child: the first round and the child that finished
+    are summarized, with a note; the deepest depth of round 1 is there, so memory is too."""
+    lc = f"{LLAMACPP} bf16"
+    calls = []
+
+    def run_side(module, job, workdir, python, log, timeout_s=bench_run.SIDE_TIMEOUT_S):
+        calls.append(job.get(DEPTH))
+        if len(calls) == 1 + 2 * len(QUICK.depths) + 2:         # the prepare child, round 1, then two more
+            raise KeyboardInterrupt
+        d = job.get(DEPTH) or 64
+        return {"ttft_s": d / 1000, "decode_tok_s": 1000 / d, "peak_rss_bytes": (1 << 30) + d * 4096,
+                "load_s": 1.0, "other_cores": 0.0, "wall_s": 1.0, "info": {"resident_bytes": {"static": 1 << 30}}}
+
+    monkeypatch.setattr(bench_run, "_sides", lambda *a: [(OURS, "m", {}, sys.executable), (lc, "m", {}, sys.executable)])
+    monkeypatch.setattr(bench_run, "run_side", run_side)
+    notes: list[str] = []
+    raw = bench_run.bench_depths(EMBEDDED, QUICK, "sim", None, tmp_path, notes, lambda _: None,
+                                 {lc: _raw({32: [0.1]}, [5.0], 1)})
+    assert raw["interrupted"] and "interrupted (Ctrl-C) after 1 whole round(s) of 2" in notes[-1]
+    first, deep = (str(d) for d in QUICK.depths)
+    assert len(raw["runs"][OURS][first]["decode_tok_s"]) == 2 and len(raw["runs"][lc][first]["decode_tok_s"]) == 1
+    assert len(raw["runs"][OURS][deep]["decode_tok_s"]) == 1
+    d = summarize_depths(raw, QUICK)
+    assert d["by_depth"][deep]["ratios"]["decode"] == pytest.approx(1.0) and "ratio" in d["memory"]
+
+
 def test_the_depth_plot_is_a_png_with_a_line_per_runtime(tmp_path):
     lc = f"{LLAMACPP} bf16"
     by_depth = {str(k): {"runtimes": {OURS: {"decode_tok_s": r}, lc: {"decode_tok_s": r / 1.3}}, "ratios": {}}
