@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -112,7 +113,7 @@ def check_tiles(cfg: LlamaConfig, quant: str = "bf16", memo: Path | None = None)
     problem = tiling_problem(cfg, quant)
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")     # another process may write the same verdict
         tmp.write_text(json.dumps({"problem": problem}))
         tmp.replace(path)
     except OSError:

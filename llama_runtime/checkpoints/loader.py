@@ -9,9 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 import psutil
+import torch
 
 from llama_base import q4nx
 from llama_base.config import LlamaConfig, layer_shapes

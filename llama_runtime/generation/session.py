@@ -18,7 +18,6 @@ from typing import Callable, Sequence
 
 from llama_base.errors import CheckpointError, PromptError
 from llama_runtime.checkpoints.loader import check_fits, load_weights
-from multi_launch_builder.shape_check import check_tiles
 from llama_runtime.engine.device_model import DeviceModel, choose_decode
 from llama_runtime.engine.kv_cache import context_positions
 from llama_runtime.generation.logprobs import TokenLogprob, score
@@ -32,6 +31,7 @@ from npu_runtime.api import Device
 from npu_runtime.cache import KernelCache
 from npu_runtime.devices import open_device
 from npu_runtime.profiler import NULL_PROFILER, Profiler
+from multi_launch_builder.shape_check import check_tiles
 
 
 
