@@ -27,12 +27,11 @@ from llama_runtime.generation.sampling import Sampler, SamplingParams
 from llama_runtime.generation.stops import StopText
 from llama_runtime.generation.tokens import TokenStream, read_prompt
 from llama_runtime.text.tokenizer import StreamDecoder, Tokenizer
+from multi_launch_builder.shape_check import check_tiles
 from npu_runtime.api import Device
 from npu_runtime.cache import KernelCache
 from npu_runtime.devices import open_device
 from npu_runtime.profiler import NULL_PROFILER, Profiler
-from multi_launch_builder.shape_check import check_tiles
-
 
 
 @dataclass
