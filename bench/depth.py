@@ -32,7 +32,9 @@ def depth_peer(plan: Plan, raw: dict[str, dict]) -> tuple[str | None, str]:
     one converted in a depth-only run). None where llama.cpp was not measured."""
     if plan.quant == "bf16":
         name = f"{LLAMACPP} bf16"
-        return (name, "the same weights class, bf16") if name in raw or plan.depth_only else (None, "llama.cpp not measured")
+        if name in raw or plan.depth_only:
+            return name, "the same weights class, bf16"
+        return None, "llama.cpp not measured"
     four_bit = [f"{LLAMACPP} {t}" for t in plan.gguf_types if t in GGUF_TYPES["q4nx"]]
     if plan.depth_only:
         return (four_bit[0], f"a depth-only run times no rounds to rank the 4-bit types by: "
