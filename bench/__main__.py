@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"context depths of the decode-at-depth section, comma-separated, or none "
                          f"(default {','.join(map(str, FULL.depths))}; --quick {','.join(map(str, QUICK.depths))})")
     ap.add_argument("--depth-only", action="store_true",
-                    help="only decode at depth (no rounds, turns or perplexity; the 4-bit peer is then llama.cpp's q4_0)")
+                    help="only decode at depth (no rounds, turns or perplexity; the 4-bit peer is then "
+                         "llama.cpp's q4_0)")
     ap.add_argument("--skip-llamacpp", action="store_true", help="do not build or run llama.cpp")
     ap.add_argument("--rebuild-llamacpp", action="store_true", help="retry a llama.cpp build that failed before")
     ap.add_argument("--cpu-class", default="native", choices=tuple(CPU_CLASSES),
