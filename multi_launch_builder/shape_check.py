@@ -8,8 +8,8 @@ are declared at their smallest sizes, and the ones whose tilings depend on the s
 different ways (the projections, the FFN, the head, prefill and decode attention) are built and
 validated: a problem is one line naming the dimension and the rule it breaks.
 
-The verdict is kept under the kernel cache, keyed by the shapes, the format and this code's
-own source and that of the builders it runs, so a model that passed costs a file lookup on
+The verdict is kept under the kernel cache, keyed by the shapes, the format and what the
+builders are made from (`sources.builder_sources_hash`, the kernel cache's key too), so a model that passed costs a file lookup on
 every later start (the first costs about a second).
 """
 from __future__ import annotations
@@ -21,14 +21,13 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-import kernel_builder
-import multi_launch_builder
 from kernel_builder import fused_groups, groups
 from llama_base.config import LlamaConfig
 from llama_base.group_contract import KernelGroup
 from llama_base.paths import kernels_dir
 from multi_launch_builder import compile as compile_module
 from multi_launch_builder.mlir_validate import MlirValidationError
+from multi_launch_builder.sources import builder_sources_hash
 
 ATTENTION_OPS = ("flash_attn", "decode_attn", "attn_merge", "kv_append")
 MATMUL_OPS = ("gemm", "gemv", "gemm_q4nx", "gemv_q4nx")
@@ -93,12 +92,9 @@ def tiling_problem(cfg: LlamaConfig, quant: str = "bf16") -> str | None:
 
 
 def _key(cfg: LlamaConfig, quant: str) -> str:
-    """The shapes, the format, and every source file of the builders and the validator."""
-    h = hashlib.sha256(json.dumps([{k: getattr(cfg, k) for k in SHAPE_KEYS}, quant]).encode())
-    for package in (kernel_builder, multi_launch_builder):
-        for f in sorted(Path(package.__file__).parent.rglob("*.py")):
-            h.update(f.read_bytes())
-    return h.hexdigest()[:20]
+    """The shapes, the format, and what the builders and the validator are made from."""
+    return hashlib.sha256(json.dumps([{k: getattr(cfg, k) for k in SHAPE_KEYS}, quant,
+                                      builder_sources_hash()]).encode()).hexdigest()[:20]
 
 
 def check_tiles(cfg: LlamaConfig, quant: str = "bf16", memo: Path | None = None) -> str | None:

@@ -38,39 +38,17 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-import kernel_builder
-import multi_launch_builder
 from llama_base.group_contract import KernelGroup
-from llama_base import group_contract, weight_formats
 from llama_base.errors import KernelCacheError
 from llama_base.paths import kernels_dir
+from multi_launch_builder.sources import builder_sources_hash
 from npu_runtime.api import Device, DeviceError, Kernel
 
 # Bump when an entry's layout or manifest changes: entries written in another layout are rebuilt, never read.
 FORMAT_VERSION = 2
-# What a compiled artifact is made from: the build-time packages, whole. The run side (this
-# package, the model runtime) changes how an artifact is used, never what it contains.
-_BUILD_PACKAGES = (kernel_builder, multi_launch_builder)
-# and the contract the builders declare groups in, which lives below them.
-_BUILD_MODULES = (group_contract, weight_formats)
 # Entries kept per group name and target: one per declaration, so that about this many models
 # (each its own shapes) alternate without recompiling. Past it the least recently used goes.
 DECLARATIONS_KEPT = 4
-
-
-def builder_sources_hash() -> str:
-    h = hashlib.sha256()
-    for pkg in _BUILD_PACKAGES:
-        root = Path(pkg.__file__).resolve().parent
-        for p in sorted(root.rglob("*")):
-            if p.suffix not in (".py", ".cc", ".h") or "__pycache__" in p.parts:
-                continue
-            h.update(f"{pkg.__name__}/{p.relative_to(root)}".encode())
-            h.update(p.read_bytes())
-    for mod in _BUILD_MODULES:
-        h.update(mod.__name__.encode())
-        h.update(Path(mod.__file__).read_bytes())
-    return h.hexdigest()
 
 
 def _manifest(entry: Path) -> dict:

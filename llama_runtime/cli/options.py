@@ -16,8 +16,8 @@ from llama_runtime.engine.device_model import DECODE_MODES
 from llama_runtime.engine.kv_cache import DEFAULT_MAX_CONTEXT
 from npu_runtime.devices import DEVICE_KINDS
 
-MODEL_HELP = ("instruct | base | embedded | llama1b-shape | llama3b-shape | llama8b-shape | tiny | tiny-hd128 | a local folder | "
-              "a .gguf file | a HF repo id (default: %(default)s)")
+MODEL_HELP = ("instruct | base | embedded | llama1b-shape | llama3b-shape | llama8b-shape | tiny | tiny-hd128 | "
+              "a local folder | a .gguf file | a HF repo id (default: %(default)s)")
 DEVICE_HELP = "where the model runs (default: %(default)s)"
 QUANT_HELP = ("weight format: bf16, or q4nx (4-bit, made from the checkpoint on first use and cached; "
               "default: %(default)s)")

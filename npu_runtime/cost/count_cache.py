@@ -32,7 +32,7 @@ FORMAT_VERSION = 1
 def sources_hash() -> str:
     """The builders' sources (the KernelCache's own hash of them), the package they import their
     numbers from, and the counter's."""
-    from npu_runtime.artifacts import builder_sources_hash
+    from multi_launch_builder.sources import builder_sources_hash
 
     h = hashlib.sha256(builder_sources_hash().encode())
     root = Path(llama_base.__file__).resolve().parent
