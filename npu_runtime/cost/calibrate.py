@@ -23,14 +23,14 @@ from functools import lru_cache
 import numpy as np
 
 from llama_base import group_contract
-from llama_base.config import LLAMA_3_2_3B, LlamaConfig
+from llama_base.config import LLAMA_3_2_1B, LLAMA_3_2_3B, LlamaConfig
 from npu_runtime.cost.hardware import (BF16_MACS_PER_CYCLE, CHANNEL_BYTES_PER_CYCLE, CLOCK_HZ, CORE_CHANNELS,
                                        DMA_TRANSFER_CYCLES, MEMTILE_CHANNELS, SHIM_CHANNELS_PER_COLUMN,
                                        VECTOR_LANES, Calibration)
 from npu_runtime.cost.model import estimate_phases, group_counts, phase_groups
 
 PROMPT = 2048
-LLAMA_1B = LlamaConfig()
+LLAMA_1B = LLAMA_3_2_1B
 SMOLLM2_1_7B = LlamaConfig(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
                            head_dim=64, intermediate_size=8192, vocab_size=49152, rope_scaling=None)
 

@@ -30,13 +30,13 @@ from functools import lru_cache
 
 import numpy as np
 
-from llama_base.config import LlamaConfig
+from llama_base.config import LLAMA_3_2_1B, LlamaConfig
 from npu_runtime.cost.fused import ATTENTION_OP, fused_counts, fused_decode_estimate, fused_group, weight_bytes
 from npu_runtime.cost.hardware import (BF16_MACS_PER_CYCLE, CHANNEL_BYTES_PER_CYCLE, CLOCK_HZ, CORE_CHANNELS,
                                        DMA_TRANSFER_CYCLES, FITTED, MEMTILE_CHANNELS, SHIM_CHANNELS_PER_COLUMN,
                                        VECTOR_LANES, Calibration)
 
-LLAMA_1B = LlamaConfig()
+LLAMA_1B = LLAMA_3_2_1B
 QUANT = "q4nx"
 K = 1024
 
