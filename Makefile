@@ -20,17 +20,19 @@ JSON_SCHEMA ?=
 HOST      ?=
 PORT      ?=
 QUEUE_SIZE ?=
+THREADS   ?=
 export PROMPT STOP JSON_SCHEMA
 
 RUN_ARGS = --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)" --decode "$(DECODE)" --n-tokens "$(N_TOKENS)" \
 	--temperature "$(TEMPERATURE)" --top-k "$(TOP_K)" --top-p "$(TOP_P)" \
 	--repetition-penalty "$(REPETITION_PENALTY)" $(if $(SEED),--seed "$(SEED)") \
-	$(if $(MAX_CONTEXT),--max-context "$(MAX_CONTEXT)") \
+	$(if $(MAX_CONTEXT),--max-context "$(MAX_CONTEXT)") $(if $(THREADS),--threads "$(THREADS)") \
 	$(if $(STOP),--stop "$$STOP") $(if $(JSON_SCHEMA),--json-schema "$$JSON_SCHEMA")
 
 # Empty HOST/PORT/QUEUE_SIZE leave the server's own defaults (127.0.0.1, 8000, 16);
 # CORS_ORIGINS is a space-separated list of web origins allowed to call the API (default none).
 SERVE_ARGS = --model "$(MODEL)" --device "$(DEVICE)" --quant "$(QUANT)" --decode "$(DECODE)" $(if $(MAX_CONTEXT),--max-context "$(MAX_CONTEXT)") \
+	$(if $(THREADS),--threads "$(THREADS)") \
 	$(if $(HOST),--host "$(HOST)") $(if $(PORT),--port "$(PORT)") $(if $(QUEUE_SIZE),--queue-size "$(QUEUE_SIZE)") \
 	$(foreach o,$(CORS_ORIGINS),--cors-origin "$(o)")
 
@@ -61,6 +63,7 @@ help:
 	@echo "           STOP (end the answer at this text) JSON_SCHEMA (a schema file or JSON the answer must follow)"
 	@echo "           DECODE=auto|layers|fused (2 device calls a layer + host attention, or 1 call a token with"
 	@echo "                  the KV cache and attention on the device; auto: the faster on DEVICE)"
+	@echo "           THREADS=N (host threads for the CPU kernels, fixed; default: the cores other work leaves free)"
 	@echo "           make serve: HOST (127.0.0.1) PORT (8000) QUEUE_SIZE (16) MODEL DEVICE MAX_CONTEXT"
 	@echo "                       CORS_ORIGINS (none; e.g. \"http://localhost:5173\")"
 

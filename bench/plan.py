@@ -38,6 +38,10 @@ double the sweep. Our KV cache holds the deepest depth plus its decode steps in 
 (its pages are committed only as they are written), llama.cpp's n_ctx each child's own depth
 plus its steps. Depths past a model's `max_position_embeddings` are skipped with the reason.
 The TTFT targets are read at `depth_ttft_targets`. `only_depth` keeps the sweep alone.
+
+Under load (`bench.load`): in each of `load_rounds` rounds, the decode-length prompt's TTFT and
+the decode steps after it, ours and its llama.cpp peer, with one core (and half of them, on
+machines with four CPUs or more) held by busy loops; and ours on one thread, idle.
 """
 from __future__ import annotations
 
@@ -90,6 +94,7 @@ class Plan:
     depth_warmup_steps: int = 8       # ... and this many decode steps after it
     depth_ttft_targets: tuple[int, ...] = (8192, 32768)   # the depths whose TTFT has a target
     depth_only: bool = False          # the depth sweep alone: no rounds, turns or perplexity (`only_depth`)
+    load_rounds: int = 3              # rounds under load (`bench.load`); 0 leaves the section out
     quick: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -110,6 +115,8 @@ class Plan:
             raise ValueError("a depth child's warm-up steps must be among the positions its decode times")
         if not set(self.depth_ttft_targets) <= set(self.depths):
             raise ValueError("a TTFT target's depth must be one of the depths")
+        if self.load_rounds < 0:
+            raise ValueError("the rounds under load are a count: 0 leaves them out")
         if self.depth_only and not self.depths:
             raise ValueError("a depth-only run needs at least one depth")
 
@@ -127,7 +134,7 @@ QUICK = Plan(prompt_lengths=(32,), decode_length=32, n_decode=4, rounds=2, runs=
              turns=2, turn_steps=2,
              max_context=128,
              depths=(64, 256), depth_decode=8, depth_rounds=2, depth_warmup_tokens=32, depth_warmup_steps=2,
-             depth_ttft_targets=(256,),
+             depth_ttft_targets=(256,), load_rounds=1,
              bandwidth_bytes=GIB // 4, gguf_types=GGUF_TYPES["bf16"][:1], perplexity_chunks=1, perplexity_len=32,
              quick=True,
              notes=("quick smoke run: fewer, shorter measurements and a 256 MiB bandwidth matrix; "
@@ -146,7 +153,7 @@ def only_depth(plan: Plan) -> Plan:
     types of the weights class decodes fastest, and the sweep's peer is the class's first
     (bf16 for bf16; for 4-bit, Q4_0, whose weights llama.cpp repacks for its x86 kernels), the
     only one converted."""
-    return replace(plan, depth_only=True, gguf_types=GGUF_TYPES[plan.quant][:1])
+    return replace(plan, depth_only=True, gguf_types=GGUF_TYPES[plan.quant][:1], load_rounds=0)
 
 
 def depth_label(depth: int) -> str:

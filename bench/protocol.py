@@ -12,7 +12,8 @@ A child can instead score chunks of text for perplexity, untimed (`verify.scorin
 runner then also has `score(ids)`), or serve decode turns (`serve_turns`, see `bench.turns`):
 stay loaded and decode a short burst each time the parent asks, so the runtimes' bursts can
 alternate within seconds of each other, or only be built (`PREPARE`), untimed, so that the
-caches a first build fills are full before anything is timed. A child of the depth sweep
+caches a first build fills are full before anything is timed. A child measured under load
+(`BUSY`) starts that many busy loops once loaded and stops them when done (`bench.load`). A child of the depth sweep
 (`DEPTH`) times one deep prompt's TTFT and the decode steps after it (`measure_depth`); its
 prepare job (`DEPTHS`) asks our side to compile what those prompts will call.
 
@@ -21,10 +22,12 @@ under an interpreter that has nothing but llama-cpp-python.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -42,6 +45,8 @@ DECODE_SPLIT = "decode_split"  # result key of a prepare job: a decode step insi
 DEPTH = "depth"            # job key: time this one prompt length's TTFT and decode (`measure_depth`)
 DEPTH_WARMUP = "depth_warmup"   # job key: [prompt ids, decode steps] of a depth child's untimed warm-up
 DEPTHS = "depths"          # job key of a prepare job: the depths the sweep will time, to compile for
+BUSY = "busy_cores"        # job key: measure with this many busy loops running beside (`bench.load`)
+BUSY_START_S = 0.3         # the loops run this long before the first timed call: already on their cores
 
 
 def turn_pipes(job: dict):
@@ -71,6 +76,35 @@ def peak_rss_bytes() -> int:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # KiB on Linux
+
+
+@contextlib.contextmanager
+def busy_loops(n: int):
+    """`n` single-threaded busy processes while the block runs; yields a callable that gives
+    the cores they ran on so far (their CPU time over the wall time since they started)."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    t0 = time.perf_counter()
+    try:
+        time.sleep(BUSY_START_S if n else 0)
+
+        def held() -> float | None:
+            ns = [_cpu_ns(p.pid) for p in procs]
+            if not procs or None in ns:
+                return None
+            return sum(ns) / 1e9 / (time.perf_counter() - t0)
+        yield held
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def _cpu_ns(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def measure(runner, prompts: dict[int, list[int]], decode_length: int, n_decode: int, runs: int,
@@ -183,8 +217,11 @@ def child_main(make_runner: Callable[[dict], tuple[object, dict]], argv: list[st
         elif DEPTH in job and not job.get(PREPARE):
             result.update(measure_depth(runner, prompts[job[DEPTH]], job["n_decode"], *job.get(DEPTH_WARMUP, (0, 0))))
         elif not job.get(PREPARE):
-            result.update(measure(runner, prompts, job["decode_length"], job["n_decode"], job["runs"],
-                                  job["warmup"], job.get("short_runs", 1), job.get("short_limit", 0)))
+            with busy_loops(job.get(BUSY, 0)) as held:
+                result.update(measure(runner, prompts, job["decode_length"], job["n_decode"], job["runs"],
+                                      job["warmup"], job.get("short_runs", 1), job.get("short_limit", 0)))
+                if job.get(BUSY):
+                    result["busy"] = {"cores": job[BUSY], "held_cores": held()}
         elif DEPTHS in job:
             if hasattr(runner, "compile_depths"):   # ours: attention groups of each chunk's offset, fused windows
                 result["depth_groups_compiled"] = runner.compile_depths(job[DEPTHS], job["n_decode"])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import statistics
 
+from bench.load import load_section
 from bench.plan import depth_label
 from bench.protocol import PERPLEXITY
 from bench.summary import OURS
@@ -259,6 +260,7 @@ def markdown(data: dict) -> str:
             if s.get("error"):
                 lines.append(f"\n- {LABELS.get(name, name)} failed: {s['error']}")
     lines += depth_section(data)
+    lines += load_section(data)
     if data.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {n}" for n in data["notes"]]
     return "\n".join(lines)

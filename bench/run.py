@@ -24,6 +24,7 @@ from bench.bandwidth import Bandwidth, Stream, measure_bandwidth
 from bench.bandwidth import summarize as summarize_bandwidth
 from bench.bound import decode_call_bytes
 from bench.depth import depth_peer, merge_depth_rounds, plot_depths, summarize_depths
+from bench.load import LOAD, bench_under_load, summarize_load
 from bench.machine import cpu_sample, describe, other_cores
 from bench.plan import Plan, depth_label, prompt_ids, split_depths
 from bench.protocol import (DECODE_SPLIT, DEPTH, DEPTH_WARMUP, DEPTHS, JOB_FILE, PERPLEXITY, PREPARE, PROJECT_ROOT,
@@ -218,6 +219,9 @@ def bench_model(model: str, plan: Plan, device: str, llamacpp, work: Path, notes
         for name, series in rates.items():
             raw[name]["decode_turns_tok_s"] = series
         sample_bandwidth(f"{model} decode turns")
+    if plan.load_rounds:
+        raw[LOAD] = bench_under_load(model, plan, sides, raw, base, work, run_side, log)
+        sample_bandwidth(f"{model} under load")
     _perplexity(model, folder, cfg, plan, sides, base, work, raw, notes, log)
     return cfg, raw, str(folder), turn_bandwidth
 
@@ -355,11 +359,13 @@ def run_bench(models: list[str], plan: Plan, device: str = "auto", skip_llamacpp
                      "GB/s during the run (a shared host): the bound and the % of it are approximate.")
     calls = decode_calls(measured, plan, device, log)
     for model, cfg, raw, folder, turn_bandwidth, depth in measured:
+        load = raw.pop(LOAD, None)
         summary = summarize_model(model, cfg, model == EMBEDDED, plan.prompt_lengths, plan.max_context, raw,
                                   bw["bytes_per_s"], quant=plan.quant, turn_bandwidth=turn_bandwidth,
                                   call_structure=calls.get(model))
         data["models"].append({**summary, "folder": folder,
-                               **({"depth": summarize_depths(depth, plan)} if depth is not None else {})})
+                               **({"depth": summarize_depths(depth, plan)} if depth is not None else {}),
+                               **({"load": summarize_load(load, plan)} if load is not None else {})})
         for name in summary["bound_readers"]:
             frac = summary["bound_fraction"].get(name)
             if frac is not None and frac > 1:

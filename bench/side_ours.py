@@ -32,14 +32,17 @@ class BenchRunner(OurRunner):
         return model.kc.stats.compiled - before
 
     def facts(self) -> dict:
-        return {"kernels_compiled": self.session.kc.stats.compiled}
+        from cpu_kernels import threads
+
+        return {"kernels_compiled": self.session.kc.stats.compiled, "threads": threads.governor().describe()}
 
 
 def make_runner(job: dict):
     from llama32_1b_inference import build_session
 
     session = build_session(job["model"], device=job["device"], max_context=job["max_context"], log=lambda _: None,
-                            quant=job.get("quant", "bf16"), decode=job.get("decode", "auto"))
+                            quant=job.get("quant", "bf16"), decode=job.get("decode", "auto"),
+                            threads=job.get("threads"))
     info = {"device": session.device.name, "buckets": list(session.model.buckets),
             "max_context": session.model.max_context, "kv_cache_bytes": session.model.kv.nbytes,
             "resident_bytes": session.kc.resident_bytes(), "build_s": session.build_s,

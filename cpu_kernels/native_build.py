@@ -19,7 +19,7 @@ _NATIVE = Path(__file__).resolve().parent / "native"
 _SRCS = [_NATIVE / f"{name}_bf16_cpu.cc"
          for name in ("matmul", "pack", "eltwise", "attention", "flash_attention", "matmul_tiles",
                       "resident_kv")]
-_SRCS += [_NATIVE / f"{name}_cpu.cc" for name in ("q4nx", "q4nx_gemm", "rows", "stream_ahead", "program")]
+_SRCS += [_NATIVE / f"{name}_cpu.cc" for name in ("q4nx", "q4nx_gemm", "rows", "stream_ahead", "program", "team")]
 _HEADERS = [_NATIVE / "simd_bf16.h", _NATIVE / "packed_tiles.h", _NATIVE / "tiles_bf16.h", _NATIVE / "q4nx_blocks.h",
             _NATIVE / "q4nx_activations.h", _NATIVE / "stream_split.h", _NATIVE / "replayed.h"]
 # The Q4NX layout as the kernels see it: from its one declaration.

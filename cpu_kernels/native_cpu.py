@@ -145,6 +145,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
                                      ptr, i64, ptr]
     lib.rescore_rows_cpu.restype = i64
     lib.stream_ahead_set.argtypes = [i64]
+    lib.native_hold_thread.argtypes = [ctypes.c_int]
+    lib.native_taken.argtypes, lib.native_taken.restype = [ctypes.c_int], i64
     lib.native_program_max_args.restype = i64
     lib.replayed = replayed_functions(lib)
     for name, (_, kinds) in lib.replayed.items():

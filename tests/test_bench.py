@@ -26,9 +26,10 @@ from bench.bound import decode_bound_tokens_per_s, decode_bytes_per_token, kv_ca
 from bench.gguf_convert import trim_tokenizer_files
 from bench.llamacpp_build import AMX_SWITCHES, cmake_args
 from bench.depth import depth_peer, merge_depth_rounds, plot_depths, summarize_depths
+from bench.load import loads, summarize_load
 from bench.plan import FULL, QUICK, depth_label, only_depth, prompt_ids, split_depths, with_depths
-from bench.protocol import (DECODE_SPLIT, DEPTH, JOB_FILE, PREPARE, PROJECT_ROOT, RESULT_FILE, child_main, measure,
-                            measure_depth, serve_turns)
+from bench.protocol import (DECODE_SPLIT, DEPTH, JOB_FILE, PREPARE, PROJECT_ROOT, RESULT_FILE, busy_loops, child_main,
+                            measure, measure_depth, serve_turns)
 from bench.render import depth_table
 from bench.render import model_table as render_model_table
 from bench.run import merge_rounds, run_side
@@ -452,9 +453,11 @@ def test_runtimes_take_turns_round_by_round_and_their_rounds_merge(monkeypatch, 
     assert order == [("bench.side_ours", "round1"), ("bench.side_hf", "round1"),
                      ("bench.side_ours", "round2"), ("bench.side_hf", "round2"),
                      ("turns", [OURS, HF], QUICK.turns, QUICK.turn_steps, {OURS: 300, HF: 400}),
+                     ("bench.side_ours", "one-thread-round1"),      # under load: ours alone (no llama.cpp peer)
+                     *[("bench.side_ours", f"ours-{busy}-round1") for busy in loads()],
                      ("bench.side_ours", "ppl"), ("bench.side_hf", "ppl")]
-    assert raw[HF]["perplexity"]["top1"] == [7] * QUICK.perplexity_len
-    assert len(samples) == 5                                   # bandwidth after every child and after the turns
+    assert raw[HF]["perplexity"]["top1"] == [8 + len(loads())] * QUICK.perplexity_len
+    assert len(samples) == 6                # bandwidth after every child, after the turns, after the load rounds
     assert raw[OURS]["decode_turns_tok_s"] == [4.0, 6.0] and raw[HF]["decode_turns_tok_s"] == [2.0, None]
     assert BANDWIDTH not in raw and turn_bandwidth == [5e10, 6e10]      # the bound of each turn, apart
     ours = raw[OURS]
@@ -570,7 +573,8 @@ def test_quick_bench_on_the_embedded_model_writes_both_reports(reports, capsys):
     data = json.loads(jpath.read_text())
     bw = data["bandwidth"]
     assert [x["after"] for x in bw["samples"]] == ["start"] + [f"{EMBEDDED} {side} round {r}" for r in (1, 2)
-                                                               for side in (OURS, HF)] + [f"{EMBEDDED} decode turns"]
+                                                               for side in (OURS, HF)] + \
+        [f"{EMBEDDED} decode turns", f"{EMBEDDED} under load"]
     assert 0 < bw["min_bytes_per_s"] <= bw["bytes_per_s"] <= bw["max_bytes_per_s"] and bw["method"] in md
     assert f"Machine: {data['machine']['cpu']}, {data['machine']['core']}," in md      # which CPU the figures are from
     (m,) = data["models"]
@@ -619,6 +623,14 @@ def test_quick_bench_on_the_embedded_model_writes_both_reports(reports, capsys):
     png = jpath.with_name(data["depth_plot"])        # beside the reports, linked from the Markdown
     assert png.name == f"{jpath.stem}-depth.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"]({png.name})" in md and "| 256 |" in md and "Peak memory at 256:" in md
+    ld = m["load"]                       # under load: ours alone here (no llama.cpp), the loops really ran
+    assert ld["one_thread_idle"]["decode_tok_s"] > 0 and ld["peer"] is None
+    for busy in loads():
+        o = ld["by_load"][str(busy)]["runtimes"][OURS]
+        assert o["decode_tok_s"] > 0 and o["ttft_s"] > 0 and o["busy_held_cores"] > 0.3 * busy
+        assert o["threads"].startswith("threads: ")
+    assert [t["status"] for t in ld["targets"]][:3] in (["PASS", "n/a", "n/a"], ["MISS", "n/a", "n/a"])
+    assert "## Under load" in md and "| 1 | ours |" in md
     assert str(jpath) in out
 
 
@@ -964,3 +976,32 @@ def test_the_fused_estimate_of_llama_1b_q4nx_sits_beside_the_published_anchors()
     assert est["depths"][0]["upstream_tok_s"] == 68.22 and est["depths"][-1]["fastflowlm_tok_s"] == 13.6
     text = fused_estimate(est)
     assert "| 131072 |" in text and "the bytes bound is below it" in text and "FastFlowLM" in text
+
+
+def test_under_load_ratios_and_targets_on_constructed_numbers():
+    """Ours under load against ours on one idle thread and against llama.cpp under the same load."""
+    plan = replace(FULL, quant="q4nx", gguf_types=("q4_0",))
+    peer = f"{LLAMACPP} q4_0"
+    run = lambda ttft, dec, held: {"ttft_s": {"128": [ttft]}, "decode_tok_s": [dec], "busy": {"held_cores": held},
+                                   "info": {"threads": "threads: 1 of 2"}}
+    raw = {"peer": peer, "peer_reason": "fastest", "idle_one_thread": [run(0.3, 40.0, 0), run(0.3, 50.0, 0)],
+           "loads": {"1": {OURS: [run(0.4, 44.0, 1.0)], peer: [run(0.8, 20.0, 0.9), run(1.0, 30.0, 0.9)]}}}
+    s = summarize_load(raw, plan)
+    rat = s["by_load"]["1"]["ratios"]
+    assert s["one_thread_idle"]["decode_tok_s"] == 45.0
+    assert rat["decode_vs_own_one_thread"] == pytest.approx(44 / 45)
+    assert rat["decode_vs_peer"] == pytest.approx(44 / 25) and rat["ttft_vs_peer"] == pytest.approx(0.4 / 0.9)
+    assert [t["status"] for t in s["targets"]] == ["PASS", "PASS", "PASS"]
+    raw["loads"]["1"][OURS] = [run(2.0, 30.0, 0.5)]
+    assert [t["status"] for t in summarize_load(raw, plan)["targets"]] == ["MISS", "PASS", "MISS"]
+    assert loads(2) == [1] and loads(3) == [1] and loads(8) == [1, 4]
+
+
+def test_busy_loops_hold_cores_while_the_block_runs():
+    """The loops a child under load starts really run, and are gone after it."""
+    with busy_loops(1) as held:
+        time.sleep(0.4)
+        got = held()
+    assert got is not None and got > 0.5
+    with busy_loops(0) as held:
+        assert held() is None

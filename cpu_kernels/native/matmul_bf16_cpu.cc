@@ -276,7 +276,10 @@ extern "C" void gemv_packed_bf16_cpu_batch(const int64_t *desc, int count) {
   nv::StreamSplit split(blocks, block_bytes);
   const nv::Ahead ahead = nv::stream_ahead();
 #pragma omp parallel
-  split.run([&](int job, int64_t b) { gemv_block(jobs[job].w, b, jobs[job].x, jobs[job].y + b * kLanes, ahead); });
+  {
+    nv::hold_if_asked(split);
+    split.run([&](int job, int64_t b) { gemv_block(jobs[job].w, b, jobs[job].x, jobs[job].y + b * kLanes, ahead); });
+  }
 }
 
 // C[m][n] = A[m][k] · Wᵀ with W packed; A and C row-major. On AMX tiles where the library has

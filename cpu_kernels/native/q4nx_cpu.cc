@@ -261,12 +261,12 @@ extern "C" void gemv_q4nx_cpu_batch(const int64_t *desc, int count) {
     for (int64_t g = 0; g < groups; g += kConvertGroups)
       pieces.push_back({a, g, g + kConvertGroups < groups ? g + kConvertGroups : groups});
   }
-  const int64_t n_pieces = static_cast<int64_t>(pieces.size());
+  native::Pieces converting(static_cast<int64_t>(pieces.size()));
 #pragma omp parallel
   {
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < n_pieces; ++p) acts[pieces[p].act].convert(pieces[p].g0, pieces[p].g1);
-    // (the loop's barrier: every row-block below reads all of its activations)
+    native::hold_if_asked(converting, split);
+    converting.run([&](int64_t p) { acts[pieces[p].act].convert(pieces[p].g0, pieces[p].g1); });
+    converting.wait();   // every row-block below reads all of its activations
     split.run([&](int job, int64_t b) {
       const int64_t *d = desc + 5 * job;
       const Activations &act = acts[act_of[job]];

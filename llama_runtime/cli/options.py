@@ -43,8 +43,9 @@ class OneLineParser(argparse.ArgumentParser):
 def add_model_options(p: argparse.ArgumentParser, *, model: str | None = "instruct", model_help: str = MODEL_HELP,
                       device: str = "auto", devices: tuple[str, ...] = DEVICE_KINDS, device_help: str = DEVICE_HELP,
                       quant: str = "bf16", quant_help: str = QUANT_HELP, max_context: bool = False,
-                      decode: bool = False, without: tuple[str, ...] = ()) -> argparse.ArgumentParser:
-    """`--model`, `--device`, `--quant` (and `--max-context`, `--decode`) as every command spells them, with
+                      decode: bool = False, threads: bool = False,
+                      without: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+    """`--model`, `--device`, `--quant` (and `--max-context`, `--decode`, `--threads`) as every command spells them, with
     the command's own defaults, device choices and help; `without` names the flags a command
     has no use for (`"model"`, `"device"`, `"quant"`: no device to choose, or a list of models
     or formats it spells its own way)."""
@@ -66,6 +67,10 @@ def add_model_options(p: argparse.ArgumentParser, *, model: str | None = "instru
                        help="layers: 2 device calls a layer, the KV cache and attention on the host (the design "
                             "card's); fused: 1 call a token, the KV cache and attention on the device; auto: "
                             "the faster on this device (default)")
+    if threads:
+        p.add_argument("--threads", type=positive_int,
+                       help="host threads for the CPU kernels, fixed (default: the cores other processes leave "
+                            "free, measured as it runs)")
     return p
 
 

@@ -1,7 +1,7 @@
 """The `make profile` breakdown: where a generation's time went, per device call and host op."""
 from __future__ import annotations
 
-from cpu_kernels import native_cpu
+from cpu_kernels import native_cpu, threads
 from llama_base import q4nx
 
 
@@ -38,6 +38,7 @@ def report(session, result) -> str:
     lines = [
         f"== profile: {session.resolved.name} on {dev.name} ==",
         isa_line(),
+        threads.governor().describe(),
         prof.table(),
         f"device calls: {dev_calls} in {dev_s * 1e3:.1f} ms; host ops {host_s * 1e3:.1f} ms",
         f"prompt {result.prompt_tokens} tokens -> bucket {session.model.bucket_for(min(result.prompt_tokens, session.model.buckets[-1]))}; "

@@ -25,7 +25,7 @@ def parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="llama32_1b_inference.py",
                       description="Llama-3.2-1B on the AMD NPU2 (or the simulated NPU) through MLIR-AIR.")
     p.add_argument("--prompt", "-p", help="prompt text; '-' reads it from standard input")
-    add_model_options(p, max_context=True, decode=True)
+    add_model_options(p, max_context=True, decode=True, threads=True)
     p.add_argument("--n-tokens", "-n", type=positive_int, default=32, help="tokens to generate (default 32)")
     p.add_argument("--system", help="system prompt for chat models")
     p.add_argument("--raw", action="store_true", help="no chat template, even for instruct models")
@@ -142,7 +142,7 @@ def run_cli(argv: list[str] | None = None) -> int:
         grammar = _grammar(args)
         session = build_session(args.model, args.device, args.max_context, profile=args.profile,
                                 allow_compile=not args.run_only, chat=False if args.raw else None, quant=args.quant,
-                                decode=args.decode)
+                                decode=args.decode, threads=args.threads)
         print(f"[decode] {session.model.describe_decode()}", flush=True)
         k = session.kc.stats
         print(f"[kernels] {len(session.model.all_groups())} groups: {k.compiled} compiled, "

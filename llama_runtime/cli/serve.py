@@ -18,7 +18,7 @@ def parser() -> OneLineParser:
     p = OneLineParser(prog="llama32_1b_inference.py --serve",
                       description="OpenAI-compatible HTTP server (/v1/models[/{id}], /v1/chat/completions, "
                                   "/v1/completions) for one model on one device.")
-    add_model_options(p, max_context=True, decode=True)
+    add_model_options(p, max_context=True, decode=True, threads=True)
     p.add_argument("--host", default=app.DEFAULT_HOST, help=f"address to listen on (default {app.DEFAULT_HOST})")
     p.add_argument("--port", type=int, default=app.DEFAULT_PORT,
                    help=f"TCP port (default {app.DEFAULT_PORT}; 0 picks a free one)")
@@ -54,7 +54,7 @@ def serve(argv: list[str] | None = None) -> int:
     try:
         sock = _listen(args.host, args.port)
         session = build_session(args.model, args.device, args.max_context, allow_compile=not args.run_only, log=log,
-                                quant=args.quant, decode=args.decode)
+                                quant=args.quant, decode=args.decode, threads=args.threads)
     except (UserError, KeyboardInterrupt) as e:
         if sock is not None:
             sock.close()

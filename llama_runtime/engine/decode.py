@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from cpu_kernels import threads
 from llama_runtime.engine.recording import DecodeProgram, decode_program
 from llama_runtime.engine.device_model import Capture, DeviceModel, bo_key
 from llama_runtime.engine.kv_cache import HOST_OP, decode_attention_cpu
@@ -59,6 +60,7 @@ def decode_step(model: DeviceModel, token: int, pos: int, capture: Capture | Non
         raise IndexError(f"position {pos} is past the KV cache ({model.max_context} positions)")
     if model.resident and capture is not None:
         raise ValueError("a fused decode token is one device call: per-layer captures need DECODE=layers")
+    threads.tick()     # the host's team sized to the cores free now (cpu_kernels.threads)
     program = decode_program(model, pos) if capture is None else None
     if program is not None:
         return _replayed(model, program, token, pos)

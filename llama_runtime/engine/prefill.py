@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from cpu_kernels import threads
 from llama_runtime.engine.decode import attend_and_ffn
 from llama_base.errors import PromptError
 from llama_runtime.engine.device_model import Capture, DeviceModel, bo_key
@@ -58,6 +59,7 @@ def _attend_resident(model: DeviceModel, layer: int, x: torch.Tensor, start: int
 def prefill_layer(model: DeviceModel, layer: int, x: torch.Tensor, start: int, n: int, bucket: int,
                   capture: Capture | None = None) -> torch.Tensor:
     """One transformer block on rows [0, n) of the bucket at positions start..; returns its output rows."""
+    threads.tick("prefill layer")     # a long prompt's layers follow the free cores as a token does
     kc, g = model.kc, model.prefill_groups[bucket][layer]
     if model.resident:
         qkv, att = _attend_resident(model, layer, x, start, n, bucket)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from cpu_kernels import threads as host_threads
 from llama_base.errors import CheckpointError, PromptError
 from llama_runtime.checkpoints.loader import check_fits, load_weights
 from llama_runtime.engine.device_model import DeviceModel, choose_decode
@@ -198,11 +199,13 @@ def is_chat_model(config, tokenizer: Tokenizer) -> bool:
 def build_session(model: str | ResolvedModel | None = None, device: str | Device = "auto", max_context: int | None = None,
                   profile: bool = False, cache_dir: Path | None = None, allow_compile: bool = True,
                   buckets: tuple[int, ...] | None = None, chat: bool | None = None,
-                  log: Callable[[str], None] = print, quant: str = "bf16", decode: str = "auto") -> Session:
+                  log: Callable[[str], None] = print, quant: str = "bf16", decode: str = "auto",
+                  threads: int | None = None) -> Session:
     """Load the model, open the device, compile or load every group and upload the weights.
     `model` is resolved once, here, unless it already is (a checker's, whose reference loads
     the same folder; whoever resolves it says why a fallback replaced it); `device` is a kind (`devices.DEVICE_KINDS`), or a device already opened (a
     checker's configured one). `decode`: "layers", "fused" or "auto" (`choose_decode`).
+    `threads`: the host kernels' team, fixed (`cpu_kernels.threads`); None adapts it to the free cores.
 
     Ends by freezing what the process holds in the garbage collector's permanent generation:
     torch, the tokenizer and the model are some 300 000 long-lived objects, and a full
@@ -211,6 +214,7 @@ def build_session(model: str | ResolvedModel | None = None, device: str | Device
     still collected.
     """
     t0 = time.perf_counter()
+    host_threads.configure(threads)
     # The device first: asking for an NPU that is not there is an error before anything loads.
     if isinstance(device, str):
         dev = open_device(device, verbose=True)
