@@ -315,6 +315,7 @@ def generation(model: str | ResolvedModel, n_tokens: int, prompt: str, quant: st
     from llama32_1b_prefill import prefill
 
     devices = {"sim": SimDevice(npu_numerics=True), "interp": "interp"}
+    print(f"[device] {devices['sim'].name}", flush=True)     # the interpreter's opener says its own
     sessions = {d: build_session(model, dev, log=lambda *_: None, quant=quant, decode=decode)
                 for d, dev in devices.items()}
     ids = sessions["sim"].encode(prompt)

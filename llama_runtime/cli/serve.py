@@ -1,16 +1,19 @@
 """`make serve`'s command line: parse, bind the port, build the session, serve until Ctrl-C.
 
-The port is bound before the model loads, so a taken port fails in a second, not after the
-load; the app itself is `llama_runtime.serve.app`.
+The port is bound and the device opened before the model loads, so a taken port or a missing
+NPU fails in a second, not after the load; the port then answers while the model loads
+(loading.Gate). The app itself is `llama_runtime.serve.app`.
 """
 from __future__ import annotations
 
+import os
 import socket
 
 from llama_base.errors import UserError
 from llama_runtime.cli.options import OneLineParser, add_model_options, positive_int, user_error
 from llama_runtime.generation.session import build_session
 from llama_runtime.serve import app
+from npu_runtime.devices import open_device
 from llama_runtime.serve.worker import DEFAULT_QUEUE_SIZE, Worker
 
 
@@ -38,6 +41,7 @@ def _listen(host: str, port: int) -> socket.socket:
         sock = socket.socket(info[0], socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(info[4])
+        sock.listen()           # connections wait in the backlog for uvicorn, never refused
     except OSError as e:
         raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e})") from None
     return sock
@@ -53,20 +57,32 @@ def serve(argv: list[str] | None = None) -> int:
     sock = None
     try:
         sock = _listen(args.host, args.port)
-        session = build_session(args.model, args.device, args.max_context, allow_compile=not args.run_only, log=log,
-                                quant=args.quant, decode=args.decode, threads=args.threads)
+        device = open_device(args.device, verbose=True)     # a missing NPU fails before anything loads
     except (UserError, KeyboardInterrupt) as e:
         if sock is not None:
             sock.close()
         return 130 if isinstance(e, KeyboardInterrupt) else user_error(e, args.verbose)
-    worker = Worker(session, args.queue_size, log=log)
     host, port = sock.getsockname()[:2]
-    log(f"[serve] model '{session.resolved.name}' on {type(session.device).__name__}, context {worker.max_context}, "
-        f"queue {args.queue_size}; ready in {session.build_s:.1f} s")
-    log(f"[decode] {session.model.describe_decode()}")
-    log(f"[serve] OpenAI-compatible API at http://{host}:{port}/v1, chat page at http://{host}:{port}/ (Ctrl-C stops)")
+
+    def load() -> Worker:
+        session = build_session(args.model, device, args.max_context, allow_compile=not args.run_only, log=log,
+                                quant=args.quant, decode=args.decode, threads=args.threads)
+        worker = Worker(session, args.queue_size, log=log)
+        log(f"[serve] model '{session.resolved.name}' on {type(device).__name__}, context {worker.max_context}, "
+            f"queue {args.queue_size}; ready in {session.build_s:.1f} s")
+        log(f"[decode] {session.model.describe_decode()}")
+        log(f"[serve] OpenAI-compatible API at http://{host}:{port}/v1, chat page at http://{host}:{port}/ "
+            "(Ctrl-C stops)")
+        return worker
+
+    log(f"[serve] listening on http://{host}:{port} while the model loads (GET /health: 503 loading, then 200)")
     try:
-        app.run(worker, sock, session.resolved.name, args.cors_origin, log)
+        app.run(sock, args.model or "instruct", device.name, load, args.cors_origin, log)
+    except UserError as e:
+        return user_error(e, args.verbose)
+    except app.StoppedWhileLoading:
+        log("[serve] stopped while loading")
+        os._exit(130)           # the load's thread may be inside torch or a compiler; nothing of it is kept
     finally:
         sock.close()
     log("[serve] stopped")

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from llama_base.errors import PromptError
+from llama_runtime.generation.json_schema import closed
 
 # Compact JSON (no optional whitespace): a small model can otherwise fill its budget with
 # spaces and newlines that the grammar allows between tokens.
@@ -35,11 +36,11 @@ class GrammarError(PromptError):
 
 
 def json_grammar(schema: dict, param: str) -> str:
-    """The grammar of documents `schema` accepts; a `GrammarError` naming `param` if it has none.
-    It is checked without a tokenizer, so a command line refuses a bad schema before it loads
-    a model."""
+    """The grammar of documents `schema` accepts, its objects closed where it leaves them open
+    (`json_schema.closed`); a `GrammarError` naming `param` if it has none. It is checked
+    without a tokenizer, so a command line refuses a bad schema before it loads a model."""
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(closed(schema), defaults=JSON_OPTIONS)
     except (ValueError, TypeError) as e:
         raise GrammarError(f"'{param}' is not a usable JSON schema: {e}", param) from None
     error = llguidance.LLMatcher.validate_grammar(grammar)

@@ -16,10 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+import torch
+
 from cpu_kernels import threads as host_threads
 from llama_base.errors import CheckpointError, PromptError
 from llama_runtime.checkpoints.loader import check_fits, load_weights
-from llama_runtime.engine.device_model import DeviceModel, choose_decode
+from llama_runtime.engine.device_model import DeviceModel, choose_decode, rms_norm
+from llama_runtime.engine.prefill import prefill
 from llama_runtime.engine.kv_cache import context_positions
 from llama_runtime.generation.logprobs import TokenLogprob, score
 from llama_runtime.checkpoints.resolve import ResolvedModel, resolve_model
@@ -184,6 +187,26 @@ class Session:
         shaped = read_prompt(self.model, ids, processors_for(sampling))
         return [None] + [score(logits, tok, k) for logits, tok in zip(shaped, ids[1:])]
 
+    def embed(self, ids: list[int]) -> torch.Tensor:
+        """The text's vector (f32, hidden size): the final-normed hidden state of every position,
+        averaged, scaled to length 1 as OpenAI's embeddings are. A causal model's last position
+        alone sees the whole text, but it is shaped to predict the next token; the mean weighs
+        every token alike. The prompt is prefilled with every row through every layer (a
+        capture hook), so the KV cache then holds exactly `ids`."""
+        m = self.model
+        if not ids or len(ids) > m.max_context:
+            raise PromptError(f"the input must have 1 to {m.max_context} tokens, not {len(ids)}")
+        last, rows = m.config.num_hidden_layers - 1, []
+
+        def capture(layer: int, name: str, t: torch.Tensor) -> None:
+            if layer == last and name == "out":
+                rows.append(t)
+
+        prefill(m, ids, 0, capture)
+        hidden = torch.cat(rows)[: len(ids)]
+        mean = rms_norm(hidden, m.final_norm, m.config.rms_norm_eps).float().mean(dim=0)
+        return mean / mean.norm().clamp_min(1e-12)
+
 
 END_OF_TURN = ("<|eot_id|>", "<|im_end|>")
 
@@ -216,11 +239,7 @@ def build_session(model: str | ResolvedModel | None = None, device: str | Device
     t0 = time.perf_counter()
     host_threads.configure(threads)
     # The device first: asking for an NPU that is not there is an error before anything loads.
-    if isinstance(device, str):
-        dev = open_device(device, verbose=True)
-    else:
-        dev = device
-        print(f"[device] {dev.name}", flush=True)
+    dev = open_device(device, verbose=True) if isinstance(device, str) else device   # its opener said which
     resolved = model
     if not isinstance(resolved, ResolvedModel):
         resolved = resolve_model(model, log, quant)

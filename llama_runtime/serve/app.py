@@ -1,5 +1,7 @@
 """`make serve`: an OpenAI-compatible HTTP API (`/v1/models[/{id}]`, `/v1/chat/completions`,
-`/v1/completions`) in front of one session.
+`/v1/completions`, `/v1/embeddings`) in front of one session, beside the chat page (page.py),
+the Ollama API (ollama.py), the local endpoints front ends poll (local_api.py: `/health`,
+`/tokenize`, `/detokenize`) and `/metrics` (metrics.py).
 
 Clients of local runtimes speak OpenAI's API, so this module only translates: it has a
 request checked the way OpenAI would check it (openai_request.py: same error body, same status
@@ -14,10 +16,10 @@ import asyncio
 import json
 import socket
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from importlib import resources
 from typing import Any
 
 import uvicorn
@@ -26,7 +28,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from llama_runtime.serve.openai_request import (
@@ -54,11 +56,13 @@ from llama_runtime.generation.sampling import SamplingParams
 from llama_runtime.serve.events import Done, Event, Failed, PromptScores, TextPiece, ToolCall
 from llama_runtime.serve.worker import Job, QueueFull, Worker
 from llama_runtime.generation.session import Session
+from llama_runtime.serve import local_api, ollama, page
+from llama_runtime.serve.loading import Gate
+from llama_runtime.serve.metrics import Metrics
 from llama_runtime.serve.tool_calls import ToolRequest, tool_request
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
-CHAT_PAGE = resources.files("llama_runtime.serve") / "web" / "chat.html"   # GET /: package data, works offline
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions (chat: the rest of the context)
 SHUTDOWN_GRACE_S = 5       # in-flight answers are cancelled at once; this bounds their goodbye
 # A route's shaping of one choice: (piece or call, finish_reason, streaming, prompt scores if echoed).
@@ -221,10 +225,6 @@ class Api:
         """The log line of a request that needs no model (the completions' come from the worker)."""
         self.log(f"[serve] {request.method} {request.url.path} 200")
 
-    async def chat_page(self, request: Request):
-        self._served(request)
-        return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"), headers={"Cache-Control": "no-cache"})
-
     async def models(self, request: Request):
         self._served(request)
         return JSONResponse({"object": "list", "data": [self._model_card()]})
@@ -366,14 +366,21 @@ def create_app(worker: Worker, model_id: str, cors_origins: Sequence[str] = (),
     async def server_error(request, e: Exception):
         return refused(request, internal_error(e))
 
-    middleware = [Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
-                             allow_headers=["*"], max_age=600)] if cors_origins else []
+    metrics = Metrics(worker)
+    routes = [*page.routes(api),
+              *ollama.routes(api),
+              *local_api.routes(api),
+              *metrics.routes(api),
+              Route("/v1/models", api.models, methods=["GET"]),
+              Route("/v1/models/{model_id:path}", api.model, methods=["GET"]),
+              Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+              Route("/v1/completions", api.completions, methods=["POST"])]
+    middleware = [Middleware(metrics.middleware(routes))]
+    if cors_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                                     allow_headers=["*"], max_age=600))
     return Starlette(
-        routes=[Route("/", api.chat_page, methods=["GET"]),
-                Route("/v1/models", api.models, methods=["GET"]),
-                Route("/v1/models/{model_id:path}", api.model, methods=["GET"]),
-                Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
-                Route("/v1/completions", api.completions, methods=["POST"])],
+        routes=routes,
         middleware=middleware,
         exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: server_error})
 
@@ -381,23 +388,61 @@ def create_app(worker: Worker, model_id: str, cors_origins: Sequence[str] = (),
 class _Server(uvicorn.Server):
     """uvicorn, plus: Ctrl-C cancels the running and queued answers before the connections close."""
 
-    def __init__(self, config: uvicorn.Config, worker: Worker):
+    def __init__(self, config: uvicorn.Config):
         super().__init__(config)
-        self.worker = worker
+        self.worker: Worker | None = None       # set once the model has loaded
 
     def handle_exit(self, sig, frame) -> None:
-        self.worker.cancel_all("shutdown")
+        if self.worker is not None:
+            self.worker.cancel_all("shutdown")
         super().handle_exit(sig, frame)
 
 
-def run(worker: Worker, sock: socket.socket, model_id: str, cors_origins: Sequence[str],
-        log: Callable[[str], None]) -> None:
-    """Serve on a bound socket until Ctrl-C, then cancel what is in flight and stop the worker."""
-    config = uvicorn.Config(create_app(worker, model_id, cors_origins, log), log_level="warning", access_log=False,
+class StoppedWhileLoading(Exception):
+    """Ctrl-C came before the model had loaded; the load is still running in its thread."""
+
+
+def run(sock: socket.socket, requested: str, device_name: str, load: Callable[[], Worker],
+        cors_origins: Sequence[str], log: Callable[[str], None]) -> None:
+    """Serve on a bound socket until Ctrl-C, then cancel what is in flight and stop the worker.
+
+    The port answers at once (loading.Gate: 503 "loading") while `load()` builds the worker
+    in a thread of its own (resolving `requested` may build a checkpoint); its error, if it
+    fails, stops the server and is raised here."""
+    gate = Gate(requested, device_name)
+    config = uvicorn.Config(gate, log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    server = _Server(config)
+    failed: list[BaseException] = []
+    handover = threading.Lock()
+    stopped = False
+
+    def loader() -> None:
+        try:
+            worker = load()
+        except BaseException as e:      # noqa: BLE001 -- raised again on the serving thread
+            failed.append(e)
+            server.should_exit = True
+            return
+        with handover:
+            if stopped:                 # Ctrl-C while the last of the load ran
+                worker.stop(timeout=SHUTDOWN_GRACE_S)
+                return
+            server.worker = worker
+            gate.open(create_app(worker, worker.session.resolved.name, cors_origins, log))
+
+    thread = threading.Thread(target=loader, name="load", daemon=True)
+    thread.start()
     try:
-        _Server(config, worker).run(sockets=[sock])
+        server.run(sockets=[sock])
     except KeyboardInterrupt:       # uvicorn re-raises the Ctrl-C it handled, once it has stopped
         pass
     finally:
-        worker.stop(timeout=SHUTDOWN_GRACE_S)
+        with handover:
+            stopped = True
+        if server.worker is not None:
+            server.worker.stop(timeout=SHUTDOWN_GRACE_S)
+    if failed:
+        raise failed[0]
+    if server.worker is None:
+        raise StoppedWhileLoading()

@@ -1,7 +1,7 @@
 """What the worker tells the HTTP side about a job, one dataclass per kind of event.
 
 A job's queue receives `PromptScores` first if it asked for them, then `TextPiece`s (and, for
-an answer that is a tool call, one `ToolCall`), and always ends with exactly one `Done` or
+an answer that is a tool call, one `ToolCall`; for an embedding job, one `Embedding`), and always ends with exactly one `Done` or
 `Failed`. The routes match on the type; nothing is tagged by a string.
 """
 from __future__ import annotations
@@ -34,6 +34,12 @@ class ToolCall:
 
 
 @dataclass(frozen=True)
+class Embedding:
+    """An embedding job's vector (`Session.embed`), before its `Done`."""
+    vector: list[float]
+
+
+@dataclass(frozen=True)
 class Done:
     """A finished job: its usage and why it ended (the full text, for non-streaming answers)."""
     text: str
@@ -54,4 +60,4 @@ class Failed:
     error: Exception
 
 
-Event = PromptScores | TextPiece | ToolCall | Done | Failed
+Event = PromptScores | TextPiece | ToolCall | Embedding | Done | Failed

@@ -2,10 +2,12 @@
 {"name": ..., "parameters": {...}}, as Llama 3.2 does (chat_format.py tells the model so).
 
 `tool_choice` decides what the answer may be: "none" offers no tools; "auto" lets the model
-answer in text or with a call, and an answer that parses as a call of an offered function
-becomes `tool_calls`; "required" and a named function constrain decoding to a call (of any
-offered function, or of that one) with arguments that match the function's parameter schema,
-through the same grammar mask as `response_format`.
+answer in text or with a call, and an answer that parses as a call of an offered function,
+with arguments that match its parameters' schema, becomes `tool_calls` (one that does not is
+returned as the text it is, finish_reason "stop"); "required" and a named function constrain
+decoding to a call (of any offered function, or of that one) with arguments that match the
+function's parameter schema, through the same grammar mask as `response_format`. Every
+function's schema must compile into that grammar, whatever the choice.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from llama_runtime.generation.constrained import GrammarError, json_grammar
+from llama_runtime.generation.json_schema import embed, violation
 from llama_runtime.serve.events import TextPiece, ToolCall
 from llama_runtime.serve.openai_request import ApiError
 
@@ -29,18 +33,28 @@ class ToolRequest:
     def names(self) -> list[str]:
         return [t["function"]["name"] for t in self.tools]
 
+    def parameters(self, name: str) -> dict:
+        f = next(t["function"] for t in self.tools if t["function"]["name"] == name)
+        return f.get("parameters") or EMPTY_PARAMETERS
+
     def schema(self) -> dict | None:
-        """The JSON schema an answer must match, or None when the model may also answer in text."""
+        """The JSON schema an answer must match, or None when the model may also answer in text.
+        Each function's parameters sit under the call's `$defs`, their references rewritten to
+        point there (`json_schema.embed`)."""
         if self.choice == "auto":
             return None
-        calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                   "parameters": t["function"].get("parameters") or EMPTY_PARAMETERS},
-                  "required": ["name", "parameters"], "additionalProperties": False}
-                 for t in self.tools if self.choice in ("required", t["function"]["name"])]
-        return calls[0] if len(calls) == 1 else {"anyOf": calls}
+        calls, defs = [], {}
+        for i, name in enumerate(n for n in self.names if self.choice in ("required", n)):
+            ref, entry = embed(self.parameters(name), f"parameters_{i}")
+            defs.update(entry)
+            calls.append({"type": "object", "properties": {"name": {"const": name}, "parameters": ref},
+                          "required": ["name", "parameters"], "additionalProperties": False})
+        return {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "$defs": defs}
 
     def as_call(self, text: str) -> dict | None:
-        """`text` as an OpenAI tool call, if it is exactly one call of an offered function."""
+        """`text` as an OpenAI tool call, if it is exactly one call of an offered function with
+        arguments its parameters' schema accepts (closed as a required call's grammar closes it);
+        anything else is the answer's text."""
         try:
             obj = json.loads(text)
         except json.JSONDecodeError:
@@ -48,7 +62,7 @@ class ToolRequest:
         if not isinstance(obj, dict) or obj.get("name") not in self.names:
             return None
         args = obj.get("parameters", obj.get("arguments", {}))
-        if not isinstance(args, dict):
+        if not isinstance(args, dict) or violation(self.parameters(obj["name"]), args) is not None:
             return None
         return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                 "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
@@ -107,9 +121,14 @@ def tool_request(body: dict) -> ToolRequest | None:
         if name in seen:
             raise ApiError(400, f"tools[{i}]: the function name {name!r} is used twice", f"tools[{i}].function.name")
         seen.add(name)
-        if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
-            raise ApiError(400, f"tools[{i}].function.parameters must be a JSON schema object",
-                           f"tools[{i}].function.parameters")
+        params, where = f.get("parameters"), f"tools[{i}].function.parameters"
+        if params is not None and not isinstance(params, dict):
+            raise ApiError(400, f"{where} must be a JSON schema object", where)
+        if params:                      # refused now, even under "auto", where no grammar is built
+            try:
+                json_grammar(params, where)
+            except GrammarError as e:
+                raise ApiError(400, str(e), e.param) from None
     choice = _choice(choice, seen)
     return None if choice == "none" else ToolRequest(tools, choice)
 

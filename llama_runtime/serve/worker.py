@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from llama_runtime.generation.logprobs import TokenLogprob
 from llama_runtime.generation.sampling import SamplingParams
 from llama_runtime.generation.session import Session
-from llama_runtime.serve.events import Done, Event, Failed, PromptScores, TextPiece, ToolCall
+from llama_runtime.serve.events import Done, Embedding, Event, Failed, PromptScores, TextPiece, ToolCall
 from llama_runtime.serve.tool_calls import CallHold, ToolRequest
 
 DEFAULT_QUEUE_SIZE = 16
@@ -61,6 +61,7 @@ class Job:
     score_prompt: bool = False
     constraint: object = None           # constrained.Constraint: the answer must match its grammar
     tools: ToolRequest | None = None
+    embed: bool = False                 # the prompt's vector (`Session.embed`) instead of an answer
     id: str = ""
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled_by: str | None = None
@@ -91,12 +92,23 @@ class Worker:
         self._current_started = 0.0
         self._mean_job_s = 1.0
         self._ids = itertools.count(1)
+        # Called on the worker thread with each finished job and its Done (the metrics).
+        self.observers: list[Callable[[Job, Done], None]] = []
         self._thread = threading.Thread(target=self._run, name="generation-worker", daemon=True)
         self._thread.start()
 
     @property
     def max_context(self) -> int:
         return self.session.model.max_context
+
+    @property
+    def queued(self) -> int:
+        """Jobs waiting for the model (not the running one)."""
+        return self._queue.qsize()
+
+    @property
+    def busy(self) -> bool:
+        return self._current is not None or not self._queue.empty()
 
     def submit(self, job: Job) -> Job:
         """Queue `job` or raise QueueFull; never blocks the caller."""
@@ -140,6 +152,8 @@ class Worker:
                     self.log(f"[serve] {job.id} prompt {len(job.prompt_ids)} tokens, never started: queued "
                              f"{time.perf_counter() - job.enqueued_at:.2f} s, cancelled by {job.cancelled_by}")
                     job._post(Done("", None, len(job.prompt_ids), 0, 0, job.cancelled_by))
+                elif job.embed:
+                    self._embed(job)
                 else:
                     self._generate(job)
             except Exception as e:  # noqa: BLE001 -- a bug or a device failure: report it, keep serving
@@ -147,6 +161,20 @@ class Worker:
                 job._post(Failed(e))
             finally:
                 self._current = None
+
+    def _finish(self, job: Job, done: Done) -> None:
+        for observe in self.observers:
+            observe(job, done)
+        job._post(done)
+
+    def _embed(self, job: Job) -> None:
+        started = time.perf_counter()
+        vector = self.session.embed(job.prompt_ids)
+        elapsed = time.perf_counter() - started
+        self.log(f"[serve] {job.id} embedding of {len(job.prompt_ids)} tokens in {elapsed:.3f} s")
+        job._post(Embedding(vector.tolist()))
+        self._finish(job, Done("", "stop", len(job.prompt_ids), 0, 0, queued_s=started - job.enqueued_at,
+                               ttft_s=elapsed))
 
     def _generate(self, job: Job) -> None:
         ids = job.prompt_ids
@@ -194,4 +222,4 @@ class Worker:
         self.log(f"[serve] {job.id} prompt {len(ids)} tokens, {reused} reused from the cache, {len(r.tokens)} generated, "
                  f"queued {wait:.2f} s, TTFT {r.ttft_s:.3f} s, {r.decode_tokens_per_s:.2f} tok/s, "
                  f"finish {reason or 'cancelled by ' + str(by)}")
-        job._post(out)
+        self._finish(job, out)
