@@ -19,8 +19,9 @@ from llama_runtime.serve.worker import DEFAULT_QUEUE_SIZE, Worker
 
 def parser() -> OneLineParser:
     p = OneLineParser(prog="llama32_1b_inference.py --serve",
-                      description="OpenAI-compatible HTTP server (/v1/models[/{id}], /v1/chat/completions, "
-                                  "/v1/completions) for one model on one device.")
+                      description="HTTP server for one model on one device: OpenAI's API under /v1 (models, "
+                                  "chat/completions, completions, embeddings), Ollama's under /api, /health, "
+                                  "/tokenize, /detokenize, /metrics, and a chat page at /.")
     add_model_options(p, max_context=True, decode=True, threads=True)
     p.add_argument("--host", default=app.DEFAULT_HOST, help=f"address to listen on (default {app.DEFAULT_HOST})")
     p.add_argument("--port", type=int, default=app.DEFAULT_PORT,
