@@ -43,7 +43,11 @@ def error_response(e: ApiError) -> JSONResponse:
 
 
 async def json_body(request: Request) -> dict:
-    raw = await request.body()
+    return json_object(await request.body())
+
+
+def json_object(raw: bytes) -> dict:
+    """A request body that must be one JSON object, else OpenAI's 400."""
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

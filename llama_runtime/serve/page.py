@@ -32,7 +32,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from llama_runtime.serve.openai_request import ApiError
+from llama_runtime.serve.openai_request import ApiError, json_object
 
 CHAT_PAGE = resources.files("llama_runtime.serve") / "web" / "chat.html"
 MAX_TEXT_BYTES = 1 << 20           # far beyond any answer that fits the model's context
@@ -105,13 +105,7 @@ async def _capped_body(request: Request) -> bytes:
 
 
 async def _render_text(request: Request) -> str:
-    raw = await _capped_body(request)
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON ({e})") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    body = json_object(await _capped_body(request))
     text = body.get("text")
     if not isinstance(text, str):
         raise ApiError(400, f"'text' is required and must be a string, got {json.dumps(text)[:40]}", "text")
