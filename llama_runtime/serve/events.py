@@ -1,8 +1,8 @@
 """What the worker tells the HTTP side about a job, one dataclass per kind of event.
 
 A job's queue receives `PromptScores` first if it asked for them, then `TextPiece`s (and, for
-an answer that is a tool call, one `ToolCall`; for an embedding job, one `Embedding`), and always ends with exactly one `Done` or
-`Failed`. The routes match on the type; nothing is tagged by a string.
+an answer that is a tool call, one `ToolCall`; for an embedding job, one `Embedding`), and
+always ends with exactly one `Done` or `Failed`. The routes match on the type; nothing is tagged by a string.
 """
 from __future__ import annotations
 
