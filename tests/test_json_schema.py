@@ -36,7 +36,8 @@ def test_objects_with_stated_properties_are_closed_wherever_they_sit():
     props = out["properties"]
     assert props["point"]["additionalProperties"] is False
     assert props["points"]["items"]["additionalProperties"] is False
-    assert props["either"]["anyOf"][0]["additionalProperties"] is False and "additionalProperties" not in props["either"]["anyOf"][1]
+    either = props["either"]["anyOf"]
+    assert either[0]["additionalProperties"] is False and "additionalProperties" not in either[1]
     assert out["$defs"]["P"]["additionalProperties"] is False
     assert "additionalProperties" not in schema and "additionalProperties" not in POINT    # copies only
 
@@ -138,8 +139,8 @@ def test_the_grammar_admits_no_unstated_key_and_no_repeated_one(grammars):
 
 
 def test_the_grammar_of_a_recursive_call_admits_a_tree(grammars):
-    schema = tool_request({"tools": [{"type": "function", "function": {"name": "make", "parameters": copy.deepcopy(NODE)}}],
-                           "tool_choice": "required"}).schema()
+    tool = {"type": "function", "function": {"name": "make", "parameters": copy.deepcopy(NODE)}}
+    schema = tool_request({"tools": [tool], "tool_choice": "required"}).schema()
     tree = '{"name":"make","parameters":{"name":"top","children":[{"name":"leaf","children":[]}]}}'
     assert _admits(grammars, schema, tree)
     assert not _admits(grammars, schema, tree.replace('"children":[]', '"children":[],"x":1'))

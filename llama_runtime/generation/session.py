@@ -226,9 +226,11 @@ def build_session(model: str | ResolvedModel | None = None, device: str | Device
                   threads: int | None = None) -> Session:
     """Load the model, open the device, compile or load every group and upload the weights.
     `model` is resolved once, here, unless it already is (a checker's, whose reference loads
-    the same folder; whoever resolves it says why a fallback replaced it); `device` is a kind (`devices.DEVICE_KINDS`), or a device already opened (a
-    checker's configured one). `decode`: "layers", "fused" or "auto" (`choose_decode`).
-    `threads`: the host kernels' team, fixed (`cpu_kernels.threads`); None adapts it to the free cores.
+    the same folder; whoever resolves it says why a fallback replaced it); `device` is a kind
+    (`devices.DEVICE_KINDS`), or a device already opened (a checker's configured one, or the
+    server's, opened before it listens), whose opener has said which it is. `decode`:
+    "layers", "fused" or "auto" (`choose_decode`). `threads`: the host kernels' team, fixed
+    (`cpu_kernels.threads`); None adapts it to the free cores.
 
     Ends by freezing what the process holds in the garbage collector's permanent generation:
     torch, the tokenizer and the model are some 300 000 long-lived objects, and a full
