@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import time
 import uuid
 from dataclasses import replace
@@ -22,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from llama_base.config import layer_shapes
 from llama_runtime.generation.logprobs import MAX_TOP_CHAT, TokenText
 from llama_runtime.serve.events import Done, Failed, TextPiece, ToolCall
 from llama_runtime.serve.ollama_request import (
@@ -64,8 +66,13 @@ def routes(api) -> list[Route]:
             Route("/api/{rest:path}", o.guard(o.unknown), methods=["GET", "POST", "PUT", "PATCH", "DELETE"])]
 
 
+def _stamp(when: datetime) -> str:
+    """A UTC time as Ollama writes its timestamps."""
+    return when.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
 def _now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return _stamp(datetime.now(timezone.utc))
 
 
 def _call(call: dict) -> dict:
@@ -244,7 +251,7 @@ class Ollama:
         modified = datetime.fromtimestamp((folder / "config.json").stat().st_mtime, timezone.utc)
         n = _parameter_count(cfg)
         return {"name": self.api.model_id, "model": self.api.model_id,
-                "modified_at": modified.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+                "modified_at": _stamp(modified),
                 "size": sum(f.stat().st_size for f in files), "digest": digest.hexdigest(),
                 "details": {"parent_model": "", "format": "gguf" if self.session.resolved.gguf else "safetensors",
                             "family": "llama", "families": ["llama"],
@@ -300,8 +307,8 @@ class Ollama:
 
 
 def _parameter_count(cfg) -> int:
-    """From the config alone: the embedding, each layer's projections, MLP and norms, the
-    final norm, and the output head where it is not the embedding's."""
-    layer = cfg.hidden_size * (2 * cfg.q_dim + 2 * cfg.kv_dim + 3 * cfg.intermediate_size + 2)
+    """From the config alone: the embedding, each layer's weights (`layer_shapes`, the one
+    spelling of a layer), the final norm, and the output head where it is not the embedding's."""
+    layer = sum(math.prod(shape) for shape in layer_shapes(cfg).values())
     head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
     return cfg.vocab_size * cfg.hidden_size + cfg.num_hidden_layers * layer + cfg.hidden_size + head
