@@ -13,10 +13,10 @@ import html
 
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
+from llama_runtime.serve import ollama
 from llama_runtime.serve.openai_request import ApiError
 
 RETRY_AFTER_S = 2           # a load takes seconds to a minute; a short poll interval is cheap
-OLLAMA_PREFIX = "/api/"     # ollama.py's routes, whose clients read {"error": "..."}
 
 
 class Gate:
@@ -43,7 +43,7 @@ class Gate:
         if path == "/health":
             return JSONResponse({"status": "loading", "model": self.model_id, "device": self.device_name},
                                 status_code=503, headers=headers)
-        if path.startswith(OLLAMA_PREFIX):
+        if path.startswith(ollama.PREFIX):         # Ollama's clients read {"error": "..."}
             return JSONResponse({"error": message}, status_code=503, headers=headers)
         if path == "/":             # the chat page: reload until the model is there
             return HTMLResponse(f'<!doctype html><meta http-equiv="refresh" content="{RETRY_AFTER_S}">'

@@ -54,6 +54,7 @@ from llama_runtime.serve.worker import Job
 OLLAMA_VERSION = "0.9.0"
 NEVER = "9999-12-31T23:59:59Z"     # /api/ps `expires_at`: the model stays for the server's life
 NS = 1_000_000_000
+PREFIX = "/api/"                   # every Ollama route's; loading.py answers them in Ollama's shape too
 
 
 def routes(api) -> list[Route]:
@@ -63,7 +64,7 @@ def routes(api) -> list[Route]:
              "/api/tags": (o.tags, "GET"), "/api/ps": (o.ps, "GET"), "/api/version": (o.version, "GET")}
     o.allowed = {path: [m, "HEAD"] if m == "GET" else [m] for path, (_, m) in table.items()}
     return [*(Route(path, o.guard(handler), methods=[m]) for path, (handler, m) in table.items()),
-            Route("/api/{rest:path}", o.guard(o.unknown), methods=["GET", "POST", "PUT", "PATCH", "DELETE"])]
+            Route(PREFIX + "{rest:path}", o.guard(o.unknown), methods=["GET", "POST", "PUT", "PATCH", "DELETE"])]
 
 
 def _stamp(when: datetime) -> str:
