@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -228,7 +228,11 @@ def response_format_schema(rf: Any) -> tuple[dict, str] | None:
     return schema, "response_format.json_schema.schema"
 
 
-def as_request_error(fn: Callable[[], list[int]], param: str) -> list[int]:
+T = TypeVar("T")
+
+
+def as_request_error(fn: Callable[[], T], param: str) -> T:
+    """`fn()`, its bad-input error (a `UserError`) answered as a 400 naming `param`."""
     try:
         return fn()
     except UserError as e:

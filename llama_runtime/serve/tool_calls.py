@@ -16,10 +16,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from llama_runtime.generation.constrained import GrammarError, json_grammar
+from llama_runtime.generation.constrained import json_grammar
 from llama_runtime.generation.json_schema import embed, violation
 from llama_runtime.serve.events import TextPiece, ToolCall
-from llama_runtime.serve.openai_request import ApiError
+from llama_runtime.serve.openai_request import ApiError, as_request_error
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -125,10 +125,7 @@ def tool_request(body: dict) -> ToolRequest | None:
         if params is not None and not isinstance(params, dict):
             raise ApiError(400, f"{where} must be a JSON schema object", where)
         if params:                      # refused now, even under "auto", where no grammar is built
-            try:
-                json_grammar(params, where)
-            except GrammarError as e:
-                raise ApiError(400, str(e), e.param) from None
+            as_request_error(lambda: json_grammar(params, where), where)
     choice = _choice(choice, seen)
     return None if choice == "none" else ToolRequest(tools, choice)
 
