@@ -99,36 +99,3 @@ def summarize_load(raw: dict, plan: Plan) -> dict:
     return {"peer": peer, "peer_reason": raw.get("peer_reason"), "prompt_tokens": plan.decode_length,
             "n_decode": plan.n_decode, "rounds": plan.load_rounds, "one_thread_idle": one, "by_load": rows,
             "targets": [t.to_dict() for t in targets]}
-
-
-def load_section(data: dict) -> list[str]:
-    """The report's "Under load" section: a table per model."""
-    models = [m for m in data["models"] if m.get("load")]
-    if not models:
-        return []
-    ld = models[0]["load"]
-    lines = ["", "## Under load", "",
-             f"The same child measurements as the rounds (TTFT of the {ld['prompt_tokens']}-token prompt, "
-             f"{ld['n_decode']} decode steps after it; medians of {ld['rounds']} rounds) while single-threaded "
-             "busy loops, started by the child once its runtime has loaded, hold that many cores. Ours as "
-             "deployed (its threads follow the free cores); llama.cpp with its default threads. \"Busy loops "
-             "got\" is the cores the loops ran on: a runtime that takes them from their owner shows here."]
-    for m in models:
-        ld = m["load"]
-        one = ld["one_thread_idle"]
-        lines += ["", f"### {m['model']} under load", "",
-                  f"Ours on one thread, idle machine: decode {_f(one.get('decode_tok_s'), '.2f')} tokens/s, "
-                  f"TTFT {_f(one.get('ttft_s'), '.3f')} s. Peer: {ld['peer']} ({ld['peer_reason']}).", "",
-                  "| cores busy | runtime | TTFT (s) | decode (tokens/s) | busy loops got (cores) | threads |",
-                  "|---|---|---|---|---|---|"]
-        for busy, row in ld["by_load"].items():
-            for name, s in row["runtimes"].items():
-                lines.append(f"| {busy} | {name} | {_f(s.get('ttft_s'), '.3f')} | {_f(s.get('decode_tok_s'), '.2f')} | "
-                             f"{_f(s.get('busy_held_cores'), '.2f')} | {s.get('threads', '')} |")
-        lines += ["", "| target | value | status |", "|---|---|---|"]
-        lines += [f"| {t['name']} | {_f(t['value'], '.2f')} | {t['status']} |" for t in ld["targets"]]
-    return lines
-
-
-def _f(v: float | None, fmt: str) -> str:
-    return "n/a" if v is None else format(v, fmt)

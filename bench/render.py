@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import statistics
 
-from bench.load import load_section
 from bench.plan import depth_label
 from bench.protocol import PERPLEXITY
 from bench.summary import OURS
@@ -176,6 +175,34 @@ def depth_section(data: dict) -> list[str]:
             for name, s in dep["by_depth"][str(d)]["runtimes"].items():
                 if s.get("error"):
                     lines.append(f"\n- {LABELS.get(name, name)} at {depth_label(d)} failed: {s['error']}")
+    return lines
+
+
+def load_section(data: dict) -> list[str]:
+    """The "Under load" section (`bench.load`): a table a model, then its targets."""
+    models = [m for m in data["models"] if m.get("load")]
+    if not models:
+        return []
+    ld = models[0]["load"]
+    lines = ["", "## Under load", "",
+             f"The same child measurements as the rounds (TTFT of the {ld['prompt_tokens']}-token prompt, "
+             f"{ld['n_decode']} decode steps after it; medians of {ld['rounds']} rounds) while single-threaded "
+             "busy loops, started by the child once its runtime has loaded, hold that many cores. Ours as "
+             "deployed (its threads follow the free cores); llama.cpp with its default threads. \"Busy loops "
+             "got\" is the cores the loops ran on: a runtime that takes them from their owner shows here."]
+    for m in models:
+        ld = m["load"]
+        one = ld["one_thread_idle"]
+        rows = [[busy, name, _num(s.get("ttft_s"), ".3f"), _num(s.get("decode_tok_s"), ".2f"),
+                 _num(s.get("busy_held_cores"), ".2f"), s.get("threads", "")]
+                for busy, row in ld["by_load"].items() for name, s in row["runtimes"].items()]
+        lines += ["", f"### {m['model']} under load", "",
+                  f"Ours on one thread, idle machine: decode {_num(one.get('decode_tok_s'), '.2f')} tokens/s, "
+                  f"TTFT {_num(one.get('ttft_s'), '.3f')} s. Peer: {ld['peer']} ({ld['peer_reason']}).", "",
+                  md_table(["cores busy", "runtime", "TTFT (s)", "decode (tokens/s)", "busy loops got (cores)",
+                            "threads"], rows), "",
+                  md_table(["target", "value", "status"],
+                           [[t["name"], _num(t["value"], ".2f"), t["status"]] for t in ld["targets"]])]
     return lines
 
 
