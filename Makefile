@@ -53,7 +53,8 @@ help:
 	@echo "make profile      run PROMPT with a per-call breakdown table"
 	@echo "make bench        time this runtime vs HF transformers and llama.cpp (QUANT=q4nx: vs llama.cpp 4-bit),"
 	@echo "                  then decode at depth vs llama.cpp (DEPTHS=1024,4096,...; none skips it; DEPTH_ONLY=1: that alone);"
-	@echo "                  MODELS=llama1b-shape,embedded (the default) names the models it measures"
+	@echo "                  MODELS=llama1b-shape,embedded (the default) names the models it measures;"
+	@echo "                  LLAMACPP_TYPES=q4_0,q4_k_m measures only those of llama.cpp's types"
 	@echo "make test         the test suite"
 	@echo "make test-fast    the suite without its slow, QEMU and browser tests"
 	@echo "make clean        remove caches, reports and build files"
@@ -130,7 +131,7 @@ perplexity: install
 
 bench: install
 	$(PY) -m bench --device "$(DEVICE)" --quant "$(QUANT)" --decode "$(DECODE)" $(if $(CPU_CLASS),--cpu-class "$(CPU_CLASS)") \
-		$(if $(MODELS),--models "$(MODELS)") \
+		$(if $(MODELS),--models "$(MODELS)") $(if $(LLAMACPP_TYPES),--llamacpp-types "$(LLAMACPP_TYPES)") \
 		$(if $(DEPTHS),--depths "$(DEPTHS)") $(if $(DEPTH_ONLY),--depth-only)
 
 clean:

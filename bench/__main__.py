@@ -13,7 +13,7 @@ import sys
 from dataclasses import replace
 
 from bench.machine import CLASS_ENV, CPU_CLASSES
-from bench.plan import FULL, QUICK, only_depth, with_depths
+from bench.plan import FULL, QUICK, only_depth, with_depths, with_types
 from bench.run import run_bench
 from llama_base.errors import UserError
 from llama_runtime.checkpoints.resolve import EMBEDDED, LLAMA1B_SHAPE
@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depth-only", action="store_true",
                     help="only decode at depth (no rounds, turns or perplexity; the 4-bit peer is then "
                          "llama.cpp's q4_0)")
+    ap.add_argument("--llamacpp-types", metavar="T,T,...",
+                    help="measure only these of llama.cpp's types of our weights class (default: all of them)")
     ap.add_argument("--skip-llamacpp", action="store_true", help="do not build or run llama.cpp")
     ap.add_argument("--rebuild-llamacpp", action="store_true", help="retry a llama.cpp build that failed before")
     ap.add_argument("--cpu-class", default="native", choices=tuple(CPU_CLASSES),
@@ -61,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     plan = replace((QUICK if args.quick else FULL).for_quant(args.quant), decode=args.decode)
     if args.depths is not None:
         plan = with_depths(plan, args.depths)
+    if args.llamacpp_types:
+        try:
+            plan = with_types(plan, tuple(t.strip().lower() for t in args.llamacpp_types.split(",") if t.strip()))
+        except ValueError as e:
+            ap.error(str(e))
     if args.depth_only:
         if not plan.depths:
             ap.error("--depth-only needs at least one depth (--depths none leaves nothing to run)")

@@ -156,6 +156,20 @@ def only_depth(plan: Plan) -> Plan:
     return replace(plan, depth_only=True, gguf_types=GGUF_TYPES[plan.quant][:1], load_rounds=0)
 
 
+def with_types(plan: Plan, types: tuple[str, ...]) -> Plan:
+    """`plan` against only these of llama.cpp's types of its weights class, in the class's order.
+
+    Each type converted and run costs a model's whole rounds again; at 8B on two cores one slow
+    type (Q4_1, which llama.cpp does not repack for its x86 kernels) is most of an afternoon.
+    Every ratio is taken against the fastest of the types measured, so the report names them."""
+    allowed = GGUF_TYPES[plan.quant]
+    unknown = [t for t in types if t not in allowed]
+    if unknown or not types:
+        raise ValueError(f"llama.cpp types {', '.join(unknown) or '(none)'}: with {plan.quant} weights "
+                         f"the peers are {', '.join(allowed)}")
+    return replace(plan, gguf_types=tuple(t for t in allowed if t in types))
+
+
 def depth_label(depth: int) -> str:
     """1024 → "1K", 32768 → "32K", 64 → "64"."""
     return f"{depth // 1024}K" if depth >= 1024 and depth % 1024 == 0 else str(depth)

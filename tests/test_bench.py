@@ -27,7 +27,7 @@ from bench.gguf_convert import trim_tokenizer_files
 from bench.llamacpp_build import AMX_SWITCHES, cmake_args
 from bench.depth import depth_peer, merge_depth_rounds, plot_depths, summarize_depths
 from bench.load import loads, summarize_load
-from bench.plan import FULL, QUICK, depth_label, only_depth, prompt_ids, split_depths, with_depths
+from bench.plan import FULL, QUICK, depth_label, only_depth, prompt_ids, split_depths, with_depths, with_types
 from bench.protocol import (DECODE_SPLIT, DEPTH, JOB_FILE, PREPARE, PROJECT_ROOT, RESULT_FILE, busy_loops, child_main,
                             measure, measure_depth, serve_turns)
 from bench.render import depth_table
@@ -836,6 +836,18 @@ def test_a_depth_only_bench_runs_the_sweep_alone(reports, capsys):
     with pytest.raises(SystemExit) as refused:                 # nothing left to run: argparse's exit 2
         bench_cli.main(["--quick", "--depth-only", "--depths", "none", "--skip-llamacpp"])
     assert refused.value.code == 2 and "--depth-only needs at least one depth" in capsys.readouterr().err
+
+
+def test_a_bench_can_measure_a_subset_of_llama_cpp_s_types_of_the_class(capsys):
+    q4 = FULL.for_quant("q4nx")
+    assert with_types(q4, ("q4_k_m", "q4_0")).gguf_types == ("q4_0", "q4_k_m")      # the class's order
+    with pytest.raises(ValueError, match="with bf16 weights the peers are bf16, q8_0"):
+        with_types(FULL, ("q4_0",))
+    with pytest.raises(ValueError, match=r"\(none\)"):
+        with_types(q4, ())
+    with pytest.raises(SystemExit) as refused:
+        bench_cli.main(["--quick", "--quant", "q4nx", "--llamacpp-types", "q4_0,q5_k", "--skip-llamacpp"])
+    assert refused.value.code == 2 and "llama.cpp types q5_k: with q4nx weights" in capsys.readouterr().err
 
 
 _DEPTH_SIDE = """
