@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.depths is not None:
         plan = with_depths(plan, args.depths)
     if args.llamacpp_types:
+        if args.depth_only:
+            ap.error("--llamacpp-types does not apply to --depth-only, whose one peer is the class's first type")
         try:
             plan = with_types(plan, tuple(t.strip().lower() for t in args.llamacpp_types.split(",") if t.strip()))
         except ValueError as e:

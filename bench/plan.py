@@ -159,9 +159,10 @@ def only_depth(plan: Plan) -> Plan:
 def with_types(plan: Plan, types: tuple[str, ...]) -> Plan:
     """`plan` against only these of llama.cpp's types of its weights class, in the class's order.
 
-    Each type converted and run costs a model's whole rounds again; at 8B on two cores one slow
-    type (Q4_1, which llama.cpp does not repack for its x86 kernels) is most of an afternoon.
-    Every ratio is taken against the fastest of the types measured, so the report names them."""
+    Each type converted and run costs a model's whole rounds again: at 8B on two cores about
+    twenty minutes for a fast type and an hour for Q4_1, which ran at half Q4_0's decode rate in
+    the 3B's run. Every ratio is taken against the fastest of the types measured, and the
+    report's tables name them."""
     allowed = GGUF_TYPES[plan.quant]
     unknown = [t for t in types if t not in allowed]
     if unknown or not types:

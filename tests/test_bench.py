@@ -848,6 +848,9 @@ def test_a_bench_can_measure_a_subset_of_llama_cpp_s_types_of_the_class(capsys):
     with pytest.raises(SystemExit) as refused:
         bench_cli.main(["--quick", "--quant", "q4nx", "--llamacpp-types", "q4_0,q5_k", "--skip-llamacpp"])
     assert refused.value.code == 2 and "llama.cpp types q5_k: with q4nx weights" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:
+        bench_cli.main(["--quick", "--depth-only", "--llamacpp-types", "q4_k_m", "--skip-llamacpp"])
+    assert refused.value.code == 2 and "does not apply to --depth-only" in capsys.readouterr().err
 
 
 _DEPTH_SIDE = """
